@@ -1,0 +1,105 @@
+"""The FP8 attention and mask functions, registered in transformers under one name.
+
+The model is switched to `ATTENTION_NAME` once (by `QuantizedFP8Cache(model)` or `from_pretrained(...,
+attn_implementation="fp8kv")`). For any other cache, or for a layer kept in the model dtype, both functions
+hand over, unchanged, to the implementation the model used before (sdpa or eager), so outputs stay
+bit-identical; for our FP8 layers the attention reads the cache's codes directly.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from hf_fp8kv.kernels.reference import causal_mask
+from hf_fp8kv.layer import QuantizedKV
+
+ATTENTION_NAME = "fp8kv"
+FALLBACKS = ("sdpa", "eager")
+_fallback_by_config: dict[int, str] = {}
+
+
+def fallback_implementation(config) -> str:
+    """The attention implementation the model used before it was switched to FP8 attention (sdpa by default)."""
+    return _fallback_by_config.get(id(config), "sdpa")
+
+
+def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over our FP8 cache when `key` is its view, else the model's previous implementation."""
+    if not isinstance(key, QuantizedKV):
+        fallback = fallback_implementation(module.config)
+        if fallback == "eager":  # each model has its own eager function (Gemma 2's applies softcap)
+            function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", eager_attention_forward)
+        else:
+            function = ALL_ATTENTION_FUNCTIONS[fallback]
+        return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if module.training and dropout:
+        raise ValueError("FP8 KV cache attention is for inference: attention dropout is not supported")
+    q_len = query.shape[2]
+    out = key.attend(
+        query,
+        scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        mask=_boolean_mask(attention_mask, q_len, key.length),
+        window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _boolean_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """The sdpa (bool), eager (0 / min float) or 2D padding mask as a bool mask over `[batch, 1, q_len, kv_len]`."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        padding = attention_mask[:, -kv_len:].bool()[:, None, None, :]
+        return padding & causal_mask(q_len, kv_len, device=attention_mask.device)
+    mask = attention_mask[..., -kv_len:]
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def fp8kv_mask(*args, config=None, **kwargs):
+    """The previous implementation's mask, so that both our attention and a fallback layer can read it."""
+    return ALL_MASK_ATTENTION_FUNCTIONS[fallback_implementation(config)](*args, config=config, **kwargs)
+
+
+def register() -> None:
+    """Register `ATTENTION_NAME` in transformers' attention and mask interfaces (done on import)."""
+    AttentionInterface.register(ATTENTION_NAME, fp8kv_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, fp8kv_mask)
+
+
+def use_fp8_attention(target) -> bool:
+    """Switch a model (and its sub-models) or a bare config to FP8 attention, remembering each config's
+    previous implementation.
+
+    Returns False, changing nothing, when an implementation is in use that we cannot hand back to
+    (flash/flex/custom): the cache then returns dequantized tensors to it (the slow path).
+    """
+    is_model = isinstance(target, torch.nn.Module)
+    if is_model:
+        candidates = [m.config for m in target.modules() if hasattr(m, "config")]
+    else:
+        candidates = [target, *(getattr(target, key, None) for key in getattr(target, "sub_configs", {}))]
+    configs = list({id(c): c for c in candidates if c is not None}.values())
+    if any(c._attn_implementation not in (*FALLBACKS, ATTENTION_NAME, None) for c in configs):
+        return False
+    for config in configs:
+        if config._attn_implementation != ATTENTION_NAME and id(config) not in _fallback_by_config:
+            _fallback_by_config[id(config)] = config._attn_implementation or "sdpa"
+            weakref.finalize(config, _fallback_by_config.pop, id(config), None)
+    if is_model:
+        target.set_attn_implementation(ATTENTION_NAME)
+    else:
+        for config in configs:
+            config._attn_implementation = ATTENTION_NAME
+    return True
+
+
+register()

