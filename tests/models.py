@@ -15,6 +15,9 @@ TINY = dict(
     num_key_value_heads=2,
     vocab_size=128,
     max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
