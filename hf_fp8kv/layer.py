@@ -18,10 +18,18 @@ from hf_fp8kv.scales import DynamicScales, LayerScales
 @dataclass
 class QuantizedKV:
     """What `update` hands to the FP8 attention function instead of full-precision tensors: the layer's
-    buffers and how many tokens are valid. No copy of the cache is made."""
+    buffers and which tokens the attention sees (`length` of them from buffer index `start`). No copy is made."""
 
     layer: "FP8CacheLayer"
     length: int
+    start: int = 0
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The visible tokens of one of the layer's buffers (a view; a static scale is returned whole)."""
+        tensor = getattr(self.layer, name)
+        if name.endswith("_scale") and not self.layer.dynamic:
+            return tensor
+        return tensor[:, :, self.start : self.start + self.length] if self.start else tensor
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -33,10 +41,10 @@ class QuantizedKV:
         layer = self.layer
         return ops.attend(
             query,
-            layer.key_codes,
-            layer.value_codes,
-            layer.key_scale,
-            layer.value_scale,
+            self.buffer("key_codes"),
+            self.buffer("value_codes"),
+            self.buffer("key_scale"),
+            self.buffer("value_scale"),
             self.length,
             layer.fmt,
             scaling=scaling,
@@ -45,12 +53,25 @@ class QuantizedKV:
             **kwargs,
         )
 
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision keys and values of the visible tokens (the slow path: a full copy)."""
+        layer = self.layer
+
+        def one(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            row_scale = scale[:, :, : self.length, None] if layer.dynamic else scale[..., None]
+            return dequantize(codes[:, :, : self.length], row_scale, layer.fmt).to(layer.dtype)
+
+        return one(self.buffer("key_codes"), self.buffer("key_scale")), one(
+            self.buffer("value_codes"), self.buffer("value_scale")
+        )
+
 
 class FP8CacheLayer(CacheLayerMixin):
     """Stores one layer's keys and values as codes of `fmt`, `[batch, kv_heads, capacity, head_dim]`.
 
     Capacity grows `block_size` tokens at a time (the buffer is reallocated and the valid part copied), so the
-    bytes held stay within one block of the bytes used; no per-step `torch.cat`.
+    bytes held stay within one block of the bytes used; no per-step `torch.cat`. The stored tokens are buffer
+    indices `[start, start + length)`; `start` is 0 here and moves in the sliding-window subclass.
     """
 
     is_sliding = False
@@ -73,6 +94,7 @@ class FP8CacheLayer(CacheLayerMixin):
         self.requested_backend = backend
         self.fast_path = fast_path
         self.layer_idx = layer_idx
+        self.start = 0
         self.length = 0
         self.clipped = torch.zeros(2, dtype=torch.int64)
 
@@ -113,15 +135,25 @@ class FP8CacheLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return self.key_codes.shape[2] if self.is_initialized else 0
 
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        capacity = math.ceil(needed / self.block_size) * self.block_size
+    def _make_room(self, new_tokens: int) -> None:
+        """Make sure `new_tokens` fit after the stored ones."""
+        needed = self.start + self.length + new_tokens
+        if needed > self.capacity:
+            self._reallocate(math.ceil(needed / self.block_size) * self.block_size)
+
+    def _reallocate(self, capacity: int) -> None:
+        """Move the stored tokens to the front of new buffers of `capacity` tokens."""
+        stored = slice(self.start, self.start + self.length)
         for name in self._buffers():
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], capacity, *old.shape[3:])
-            new[:, :, : self.length] = old[:, :, : self.length]
+            new[:, :, : self.length] = old[:, :, stored]
             setattr(self, name, new)
+        self.start = 0
+
+    def _visible(self, new_tokens: int) -> QuantizedKV:
+        """The tokens the queries of this update attend to (all of them here)."""
+        return QuantizedKV(self, self.length, self.start)
 
     def _map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._buffers():
@@ -143,8 +175,9 @@ class FP8CacheLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: new key states {tuple(key_states.shape)} do not fit the cache's batch "
                 f"{self.key_codes.shape[0]} x {self.key_codes.shape[1]} KV heads; use a fresh cache per batch"
             )
-        start = self.length
-        self._ensure_capacity(start + key_states.shape[2])
+        new_tokens = key_states.shape[2]
+        self._make_room(new_tokens)
+        end = self.start + self.length
         ops.write(
             key_states,
             value_states,
@@ -152,25 +185,21 @@ class FP8CacheLayer(CacheLayerMixin):
             self.value_codes,
             self.key_scale,
             self.value_scale,
-            start,
+            end,
             self.fmt,
             self.dynamic,
             self.clipped,
             backend=self.backend,
         )
-        self.length = start + key_states.shape[2]
+        self.length += new_tokens
+        view = self._visible(new_tokens)
         if self.fast_path():
-            view = QuantizedKV(self, self.length)
             return view, view
-        return self.dequantized()
+        return view.dequantized()
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-precision keys and values of the cached tokens (the slow path: a full copy)."""
-        def one(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            row_scale = scale[:, :, : self.length, None] if self.dynamic else scale[..., None]
-            return dequantize(codes[:, :, : self.length], row_scale, self.fmt).to(self.dtype)
-
-        return one(self.key_codes, self.key_scale), one(self.value_codes, self.value_scale)
+        """Full-precision keys and values of the stored tokens (a full copy)."""
+        return QuantizedKV(self, self.length, self.start).dequantized()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -186,7 +215,7 @@ class FP8CacheLayer(CacheLayerMixin):
         for name in ("key_codes", "value_codes", "key_scale", "value_scale"):
             if hasattr(self, name):
                 delattr(self, name)
-        self.length = 0
+        self.start = self.length = 0
         self.clipped = torch.zeros(2, dtype=torch.int64)
         self.is_initialized = False
 
