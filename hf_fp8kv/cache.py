@@ -7,12 +7,19 @@ import warnings
 from typing import Iterable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 from hf_fp8kv.attention import ATTENTION_NAME, use_fp8_attention
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.layer import FP8CacheLayer
+from hf_fp8kv.sliding import FP8SlidingWindowLayer
 from hf_fp8kv.scales import CALIBRATION_WARNING, ScalesArg, resolve_scales
 from hf_fp8kv.table import format_table
 
@@ -21,6 +28,15 @@ SLOW_PATH_WARNING = (
     "whole cache to full precision (slow path). Load the model with attn_implementation='sdpa', 'eager' or "
     "'{name}' to read FP8 directly."
 )
+# Layer type (from `get_layer_types_and_kwargs`) -> (our FP8 layer, transformers' layer for skipped layers).
+# Chunked attention caches like a sliding window of the chunk size (its mask keeps the chunks apart), as in
+# transformers; "dummy" layers (KV shared with another layer, or no attention) hold nothing.
+LAYERS = {
+    "full_attention": (FP8CacheLayer, DynamicLayer),
+    "sliding_attention": (FP8SlidingWindowLayer, DynamicSlidingWindowLayer),
+    "chunked_attention": (FP8SlidingWindowLayer, DynamicSlidingWindowLayer),
+}
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 # Models whose attention reshapes or post-processes K/V after `update`: they need real tensors.
 POST_PROCESSING_MODEL_TYPES = frozenset({"idefics", "clvp", "moonshine"})
 
@@ -37,7 +53,9 @@ class QuantizedFP8Cache(Cache):
         scales: "auto" (checkpoint scales, else 1.0 with a warning), "dynamic" (per token and head), a float,
             or per-layer K/V scales (`{layer: (k, v)}` or a list with one `(k, v)` per layer; each a float or
             one value per KV head).
-        skip_layers: layer indices kept in the model dtype.
+        skip_layers: layers kept in the model dtype (transformers' own layers): indices, "sliding_window" (every
+            sliding and chunked layer, as vLLM's `--kv-cache-dtype-skip-layers`), or a mix such as
+            `["sliding_window", 0]` or "sliding_window,0".
         backend: "auto", "triton" or "torch" (default: env HF_FP8KV_BACKEND, else "auto").
         block_size: tokens added per buffer growth.
     """
@@ -49,7 +67,7 @@ class QuantizedFP8Cache(Cache):
         config=None,
         kv_cache_dtype: str = "fp8",
         scales: ScalesArg = "auto",
-        skip_layers: Iterable[int] = (),
+        skip_layers: str | Iterable[int | str] = (),
         backend: str | None = None,
         block_size: int = 64,
         offloading: bool = False,
@@ -59,10 +77,10 @@ class QuantizedFP8Cache(Cache):
         config = config if config is not None else model.config
         text_config = config.get_text_config(decoder=True)
         self.fmt = get_format(kv_cache_dtype)
-        layer_types, _ = get_layer_types_and_kwargs(text_config)
-        skip = _validate_skip_layers(skip_layers, len(layer_types))
-        _check_supported(text_config, layer_types, skip)
-        quantized = [i for i in range(len(layer_types)) if i not in skip]
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        skip = _validate_skip_layers(skip_layers, layer_types)
+        _check_supported(text_config, layer_types)
+        quantized = [i for i, kind in enumerate(layer_types) if i not in skip and kind in LAYERS]
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         checkpoint = getattr(config, "_name_or_path", "") or ""
         layer_scales, uncalibrated = resolve_scales(
@@ -70,12 +88,17 @@ class QuantizedFP8Cache(Cache):
         )
         if uncalibrated:
             warnings.warn(CALIBRATION_WARNING, stacklevel=2)
-        layers = [
-            DynamicLayer()
-            if i in skip
-            else FP8CacheLayer(self.fmt, layer_scales[i], block_size, backend, self._uses_fp8_attention, i)
-            for i in range(len(layer_types))
-        ]
+        layers = []
+        for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind not in LAYERS:
+                layers.append(DummyLayer())
+            elif i in skip:
+                layers.append(LAYERS[kind][1](**kwargs))
+            else:
+                fp8_layer = LAYERS[kind][0]
+                layers.append(
+                    fp8_layer(self.fmt, layer_scales[i], block_size, backend, self._uses_fp8_attention, i, **kwargs)
+                )
         super().__init__(layers=layers, offloading=offloading)
         self.attention_config = text_config
         self.token_history = TokenHistory()
@@ -165,15 +188,29 @@ def _layer_nbytes(layer) -> int:
     return sum(t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
 
-def _validate_skip_layers(skip_layers: Iterable[int], num_layers: int) -> set[int]:
-    skip = set(skip_layers)
-    bad = sorted(i for i in skip if not (isinstance(i, int) and 0 <= i < num_layers))
+def _validate_skip_layers(skip_layers: str | Iterable[int | str], layer_types: list[str]) -> set[int]:
+    """Layer indices named by `skip_layers`: indices (ints or digit strings) and "sliding_window"."""
+    items = skip_layers.split(",") if isinstance(skip_layers, str) else list(skip_layers)
+    skip, bad = set(), []
+    for item in items:
+        name = item.strip() if isinstance(item, str) else item
+        if name == "sliding_window":
+            skip.update(i for i, kind in enumerate(layer_types) if kind in SLIDING_TYPES)
+            continue
+        index = int(name) if isinstance(name, str) and name.isdigit() else name
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(layer_types):
+            skip.add(index)
+        else:
+            bad.append(item)
     if bad:
-        raise ValueError(f"skip_layers {bad} are not layer indices of this model (0..{num_layers - 1})")
+        raise ValueError(
+            f"skip_layers {bad} are neither layer indices of this model (0..{len(layer_types) - 1}) nor "
+            "'sliding_window'"
+        )
     return skip
 
 
-def _check_supported(text_config, layer_types: list[str], skip: set[int]) -> None:
+def _check_supported(text_config, layer_types: list[str]) -> None:
     model_type = text_config.model_type
     if getattr(text_config, "kv_lora_rank", None):
         raise ValueError(
@@ -183,8 +220,8 @@ def _check_supported(text_config, layer_types: list[str], skip: set[int]) -> Non
     if getattr(text_config, "is_encoder_decoder", False):
         raise ValueError(f"model type {model_type!r} is encoder-decoder: QuantizedFP8Cache serves decoder-only models")
     for i, layer_type in enumerate(layer_types):
-        if layer_type != "full_attention" and i not in skip:
+        if layer_type not in (*LAYERS, "dummy"):
             raise ValueError(
                 f"layer {i} of model type {model_type!r} is a {layer_type!r} layer: QuantizedFP8Cache stores "
-                "full-attention layers only"
+                f"per-token K/V of {', '.join(LAYERS)} layers only"
             )

@@ -1,0 +1,90 @@
+"""One sliding-window (or chunked-attention) layer's FP8 cache: a trimmed buffer of the last window's codes.
+
+Same contract as transformers' `DynamicSlidingWindowLayer`: an update attends over the last `window - 1` stored
+tokens plus the new ones (a prefill longer than the window sees all of its tokens, the mask encodes the window),
+then only the last `window - 1` are kept; `get_seq_length` counts every token seen; `get_mask_sizes` gives the
+mask's `(kv_length, kv_offset)`; `activate_past_recording` keeps the old tokens until `crop` (assisted decoding).
+
+Dropping old tokens only moves `start`: the kept tokens are moved to the front of the buffers when new ones do
+not fit, so a decode step copies nothing and a compaction (one window of codes) happens once per block.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hf_fp8kv.layer import FP8CacheLayer, QuantizedKV
+
+
+class FP8SlidingWindowLayer(FP8CacheLayer):
+    """`FP8CacheLayer` that keeps only the last `sliding_window - 1` tokens (chunked layers: `chunk_size - 1`)."""
+
+    is_sliding = True
+
+    def __init__(self, *args, sliding_window: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        if sliding_window < 2:
+            raise ValueError(f"layer {self.layer_idx}: sliding_window={sliding_window} must be at least 2")
+        self.sliding_window = sliding_window
+        self.cumulative_length = 0
+        self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        """Keep every token until the next `crop`, so that it can roll the layer back (assisted decoding)."""
+        self.record_past = True
+
+    def _make_room(self, new_tokens: int) -> None:
+        self.cumulative_length += new_tokens
+        # One spare block beyond what the window needs, so that a compaction happens once per block of steps.
+        target = (math.ceil((self.length + new_tokens) / self.block_size) + 1) * self.block_size
+        if self.start + self.length + new_tokens > self.capacity or self.capacity > target:
+            self._reallocate(target)
+
+    def _keep_last(self, tokens: int) -> None:
+        dropped = max(self.length - tokens, 0)
+        self.start += dropped
+        self.length -= dropped
+
+    def _visible(self, new_tokens: int) -> QuantizedKV:
+        visible = min(self.length, self.sliding_window - 1 + new_tokens)
+        view = QuantizedKV(self, visible, self.start + self.length - visible)
+        if not self.record_past:
+            self._keep_last(self.sliding_window - 1)  # the dropped codes stay in the buffers until the next write
+        return view
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        if self.cumulative_length >= self.sliding_window:
+            return self.sliding_window - 1 + query_length, kv_offset
+        return self.cumulative_length + query_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove `-tokens_to_remove` tokens and keep at most `sliding_window - 1` (so `crop(0)` may trim)."""
+        if self.cumulative_length < self.sliding_window:
+            super().crop(tokens_to_remove)
+            self.cumulative_length = self.length
+            return
+        if not self.record_past:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: crop() after the sliding window ({self.sliding_window}) was reached needs "
+                "activate_past_recording() before the tokens to remove were added"
+            )
+        if tokens_to_remove > 0:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: once the sliding window is reached, crop() takes a negative number of "
+                f"tokens to remove, not {tokens_to_remove}"
+            )
+        removed = min(-tokens_to_remove, self.length)
+        self.length -= removed
+        self.cumulative_length -= removed
+        self._keep_last(self.sliding_window - 1)
