@@ -37,6 +37,35 @@ def decode_mode_logits(
 
 
 @dataclass
+class TokenScores:
+    """Per predicted token: reference and test negative log-likelihoods, KL(reference || test), top-1 agreement."""
+
+    nll_ref: torch.Tensor
+    nll: torch.Tensor
+    kl: torch.Tensor
+    agree: torch.Tensor
+
+    @classmethod
+    def of(cls, ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor) -> "TokenScores":
+        def nll(logits: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+
+        return cls(
+            nll_ref=nll(ref_logits),
+            nll=nll(test_logits),
+            kl=per_token_kl(ref_logits, test_logits),
+            agree=ref_logits.argmax(-1) == test_logits.argmax(-1),
+        )
+
+    @classmethod
+    def cat(cls, parts: "list[TokenScores]") -> "TokenScores":
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("nll_ref", "nll", "kl", "agree")))
+
+    def select(self, mask: torch.Tensor) -> "TokenScores":
+        return TokenScores(self.nll_ref[mask], self.nll[mask], self.kl[mask], self.agree[mask])
+
+
+@dataclass
 class Quality:
     """Quality of `test` logits against reference logits on the same text."""
 
@@ -51,6 +80,20 @@ class Quality:
     def ppl_delta_pct(self) -> float:
         return 100.0 * (self.ppl / self.ppl_ref - 1.0)
 
+    @classmethod
+    def of(cls, scores: TokenScores) -> "Quality":
+        if len(scores.kl) == 0:
+            raise ValueError("no predicted tokens to score")
+        flips = (~scores.agree).nonzero()
+        return cls(
+            ppl_ref=scores.nll_ref.mean().exp().item(),
+            ppl=scores.nll.mean().exp().item(),
+            kl_mean=scores.kl.mean().item(),
+            kl_p99=torch.quantile(scores.kl, 0.99).item(),
+            top1_agreement=scores.agree.float().mean().item(),
+            first_flip=int(flips[0, 0]) if len(flips) else None,
+        )
+
 
 def per_token_kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
     """KL(reference || test) of the next-token distributions, one value per row."""
@@ -61,17 +104,4 @@ def per_token_kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.T
 
 def quality(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor) -> Quality:
     """Perplexities, KL and top-1 agreement of `test_logits` against `ref_logits` for next tokens `targets`."""
-    def ppl(logits: torch.Tensor) -> float:
-        return torch.nn.functional.cross_entropy(logits.float(), targets).exp().item()
-
-    kl = per_token_kl(ref_logits, test_logits)
-    agree = ref_logits.argmax(-1) == test_logits.argmax(-1)
-    flips = (~agree).nonzero()
-    return Quality(
-        ppl_ref=ppl(ref_logits),
-        ppl=ppl(test_logits),
-        kl_mean=kl.mean().item(),
-        kl_p99=torch.quantile(kl, 0.99).item(),
-        top1_agreement=agree.float().mean().item(),
-        first_flip=int(flips[0, 0]) if len(flips) else None,
-    )
+    return Quality.of(TokenScores.of(ref_logits, test_logits, targets))
