@@ -2,6 +2,17 @@
 
 from hf_fp8kv.attention import ATTENTION_NAME
 from hf_fp8kv.cache import QuantizedFP8Cache
+from hf_fp8kv.calibration import calibrate
 from hf_fp8kv.guard import CacheReuseError
+from hf_fp8kv.scales import KVScales, UncalibratedScalesWarning
+from hf_fp8kv.sensitivity import layer_sensitivity
 
-__all__ = ["ATTENTION_NAME", "CacheReuseError", "QuantizedFP8Cache"]
+__all__ = [
+    "ATTENTION_NAME",
+    "CacheReuseError",
+    "KVScales",
+    "QuantizedFP8Cache",
+    "UncalibratedScalesWarning",
+    "calibrate",
+    "layer_sensitivity",
+]

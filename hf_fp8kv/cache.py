@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Iterable
 
@@ -20,7 +19,7 @@ from hf_fp8kv.guard import TokenHistory, install_generation_guard
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.layer import FP8CacheLayer
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
-from hf_fp8kv.scales import CALIBRATION_WARNING, ScalesArg, resolve_scales
+from hf_fp8kv.scales import CALIBRATION_WARNING, ScalesArg, UncalibratedScalesWarning, resolve_scales
 from hf_fp8kv.table import format_table
 
 SLOW_PATH_WARNING = (
@@ -49,10 +48,12 @@ class QuantizedFP8Cache(Cache):
     exactly like the previous implementation for every other cache.
 
     Args:
-        kv_cache_dtype: "fp8" / "fp8_e4m3" (default), "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head".
-        scales: "auto" (checkpoint scales, else 1.0 with a warning), "dynamic" (per token and head), a float,
-            or per-layer K/V scales (`{layer: (k, v)}` or a list with one `(k, v)` per layer; each a float or
-            one value per KV head).
+        kv_cache_dtype: "fp8" / "fp8_e4m3" (default; "fp8" is "fp8_e4m3fnuz" on ROCm), "fp8_e5m2",
+            "fp8_e4m3fnuz" (checkpoint scales doubled, max 240), "int8_per_token_head".
+        scales: "auto" (the checkpoint's scales in any convention, else 1.0 with a warning), "dynamic" (per
+            token and head), a float, a `KVScales` (`hf_fp8kv.calibrate(...)`, `KVScales.from_pretrained`), the
+            path of a scales file, or per-layer K/V scales (`{layer: (k, v)}` or a list with one `(k, v)` per
+            layer; each a float or one value per KV head).
         skip_layers: layers kept in the model dtype (transformers' own layers): indices, "sliding_window" (every
             sliding and chunked layer, as vLLM's `--kv-cache-dtype-skip-layers`), or a mix such as
             `["sliding_window", 0]` or "sliding_window,0".
@@ -76,7 +77,7 @@ class QuantizedFP8Cache(Cache):
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
         config = config if config is not None else model.config
         text_config = config.get_text_config(decoder=True)
-        self.fmt = get_format(kv_cache_dtype)
+        self.fmt = get_format(platform_dtype(kv_cache_dtype))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         skip = _validate_skip_layers(skip_layers, layer_types)
         _check_supported(text_config, layer_types)
@@ -84,10 +85,10 @@ class QuantizedFP8Cache(Cache):
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         checkpoint = getattr(config, "_name_or_path", "") or ""
         layer_scales, uncalibrated = resolve_scales(
-            scales, self.fmt, quantized, len(layer_types), kv_heads, checkpoint if os.path.isdir(checkpoint) else None
+            scales, self.fmt, quantized, len(layer_types), kv_heads, checkpoint or None
         )
         if uncalibrated:
-            warnings.warn(CALIBRATION_WARNING, stacklevel=2)
+            warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=2)
         layers = []
         for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind not in LAYERS:
@@ -180,6 +181,11 @@ class QuantizedFP8Cache(Cache):
 
     def __repr__(self) -> str:
         return f"QuantizedFP8Cache({self.fmt.name}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
+
+
+def platform_dtype(kv_cache_dtype: str) -> str:
+    """On ROCm, "fp8" means the e4m3fnuz format of the MI300 generation (as in vLLM); else the name itself."""
+    return "fp8_e4m3fnuz" if kv_cache_dtype == "fp8" and torch.version.hip else kv_cache_dtype
 
 
 def _layer_nbytes(layer) -> int:

@@ -49,6 +49,7 @@ class QuantizedKV:
             layer.fmt,
             scaling=scaling,
             mask=mask,
+            key_channel_scale=layer.key_channel_scale,
             backend=layer.backend,
             **kwargs,
         )
@@ -61,9 +62,10 @@ class QuantizedKV:
             row_scale = scale[:, :, : self.length, None] if layer.dynamic else scale[..., None]
             return dequantize(codes[:, :, : self.length], row_scale, layer.fmt).to(layer.dtype)
 
-        return one(self.buffer("key_codes"), self.buffer("key_scale")), one(
-            self.buffer("value_codes"), self.buffer("value_scale")
-        )
+        keys = one(self.buffer("key_codes"), self.buffer("key_scale"))
+        if layer.key_channel_scale is not None:
+            keys = (keys * layer.key_channel_scale[:, None, :]).to(layer.dtype)
+        return keys, one(self.buffer("value_codes"), self.buffer("value_scale"))
 
 
 class FP8CacheLayer(CacheLayerMixin):
@@ -115,6 +117,13 @@ class FP8CacheLayer(CacheLayerMixin):
         self.clipped = self.clipped.to(self.device)
         self.key_codes = torch.empty(batch, kv_heads, 0, head_dim, dtype=self.fmt.dtype, device=self.device)
         self.value_codes = torch.empty_like(self.key_codes)
+        channel = getattr(self.scales, "key_channel", None)
+        if channel is not None and tuple(channel.shape) != (kv_heads, head_dim):
+            raise ValueError(
+                f"layer {self.layer_idx}: key channel scales have shape {tuple(channel.shape)}, keys have "
+                f"{kv_heads} KV heads x {head_dim} channels"
+            )
+        self.key_channel_scale = None if channel is None else channel.to(self.device)
         if self.dynamic:
             self.key_scale = torch.empty(batch, kv_heads, 0, dtype=torch.float32, device=self.device)
             self.value_scale = torch.empty_like(self.key_scale)
@@ -178,6 +187,8 @@ class FP8CacheLayer(CacheLayerMixin):
         new_tokens = key_states.shape[2]
         self._make_room(new_tokens)
         end = self.start + self.length
+        if self.key_channel_scale is not None:  # static per-channel key scale: attention folds it into the query
+            key_states = key_states / self.key_channel_scale[:, None, :]
         ops.write(
             key_states,
             value_states,

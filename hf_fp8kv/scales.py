@@ -1,15 +1,19 @@
 """Scale schemes: where each layer's K/V scales come from and at which granularity.
 
 A scheme is one small class. `StaticScales` holds one K and one V scale per KV head (a per-tensor scale is the
-same value on every head); `DynamicScales` asks the write kernel for a scale per token and KV head.
+same value on every head) and optionally a static per-channel key scale; `DynamicScales` asks the write kernel
+for a scale per token and KV head. `KVScales` is a whole model's set of static scales, as a checkpoint stores
+them or `calibrate` makes them; `resolve_scales` turns any `scales=` argument into one scheme per layer.
+
+All scales follow the OCP e4m3 convention of checkpoints and vLLM: a dequantization multiplier,
+`scale = amax / 448`. Formats with another range (e4m3fnuz) convert them with `StorageFormat.ocp_scale_factor`.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import warnings
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
@@ -17,10 +21,16 @@ import torch
 
 from hf_fp8kv.kernels.formats import StorageFormat
 
+
+class UncalibratedScalesWarning(UserWarning):
+    """The cache fell back to scale 1.0 because no scales were found."""
+
+
 CALIBRATION_WARNING = (
     "QuantizedFP8Cache: the checkpoint has no KV cache scales, so every layer uses scale 1.0 (uncalibrated). "
     "Values beyond the FP8 range saturate and small ones lose precision. Remedy: pass scales='dynamic' "
-    "(per-token-head scales, no calibration needed) or calibrate scales for this model."
+    "(per-token-head scales, no calibration needed) or calibrate scales for this model "
+    "(scales=hf_fp8kv.calibrate(model, texts, tokenizer))."
 )
 
 
@@ -34,22 +44,94 @@ class DynamicScales:
 
 @dataclass
 class StaticScales:
-    """Fixed K and V scales of one layer, as `[kv_heads]` fp32 tensors (per-tensor = one value repeated)."""
+    """Fixed K and V scales of one layer, as `[kv_heads]` fp32 tensors (per-tensor = one value repeated).
+
+    `key_channel` (`[kv_heads, head_dim]`, optional) refines the key scale per channel: channel d of head h is
+    stored as `k / (key[h] * key_channel[h, d])`; attention folds it into the query at no cost.
+    """
 
     key: torch.Tensor
     value: torch.Tensor
     granularity: str
     source: str
+    key_channel: torch.Tensor | None = None
 
     def describe(self, which: str) -> str:
         values = self.key if which == "key" else self.value
-        if self.granularity == "per-tensor":
-            return f"{values[0].item():.4g}"
-        return "[" + ", ".join(f"{v:.3g}" for v in values.tolist()) + "]"
+        text = f"{values[0].item():.4g}" if self.granularity.startswith("per-tensor") else (
+            "[" + ", ".join(f"{v:.3g}" for v in values.tolist()) + "]"
+        )
+        return text + (" x channel" if which == "key" and self.key_channel is not None else "")
+
+
+@dataclass
+class KVScales:
+    """Static K/V scales of a model's layers (OCP e4m3 convention), as a checkpoint or `calibrate` gives them.
+
+    `key` / `value`: `{layer: fp32 tensor of 1 value (per tensor) or one per KV head}`; `key_channel`:
+    `{layer: [kv_heads, head_dim]}` static per-channel key scales (optional); `names`: `{layer: (K name, V
+    name)}`, the tensors they came from, used in error messages; `sources`: `{layer: text}` for
+    `cache.summary()`; `unused`: names of q/prob scales found in a checkpoint, which the cache does not use;
+    `dynamic`: the checkpoint asks for dynamic (per-token) scales instead.
+    """
+
+    key: dict[int, torch.Tensor] = field(default_factory=dict)
+    value: dict[int, torch.Tensor] = field(default_factory=dict)
+    sources: dict[int, str] = field(default_factory=dict)
+    names: dict[int, tuple[str, str]] = field(default_factory=dict)
+    key_channel: dict[int, torch.Tensor] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)
+    dynamic: bool = False
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.key)
+
+    @property
+    def strategy(self) -> str:
+        """compressed-tensors' name of the granularity: "tensor" or "attn_head"."""
+        per_head = any(t.numel() > 1 for t in [*self.key.values(), *self.value.values()])
+        return "attn_head" if per_head else "tensor"
+
+    @property
+    def kv_cache_scheme(self) -> dict[str, Any]:
+        """The `quantization_config.kv_cache_scheme` entry that declares these scales (compressed-tensors)."""
+        return {"num_bits": 8, "type": "float", "strategy": self.strategy, "dynamic": self.dynamic,
+                "symmetric": True}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a safetensors file with llm-compressor's tensor names and the `kv_cache_scheme` in its
+        metadata (a directory gets `kv_cache_scales.safetensors`); returns the file's path."""
+        from hf_fp8kv.checkpoint import save_scales
+
+        return save_scales(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "KVScales":
+        """Scales from a file written by `save`, any safetensors file or old vLLM JSON, or a model directory."""
+        from hf_fp8kv.checkpoint import load_scales_file
+
+        return load_scales_file(path)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None) -> "KVScales":
+        """Scales from a local model directory or a model in the local Hugging Face cache (no download)."""
+        from hf_fp8kv.checkpoint import load_checkpoint_scales
+
+        found = load_checkpoint_scales(name_or_path, revision=revision)
+        if found is None:
+            raise FileNotFoundError(f"{name_or_path} has no KV cache scales under any known name")
+        return found
+
+    def export_for_vllm(self, model: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+        """Write a copy of `model` (a local directory or cached model) with these scales, for `vllm serve`."""
+        from hf_fp8kv.checkpoint import export_for_vllm
+
+        return export_for_vllm(self, model, out_dir)
 
 
 LayerScales = Union[StaticScales, DynamicScales]
-ScalesArg = Union[str, float, Mapping[int, Any], Sequence[Any]]
+ScalesArg = Union[str, os.PathLike, float, KVScales, Mapping[int, Any], Sequence[Any]]
 
 
 def resolve_scales(
@@ -58,23 +140,42 @@ def resolve_scales(
     quantized_layers: Sequence[int],
     num_layers: int,
     kv_heads: int,
-    checkpoint_dir: str | None,
+    checkpoint: str | None,
 ) -> tuple[dict[int, LayerScales], bool]:
-    """Each quantized layer's scale scheme, and whether the uncalibrated 1.0 fallback was taken."""
-    if fmt.per_token_only and scales not in ("auto", "dynamic"):
+    """Each quantized layer's scale scheme, and whether the uncalibrated 1.0 fallback was taken.
+
+    `checkpoint`: the model's local directory or Hub name, searched for scales when `scales="auto"`.
+    """
+    named = isinstance(scales, (str, os.PathLike))
+    if fmt.per_token_only and not (named and scales in ("auto", "dynamic")):
         raise ValueError(f"kv_cache_dtype={fmt.name!r} computes its scales per token and head: use scales='dynamic'")
-    if isinstance(scales, str):
-        if scales == "dynamic" or (scales == "auto" and fmt.per_token_only):
-            return {i: DynamicScales() for i in quantized_layers}, False
-        if scales != "auto":
-            raise ValueError(f"scales={scales!r}: expected 'auto', 'dynamic', a float or per-layer K/V scales")
-        found = load_checkpoint_scales(checkpoint_dir) if checkpoint_dir else {}
-        if found:
-            return _from_per_layer(found, fmt, quantized_layers, num_layers, kv_heads), False
-        fallback = {i: _static(1.0, 1.0, fmt, kv_heads, i, "default 1.0") for i in quantized_layers}
-        return fallback, True
+    if named and scales not in ("auto", "dynamic"):
+        if not os.path.exists(scales):
+            raise ValueError(
+                f"scales={str(scales)!r}: expected 'auto', 'dynamic', a float, per-layer K/V scales, KVScales or "
+                "the path of a scales file"
+            )
+        scales = KVScales.load(scales)
+    if scales == "dynamic" or (scales == "auto" and fmt.per_token_only):
+        return {i: DynamicScales() for i in quantized_layers}, False
+    if scales == "auto":
+        from hf_fp8kv.checkpoint import load_checkpoint_scales
+
+        found = load_checkpoint_scales(checkpoint) if checkpoint else None
+        if found is None:
+            return {i: _static(1.0, 1.0, fmt, kv_heads, i, "default 1.0") for i in quantized_layers}, True
+        scales = found
+    if isinstance(scales, KVScales):
+        if scales.dynamic:
+            return {i: DynamicScales(source="dynamic (checkpoint kv_cache_scheme)") for i in quantized_layers}, False
+        return _from_kv_scales(scales, fmt, quantized_layers, num_layers, kv_heads), False
     if isinstance(scales, (int, float)) and not isinstance(scales, bool):
         return {i: _static(scales, scales, fmt, kv_heads, i, "user float") for i in quantized_layers}, False
+    return _from_kv_scales(_user_scales(scales, num_layers), fmt, quantized_layers, num_layers, kv_heads), False
+
+
+def _user_scales(scales: Mapping[int, Any] | Sequence[Any], num_layers: int) -> KVScales:
+    """`{layer: (k, v[, source])}` or a list with one `(k, v)` per layer, as `KVScales`."""
     if isinstance(scales, Mapping):
         per_layer = dict(scales)
     elif isinstance(scales, Sequence):
@@ -83,82 +184,82 @@ def resolve_scales(
         per_layer = dict(enumerate(scales))
     else:
         raise TypeError(f"scales of type {type(scales).__name__} is not supported")
-    return _from_per_layer(per_layer, fmt, quantized_layers, num_layers, kv_heads, source="user"), False
+    result = KVScales()
+    for i, entry in per_layer.items():
+        result.key[i], result.value[i] = entry[0], entry[1]
+        result.sources[i] = entry[2] if len(entry) > 2 else "user"
+    return result
 
 
-def _from_per_layer(
-    per_layer: Mapping[int, Any],
-    fmt: StorageFormat,
-    quantized_layers: Sequence[int],
-    num_layers: int,
-    kv_heads: int,
-    source: str | None = None,
-) -> dict[int, LayerScales]:
-    unknown = sorted(i for i in per_layer if not (isinstance(i, int) and 0 <= i < num_layers))
+def _from_kv_scales(
+    scales: KVScales, fmt: StorageFormat, quantized_layers: Sequence[int], num_layers: int, kv_heads: int
+) -> dict[int, StaticScales]:
+    unknown = sorted(i for i in scales.key if not (isinstance(i, int) and 0 <= i < num_layers))
     if unknown:
-        raise ValueError(f"scales given for layers {unknown}, but the model has layers 0..{num_layers - 1}")
-    missing = [i for i in quantized_layers if i not in per_layer]
+        names = ", ".join(scales.names[i][0] for i in unknown if i in scales.names)
+        raise ValueError(
+            f"scales given for layers {unknown}{f' ({names})' if names else ''}, but the model has layers "
+            f"0..{num_layers - 1}"
+        )
+    missing = [i for i in quantized_layers if i not in scales.key]
     if missing:
-        raise ValueError(f"scales are missing for layers {missing}: give every quantized layer a K and a V scale")
+        raise ValueError(
+            f"scales are missing for layers {missing} (scales found for layers {scales.layers}): give every "
+            f"quantized layer a K and a V scale, keep these layers in full precision with skip_layers={missing}, "
+            "or use scales='dynamic'"
+        )
     resolved = {}
     for i in quantized_layers:
-        entry = per_layer[i]
-        key, value = entry[0], entry[1]
-        entry_source = source or (entry[2] if len(entry) > 2 else "user")
-        resolved[i] = _static(key, value, fmt, kv_heads, i, entry_source)
+        k_name, v_name = scales.names.get(i, ("k_scale", "v_scale"))
+        resolved[i] = _static(
+            scales.key[i], scales.value[i], fmt, kv_heads, i, scales.sources.get(i, "user"), (k_name, v_name),
+            scales.key_channel.get(i),
+        )
     return resolved
 
 
-def _static(key: Any, value: Any, fmt: StorageFormat, kv_heads: int, layer: int, source: str) -> StaticScales:
-    k, k_granularity = _as_head_vector(key, kv_heads, layer, "k_scale")
-    v, v_granularity = _as_head_vector(value, kv_heads, layer, "v_scale")
+def _static(
+    key: Any,
+    value: Any,
+    fmt: StorageFormat,
+    kv_heads: int,
+    layer: int,
+    source: str,
+    names: tuple[str, str] = ("k_scale", "v_scale"),
+    key_channel: torch.Tensor | None = None,
+) -> StaticScales:
+    k, k_granularity = _as_head_vector(key, kv_heads, layer, names[0])
+    v, v_granularity = _as_head_vector(value, kv_heads, layer, names[1])
     granularity = "per-head" if "per-head" in (k_granularity, v_granularity) else "per-tensor"
-    return StaticScales(k * fmt.ocp_scale_factor, v * fmt.ocp_scale_factor, granularity, source)
+    if key_channel is not None:
+        key_channel = check_scale_values(torch.as_tensor(key_channel, dtype=torch.float32), layer, "key channel scale")
+        if key_channel.dim() != 2 or key_channel.shape[0] != kv_heads:
+            raise ValueError(
+                f"layer {layer} key channel scale has shape {tuple(key_channel.shape)}: expected [kv_heads={kv_heads}, "
+                "head_dim]"
+            )
+        granularity += " + key channels"
+    return StaticScales(k * fmt.ocp_scale_factor, v * fmt.ocp_scale_factor, granularity, source, key_channel)
+
+
+def check_scale_values(tensor: torch.Tensor, layer: int | None, name: str) -> torch.Tensor:
+    """`tensor` if every value is finite and > 0, else an error naming the layer and tensor."""
+    bad = [v for v in tensor.flatten().tolist() if not (math.isfinite(v) and v > 0)]
+    if bad:
+        where = f"layer {layer} {name}" if layer is not None else name
+        raise ValueError(f"{where} must be finite and > 0, got {bad[0]}")
+    return tensor
 
 
 def _as_head_vector(scale: Any, kv_heads: int, layer: int, name: str) -> tuple[torch.Tensor, str]:
-    """A scale given as a float or a tensor of 1 or `kv_heads` values, as a validated `[kv_heads]` fp32 tensor."""
+    """A scale given as a float or a tensor of 1 or `kv_heads` values (shape `[]`, `[1]`, `[kv_heads]`,
+    `[kv_heads, 1, 1]`...), as a validated `[kv_heads]` fp32 tensor."""
     tensor = torch.as_tensor(scale, dtype=torch.float32).detach().cpu()
-    if tensor.numel() not in (1, kv_heads):
+    heads_only = [n for n in tensor.shape if n != 1] in ([], [kv_heads])
+    if tensor.numel() not in (1, kv_heads) or not heads_only:
         raise ValueError(
             f"layer {layer} {name} has shape {tuple(tensor.shape)}: expected one value or one per KV head ({kv_heads})"
         )
-    bad = [v for v in tensor.flatten().tolist() if not (math.isfinite(v) and v > 0)]
-    if bad:
-        raise ValueError(f"layer {layer} {name} must be finite and > 0, got {bad[0]}")
+    check_scale_values(tensor, layer, name)
     granularity = "per-tensor" if tensor.numel() == 1 else "per-head"
     return tensor.flatten().expand(kv_heads).clone(), granularity
-
-
-_LLM_COMPRESSOR_NAME = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.self_attn\.([kv])_scale$")
-
-
-def load_checkpoint_scales(checkpoint_dir: str) -> dict[int, tuple[torch.Tensor, torch.Tensor, str]]:
-    """K/V scales stored in a local checkpoint's safetensors under llm-compressor's names.
-
-    Returns `{layer: (k_scale, v_scale, source)}`; empty when the directory has none. Never unpickles, never
-    touches the network. A layer with only one of the two gets the max of the two for both (vLLM's rule).
-    """
-    from safetensors import safe_open
-
-    directory = Path(checkpoint_dir)
-    if not directory.is_dir():
-        return {}
-    found: dict[int, dict[str, tuple[torch.Tensor, str]]] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                match = _LLM_COMPRESSOR_NAME.match(name)
-                if match:
-                    layer, which = int(match.group(1)), match.group(2)
-                    found.setdefault(layer, {})[which] = (handle.get_tensor(name).float(), name)
-    result = {}
-    for layer, entries in found.items():
-        if len(entries) == 2:
-            (k, k_name), (v, _) = entries["k"], entries["v"]
-            result[layer] = (k, v, k_name.rsplit(".", 1)[0] + ".{k,v}_scale")
-        else:
-            (only, name) = next(iter(entries.values()))
-            warnings.warn(f"{name} has no {'v' if 'k_scale' in name else 'k'} counterpart: using it for K and V")
-            result[layer] = (only, only, name)
-    return result

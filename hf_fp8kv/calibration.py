@@ -1,0 +1,151 @@
+"""`calibrate`: static K/V scales from running the model over calibration data.
+
+Keys are observed after RoPE (and any key norm) exactly as the cache receives them: a recording
+`DynamicCache` is passed through the model's forward and sees every layer's `update`. The statistics cover
+the whole data set (min-max over every token, not the last batch); padding tokens are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.scales import KVScales
+
+OCP_MAX = get_format("fp8_e4m3").max  # scales are stored in the OCP e4m3 convention: amax / 448
+MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its head's scale
+STRATEGIES = ("tensor", "attn_head")
+
+
+def calibrate(
+    model: torch.nn.Module,
+    data: Any,
+    tokenizer=None,
+    *,
+    strategy: str = "tensor",
+    key_channels: bool = False,
+    percentile: float | None = None,
+    max_length: int | None = None,
+    progress: bool = True,
+) -> KVScales:
+    """Static K/V scales of every layer of `model` from a run over `data`.
+
+    Args:
+        data: a string or list of strings (tokenized with `tokenizer`), a list of input-id tensors, or an
+            iterable (e.g. a DataLoader) of dicts of model inputs (`input_ids`, `attention_mask`, ...).
+        strategy: "tensor" (one K and one V scale per layer) or "attn_head" (one per KV head).
+        key_channels: also calibrate a static per-channel key scale (folded into the query at run time).
+        percentile: clip the scales to this percentile (0-100] of the per-token maxima of |x| (the token's head
+            vector, or all its heads for "tensor"), so the rarest outlier tokens saturate; None = min-max.
+        max_length: truncate each sample to this many tokens.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
+    if percentile is not None and not 0 < percentile <= 100:
+        raise ValueError(f"percentile={percentile} must be in (0, 100]")
+    observer = _Observer(keep_tokens=percentile is not None)
+    total = len(data) if isinstance(data, (list, tuple)) else None
+    with torch.inference_mode():
+        for inputs in tqdm(model_inputs(data, tokenizer, max_length, model.device), total=total,
+                           desc="calibrate", disable=not progress):  # fmt: skip
+            cache = _RecordingCache(model.config, observer, inputs.get("attention_mask"))
+            model(**inputs, cache=cache, use_cache=True)
+            observer.tokens += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs[
+                "input_ids"
+            ].numel()
+    if not observer.channel_amax:
+        raise ValueError("calibration saw no keys: data was empty or the model never called the cache")
+    return observer.scales(strategy, key_channels, percentile)
+
+
+def model_inputs(
+    data: Any, tokenizer, max_length: int | None, device: torch.device | str = "cpu"
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Each item of `data` (text, input-id tensor or dict of model inputs) as a dict of model input tensors."""
+    if isinstance(data, (str, torch.Tensor)):
+        data = [data]
+    if not isinstance(data, Iterable):
+        raise TypeError(f"data of type {type(data).__name__}: expected texts, input-id tensors or dicts of inputs")
+    for item in data:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise ValueError("the data are strings: pass tokenizer= to tokenize them")
+            item = tokenizer(item, return_tensors="pt")
+        if isinstance(item, torch.Tensor):
+            item = {"input_ids": item if item.dim() == 2 else item.reshape(1, -1)}
+        if not isinstance(item, Mapping) or "input_ids" not in item:
+            raise TypeError(f"data item of type {type(item).__name__}: expected a text, an input-id tensor or a "
+                            "dict of model inputs with input_ids")  # fmt: skip
+        inputs = {k: v.to(device) for k, v in item.items() if isinstance(v, torch.Tensor) and k != "labels"}
+        if max_length is not None:
+            inputs = {k: v[:, :max_length] if v.dim() == 2 else v for k, v in inputs.items()}
+        yield inputs
+
+
+class _Observer:
+    """Running statistics of every layer's keys and values: |x| max per (head, channel) and, for percentile
+    clipping, per token and head."""
+
+    def __init__(self, keep_tokens: bool):
+        self.keep_tokens = keep_tokens
+        self.channel_amax: dict[tuple[int, str], torch.Tensor] = {}
+        self.token_amax: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self.tokens = 0
+
+    def observe(self, layer: int, which: str, states: torch.Tensor, valid: torch.Tensor | None) -> None:
+        magnitude = states.detach().float().abs()
+        if not torch.isfinite(magnitude).all():
+            raise ValueError(f"layer {layer} {'keys' if which == 'k' else 'values'} have non-finite values during "
+                             "calibration: the model itself overflows")  # fmt: skip
+        if valid is not None:  # [batch, tokens], 0 = padding
+            magnitude = magnitude * valid[:, None, -states.shape[2] :, None].to(magnitude)
+        amax = magnitude.amax(dim=(0, 2)).cpu()
+        key = (layer, which)
+        self.channel_amax[key] = torch.maximum(self.channel_amax[key], amax) if key in self.channel_amax else amax
+        if self.keep_tokens:
+            per_token = magnitude.amax(dim=-1).transpose(0, 1).flatten(1)  # [heads, batch * tokens]
+            if valid is not None:
+                per_token = per_token[:, valid[:, -states.shape[2] :].flatten().bool()]
+            self.token_amax.setdefault(key, []).append(per_token.cpu())
+
+    def scales(self, strategy: str, key_channels: bool, percentile: float | None) -> KVScales:
+        result = KVScales()
+        source = f"calibrated ({self.tokens} tokens, {strategy}{', key channels' if key_channels else ''})"
+        for layer in sorted({layer for layer, _ in self.channel_amax}):
+            amax = {which: self._amax(layer, which, strategy, percentile) for which in ("k", "v")}
+            result.key[layer], result.value[layer] = (torch.where(a > 0, a / OCP_MAX, 1.0) for a in amax.values())
+            result.sources[layer] = source
+            if key_channels:
+                channel = self.channel_amax[(layer, "k")]
+                reference = channel.amax() if strategy == "tensor" else channel.amax(dim=1, keepdim=True)
+                result.key_channel[layer] = (channel / reference.clamp_min(1e-30)).clamp(MIN_CHANNEL_RATIO, 1.0)
+        return result
+
+    def _amax(self, layer: int, which: str, strategy: str, percentile: float | None) -> torch.Tensor:
+        """`[1]` (tensor) or `[kv_heads]` (attn_head) amax, clipped to the percentile of the token maxima."""
+        if percentile is None:
+            head_amax = self.channel_amax[(layer, which)].amax(dim=1)
+            return head_amax.amax().reshape(1) if strategy == "tensor" else head_amax
+        tokens = torch.cat(self.token_amax[(layer, which)], dim=1)
+        if strategy == "tensor":
+            return torch.quantile(tokens.amax(dim=0), percentile / 100).reshape(1)
+        return torch.quantile(tokens, percentile / 100, dim=1)
+
+
+class _RecordingCache(DynamicCache):
+    """A `DynamicCache` that shows every layer's new keys and values to an observer."""
+
+    def __init__(self, config, observer: _Observer, attention_mask: torch.Tensor | None):
+        super().__init__(config=config)
+        self.observer = observer
+        self.valid = attention_mask
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.observer.observe(layer_idx, "k", key_states, self.valid)
+        self.observer.observe(layer_idx, "v", value_states, self.valid)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -1,0 +1,331 @@
+"""KV cache scales in checkpoints: read every convention, write llm-compressor's, export a model for vLLM.
+
+Read from safetensors only (never unpickled), single or sharded (`model.safetensors.index.json`), in a local
+directory or a model of the local Hugging Face cache (never downloaded). Tensor names, after
+`...layers.N.<attention module>.`:
+
+| suffix                                  | convention                                | used for |
+|-----------------------------------------|-------------------------------------------|----------|
+| `k_scale`, `v_scale`                    | llm-compressor / compressed-tensors       | K, V     |
+| `attn.k_scale`, `attn.v_scale`          | vLLM's own module names                   | K, V     |
+| `kv_scale`                              | legacy single scale                       | K and V  |
+| `k_proj.k_scale`, `v_proj.v_scale`      | NVIDIA ModelOpt (`hf_quant_config.json`)  | K, V     |
+| `k_proj.output_scale`, `v_proj...`      | AMD Quark, older compressed-tensors       | K, V     |
+| `qkv_proj.k_scale`, `qkv_proj.v_scale`  | fused QKV projections                     | K, V     |
+| `qkv_proj.output_scale`                 | fused QKV, one output scale               | K and V  |
+
+q and prob scales are read and reported (unused: queries and probabilities stay in full precision). vLLM's
+rules apply per layer: K and V both present -> used; only one -> used for both (vLLM takes the max of the
+two with -1 for "missing"). The old vLLM/SGLang JSON (`{"kv_cache": {"dtype", "scaling_factor": {rank:
+{layer: scale}}}}`) is read from `kv_cache_scales.json` in the directory or an explicit path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hf_fp8kv.scales import KVScales, check_scale_values
+
+INDEX = "model.safetensors.index.json"
+SCALES_FILE = "kv_cache_scales.safetensors"
+LEGACY_JSON = "kv_cache_scales.json"
+DEFAULT_MODULE = "model.layers.{}.self_attn"
+_ATTENTION = re.compile(
+    r"^(?P<module>(?:.*\.)?(?:layers|h|blocks)\.(?P<layer>\d+)\.(?:self_attn|self_attention|attention|attn))"
+    r"\.(?P<suffix>.+)$"
+)
+# suffix after the attention module -> which scale it is ("kv": one scale for both)
+SCALE_SUFFIXES = {
+    "k_scale": "k", "v_scale": "v", "attn.k_scale": "k", "attn.v_scale": "v", "kv_scale": "kv",
+    "k_proj.k_scale": "k", "v_proj.v_scale": "v", "k_proj.output_scale": "k", "v_proj.output_scale": "v",
+    "qkv_proj.k_scale": "k", "qkv_proj.v_scale": "v", "qkv_proj.output_scale": "kv",
+}  # fmt: skip
+UNUSED_SUFFIXES = frozenset(
+    {"q_scale", "prob_scale", "attn.q_scale", "attn.prob_scale", "q_proj.output_scale", "qkv_proj.q_scale",
+     "prob_output_scale"}
+)  # fmt: skip
+CHANNEL_SUFFIX = "k_channel_scale"  # hf_fp8kv's static per-channel key scale (not read by vLLM)
+
+
+# --- reading -------------------------------------------------------------------------------------------------
+def local_model_dir(name_or_path: str | os.PathLike, revision: str | None = None) -> Path | None:
+    """The local directory of a model: the path itself, or its snapshot in the local HF cache (no download)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name_or_path), revision=revision, local_files_only=True))
+    except (ValueError, OSError):  # not a repo id, or not in the local cache
+        return None
+
+
+def load_checkpoint_scales(name_or_path: str | os.PathLike, revision: str | None = None) -> KVScales | None:
+    """The KV scales of a local model directory or cached model, in any convention; None when it has none."""
+    directory = local_model_dir(name_or_path, revision)
+    if directory is None:
+        return None
+    scheme = _declared_scheme(directory)
+    if scheme.get("dynamic"):
+        return KVScales(dynamic=True)
+    tensors = _scale_tensors(directory)
+    if tensors:
+        return _collect(tensors, scheme)
+    if (directory / LEGACY_JSON).is_file():
+        return _load_legacy_json(directory / LEGACY_JSON)
+    if scheme:
+        warnings.warn(
+            f"{directory}: config declares a KV cache scheme ({scheme}), but no scale tensors were found under any "
+            "known name (see hf_fp8kv.checkpoint)"
+        )
+    return None
+
+
+def load_scales_file(path: str | os.PathLike) -> KVScales:
+    """Scales from a safetensors file (any convention; `KVScales.save` output), an old vLLM JSON, or a model
+    directory."""
+    path = Path(path)
+    if path.is_dir():
+        found = load_checkpoint_scales(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} has no KV cache scales under any known name")
+        return found
+    if path.suffix == ".json":
+        return _load_legacy_json(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path}: scales are read from .safetensors or the old vLLM .json (never unpickled)")
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        tensors = {name: handle.get_tensor(name) for name in handle.keys() if _is_scale_name(name)}
+    scheme = json.loads(metadata["kv_cache_scheme"]) if "kv_cache_scheme" in metadata else {}
+    found = _collect(tensors, scheme)
+    if found is None:
+        raise ValueError(f"{path} holds no KV cache scale tensors under any known name")
+    if metadata.get("hf_fp8kv") == "kv_scales":
+        found.sources = {layer: f"calibration file {path}" for layer in found.sources}
+    return found
+
+
+def _is_scale_name(name: str) -> bool:
+    match = _ATTENTION.match(name)
+    return bool(match) and match["suffix"] in (SCALE_SUFFIXES.keys() | UNUSED_SUFFIXES | {CHANNEL_SUFFIX})
+
+
+def _weight_names(directory: Path) -> dict[str, Path]:
+    """Every tensor name of the directory's safetensors, with the file that holds it."""
+    index = directory / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    names = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update({name: file for name in handle.keys()})
+    if not names and (any(directory.glob("*.bin")) or any(directory.glob("*.pt"))):
+        warnings.warn(f"{directory}: only pickle checkpoints (.bin/.pt); their KV scales are not read (no unpickling)")
+    return names
+
+
+def _scale_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for name, file in _weight_names(directory).items():
+        if _is_scale_name(name):
+            by_file.setdefault(file, []).append(name)
+    tensors = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in names})
+    return tensors
+
+
+def _collect(tensors: dict[str, torch.Tensor], scheme: dict) -> KVScales | None:
+    """Apply vLLM's per-layer rules to the scale tensors found (name -> tensor)."""
+    found: dict[int, dict[str, str]] = {}
+    scales = KVScales()
+    for name in sorted(tensors):
+        match = _ATTENTION.match(name)
+        layer, suffix = int(match["layer"]), match["suffix"]
+        if suffix in UNUSED_SUFFIXES:
+            scales.unused.append(name)
+            continue
+        tensor = check_scale_values(tensors[name].float(), None, name)
+        if suffix == CHANNEL_SUFFIX:
+            scales.key_channel[layer] = tensor
+            continue
+        if scheme.get("strategy") == "tensor" and tensor.numel() > 1:
+            raise ValueError(f"{name} has {tensor.numel()} values, but kv_cache_scheme declares strategy 'tensor'")
+        roles = found.setdefault(layer, {})
+        for role in ("k", "v") if SCALE_SUFFIXES[suffix] == "kv" else (SCALE_SUFFIXES[suffix],):
+            if role in roles:
+                raise ValueError(f"layer {layer} has two {role.upper()} scales: {roles[role]} and {name}")
+            roles[role] = name
+    if scales.unused:
+        warnings.warn(
+            f"the checkpoint has {len(scales.unused)} q/prob scales (e.g. {scales.unused[0]}): QuantizedFP8Cache "
+            "keeps queries and attention probabilities in full precision, so they are not used"
+        )
+    for layer, roles in found.items():
+        k_name, v_name = roles.get("k", roles.get("v")), roles.get("v", roles.get("k"))
+        scales.key[layer], scales.value[layer] = tensors[k_name].float(), tensors[v_name].float()
+        scales.names[layer] = (k_name, v_name)
+        scales.sources[layer] = _source(k_name, v_name)
+    unknown = sorted(set(scales.key_channel) - set(scales.key))
+    if unknown:
+        raise ValueError(f"key channel scales for layers {unknown} have no K scale")
+    return scales if scales.key else None
+
+
+def _source(k_name: str, v_name: str) -> str:
+    if k_name == v_name:
+        return f"{k_name} (K and V)"
+    k_module, v_module = k_name.rsplit(".", 1)[0], v_name.rsplit(".", 1)[0]
+    return f"{k_name} + {v_name.rsplit('.', 1)[1]}" if k_module == v_module else f"{k_name} + {v_name}"
+
+
+def _declared_scheme(directory: Path) -> dict:
+    """The KV cache scheme the configs declare (compressed-tensors, ModelOpt), validated; {} when none."""
+    config_file, modelopt_file = directory / "config.json", directory / "hf_quant_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quantization = config.get("quantization_config") or {}
+    algorithm = quantization.get("kv_cache_quant_algo")
+    if modelopt_file.is_file():
+        algorithm = json.loads(modelopt_file.read_text()).get("quantization", {}).get("kv_cache_quant_algo")
+    if algorithm is not None and str(algorithm).upper() != "FP8":
+        raise ValueError(f"{directory}: kv_cache_quant_algo={algorithm!r}; QuantizedFP8Cache reads FP8 KV scales")
+    scheme = quantization.get("kv_cache_scheme") or {}
+    if scheme:
+        where = f"{config_file}: quantization_config.kv_cache_scheme {scheme}"
+        if scheme.get("num_bits") != 8 or scheme.get("type") != "float":
+            raise ValueError(f"{where} is not FP8 (num_bits 8, type float): QuantizedFP8Cache cannot use it")
+        if scheme.get("symmetric") is False:
+            raise ValueError(f"{where} is asymmetric: FP8 KV scales are symmetric")
+        if scheme.get("strategy", "tensor") not in ("tensor", "attn_head"):
+            raise ValueError(f"{where}: strategy must be 'tensor' or 'attn_head'")
+    return scheme
+
+
+def _load_legacy_json(path: Path) -> KVScales:
+    """The old vLLM/SGLang `--quantization-param-path` JSON: one scale per layer and tensor-parallel rank."""
+    content = json.loads(path.read_text())
+    kv_cache = content.get("kv_cache") if isinstance(content, dict) else None
+    if not isinstance(kv_cache, dict) or not isinstance(kv_cache.get("scaling_factor"), dict):
+        raise ValueError(f"{path}: expected {{'kv_cache': {{'dtype': ..., 'scaling_factor': {{rank: {{layer: scale}}}}}}}}")
+    if kv_cache.get("dtype", "float8_e4m3fn") not in ("float8_e4m3fn", "fp8", "fp8_e4m3"):
+        raise ValueError(f"{path}: scales are for kv_cache dtype {kv_cache['dtype']!r}, not float8_e4m3fn")
+    ranks = kv_cache["scaling_factor"]
+    if len(ranks) > 1:
+        warnings.warn(f"{path}: scales of {len(ranks)} tensor-parallel ranks; using the max over ranks per layer")
+    per_layer: dict[int, list[float]] = {}
+    for rank_scales in ranks.values():
+        for layer, value in rank_scales.items():
+            per_layer.setdefault(int(layer), []).append(float(value))
+    scales = KVScales()
+    for layer, values in per_layer.items():
+        name = f"{path.name}: kv_cache.scaling_factor[{layer}]"
+        tensor = check_scale_values(torch.tensor([max(values)]), None, name)
+        scales.key[layer], scales.value[layer] = tensor, tensor.clone()
+        scales.names[layer], scales.sources[layer] = (name, name), f"{name} (K and V)"
+    return scales
+
+
+# --- writing -------------------------------------------------------------------------------------------------
+def _vllm_tensors(scales: KVScales, modules: dict[int, str] | None = None) -> dict[str, torch.Tensor]:
+    """k_scale / v_scale under llm-compressor's names: `[1]` per tensor, `[kv_heads, 1, 1]` per head (fp32)."""
+    if scales.dynamic:
+        raise ValueError("dynamic scales have no tensors to save: they are computed per token")
+    kv_heads = max(t.numel() for t in [*scales.key.values(), *scales.value.values()])
+    shape = (1,) if scales.strategy == "tensor" else (kv_heads, 1, 1)
+    tensors = {}
+    for layer in scales.layers:
+        module = (modules or {}).get(layer, DEFAULT_MODULE.format(layer))
+        for which, values in (("k", scales.key[layer]), ("v", scales.value[layer])):
+            tensors[f"{module}.{which}_scale"] = values.float().flatten().expand(shape[0]).reshape(shape).clone()
+    return tensors
+
+
+def save_scales(scales: KVScales, path: str | os.PathLike) -> Path:
+    """Write `scales` as safetensors (see `KVScales.save`); returns the file's path."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / SCALES_FILE
+    tensors = _vllm_tensors(scales)
+    for layer, channel in scales.key_channel.items():
+        tensors[f"{DEFAULT_MODULE.format(layer)}.{CHANNEL_SUFFIX}"] = channel.float().contiguous()
+    metadata = {"format": "pt", "hf_fp8kv": "kv_scales", "kv_cache_scheme": json.dumps(scales.kv_cache_scheme)}
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def export_for_vllm(scales: KVScales, model: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """A copy of `model` (weights symlinked) with `scales` added as vLLM loads them: llm-compressor tensor
+    names in `kv_cache_scales.safetensors` (listed in the index when sharded) and
+    `quantization_config.kv_cache_scheme` in config.json (compressed-tensors). Run `vllm serve <out_dir>
+    --kv-cache-dtype fp8`."""
+    source = local_model_dir(model)
+    if source is None:
+        raise FileNotFoundError(f"{model} is neither a local directory nor a model in the local Hugging Face cache")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty: export_for_vllm writes a fresh directory")
+    existing = _scale_tensors(source)
+    if existing:
+        raise ValueError(f"{source} already has KV scales ({next(iter(existing))}...): vLLM would load both")
+    config = json.loads((source / "config.json").read_text())
+    quantization = config.get("quantization_config") or {
+        "quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
+        "config_groups": {}, "ignore": [],
+    }  # fmt: skip
+    if quantization.get("quant_method") != "compressed-tensors":
+        raise ValueError(
+            f"{source} is quantized with {quantization.get('quant_method')!r}: only compressed-tensors checkpoints "
+            "(or unquantized ones) can declare a kv_cache_scheme"
+        )
+    if scales.key_channel:
+        warnings.warn("vLLM has no per-channel key scales: exporting the per-tensor/per-head K scales only")
+    quantization["kv_cache_scheme"] = scales.kv_cache_scheme
+    config["quantization_config"] = quantization
+    names = _weight_names(source)
+    tensors = _vllm_tensors(scales, _attention_modules(names))
+    out.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name in ("config.json", INDEX) or item.name.startswith("."):
+            continue
+        if item.suffix == ".safetensors":
+            (out / item.name).symlink_to(item.resolve())
+        elif item.is_dir():
+            shutil.copytree(item, out / item.name)
+        else:
+            shutil.copy2(item, out / item.name)
+    save_file(tensors, str(out / SCALES_FILE), metadata={"format": "pt"})
+    if (source / INDEX).is_file():
+        index = json.loads((source / INDEX).read_text())
+        index["weight_map"].update({name: SCALES_FILE for name in tensors})
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _attention_modules(names: dict[str, Path]) -> dict[int, str]:
+    """The attention module of each decoder layer, from the weight names (the text model's when several
+    towers have layers: the pattern with the most layers, preferring `language_model`)."""
+    by_pattern: dict[str, dict[int, str]] = {}
+    for name in names:
+        match = _ATTENTION.match(name)
+        if match:
+            pattern = match["module"].replace(f".{match['layer']}.", ".{}.")
+            by_pattern.setdefault(pattern, {})[int(match["layer"])] = match["module"]
+    if not by_pattern:
+        return {}
+    best = max(by_pattern, key=lambda p: (len(by_pattern[p]), "language_model" in p))
+    return by_pattern[best]

@@ -1,0 +1,250 @@
+"""Checkpoint scales in every convention: hand-built directories of a tiny random Llama (2 layers, 2 KV heads)."""
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning
+from hf_fp8kv.checkpoint import SCALES_FILE
+from tests.models import tiny_model
+
+ATTN = "model.layers.{}.self_attn"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The tiny model saved once as a single file and once sharded."""
+    model = tiny_model()
+    single, sharded = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("sharded")
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    return {"single": single, "sharded": sharded}
+
+
+def checkpoint(saved, tmp_path, tensors=(), sharded=False, config=None, files=None):
+    """A copy of the saved model with `tensors` ({name: tensor}) added to its weights, `config` merged into
+    config.json and extra `files` ({name: json content}) written beside them."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved["sharded" if sharded else "single"], directory)
+    tensors = dict(tensors)
+    if tensors:
+        if sharded:
+            index = json.loads((directory / "model.safetensors.index.json").read_text())
+            shard = sorted(set(index["weight_map"].values()))[-1]
+            index["weight_map"].update({name: shard for name in tensors})
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+        else:
+            shard = "model.safetensors"
+        weights = load_file(directory / shard)
+        save_file({**weights, **tensors}, directory / shard, metadata={"format": "pt"})
+    if config:
+        merged = {**json.loads((directory / "config.json").read_text()), **config}
+        (directory / "config.json").write_text(json.dumps(merged))
+    for name, content in (files or {}).items():
+        (directory / name).write_text(json.dumps(content))
+    return directory
+
+
+def cache_for(directory, **kwargs):
+    return QuantizedFP8Cache(config=AutoConfig.from_pretrained(directory), **kwargs)
+
+
+def scale(value, shape=(1,), dtype=torch.bfloat16):
+    return torch.full(shape, value, dtype=dtype) if shape else torch.tensor(value, dtype=dtype)
+
+
+def both_layers(k_suffix, v_suffix, k, v):
+    tensors = {}
+    for i in range(2):
+        tensors[f"{ATTN.format(i)}.{k_suffix}"] = k.clone()
+        if v_suffix:
+            tensors[f"{ATTN.format(i)}.{v_suffix}"] = v.clone()
+    return tensors
+
+
+@pytest.mark.parametrize(
+    "k_suffix,v_suffix,shape,dtype,expected_k,expected_v,source",
+    [
+        ("k_scale", "v_scale", (1,), torch.bfloat16, "0.125", "0.25", "self_attn.k_scale + v_scale"),
+        ("k_scale", "v_scale", (), torch.float16, "0.125", "0.25", "self_attn.k_scale + v_scale"),
+        ("k_scale", "v_scale", (2,), torch.float32, "[0.125, 0.125]", "[0.25, 0.25]", "self_attn.k_scale"),
+        ("k_scale", "v_scale", (2, 1, 1), torch.bfloat16, "[0.125, 0.125]", "[0.25, 0.25]", "self_attn.k_scale"),
+        ("kv_scale", None, (1,), torch.float32, "0.125", "0.125", "self_attn.kv_scale (K and V)"),
+        ("k_scale", None, (1,), torch.float32, "0.125", "0.125", "self_attn.k_scale (K and V)"),
+        ("k_proj.k_scale", "v_proj.v_scale", (1,), torch.float32, "0.125", "0.25", "k_proj.k_scale + "),
+        ("k_proj.output_scale", "v_proj.output_scale", (), torch.bfloat16, "0.125", "0.25", "k_proj.output_scale"),
+        ("qkv_proj.k_scale", "qkv_proj.v_scale", (1,), torch.float32, "0.125", "0.25", "qkv_proj.k_scale + v_scale"),
+        ("qkv_proj.output_scale", None, (1,), torch.float32, "0.125", "0.125", "qkv_proj.output_scale (K and V)"),
+        ("attn.k_scale", "attn.v_scale", (1,), torch.float32, "0.125", "0.25", "attn.k_scale + v_scale"),
+    ],
+)
+def test_every_convention_loads_with_values_and_source(saved, tmp_path, k_suffix, v_suffix, shape, dtype,
+                                                       expected_k, expected_v, source):  # fmt: skip
+    tensors = both_layers(k_suffix, v_suffix, scale(0.125, shape, dtype), scale(0.25, shape, dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncalibratedScalesWarning)
+        rows = cache_for(checkpoint(saved, tmp_path, tensors)).summary()
+    assert [(r["k_scale"], r["v_scale"]) for r in rows] == [(expected_k, expected_v)] * 2
+    assert rows[1]["source"].startswith("model.layers.1.") and source in rows[1]["source"]
+    assert rows[0]["granularity"] == ("per-tensor" if len(shape) < 1 or shape == (1,) else "per-head")
+
+
+def test_modelopt_config_and_sharded_index(saved, tmp_path):
+    tensors = both_layers("k_proj.k_scale", "v_proj.v_scale", scale(0.5), scale(0.75))
+    quant = {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}
+    directory = checkpoint(saved, tmp_path, tensors, sharded=True, files={"hf_quant_config.json": quant})
+    rows = cache_for(directory).summary()
+    assert [(r["k_scale"], r["v_scale"]) for r in rows] == [("0.5", "0.75")] * 2
+
+
+def test_model_from_pretrained_uses_its_scales_in_generate(saved, tmp_path):
+    tensors = {f"{ATTN.format(i)}.{w}_scale": scale(0.01 * (i + 1), (2, 1, 1), torch.float32) for i in range(2)
+               for w in "kv"}  # fmt: skip
+    scheme = {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False, "symmetric": True}
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {},
+                                      "kv_cache_scheme": scheme}}  # fmt: skip
+    directory = checkpoint(saved, tmp_path, tensors, config=config)
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=None).eval()
+    cache = QuantizedFP8Cache(model)
+    out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, cache=cache)
+    assert out.shape == (1, 6)
+    assert cache.layers[1].value_scale.flatten().tolist() == pytest.approx([0.02, 0.02])
+
+
+def test_old_vllm_json_and_tensor_parallel_ranks(saved, tmp_path):
+    legacy = {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5, "1": 0.25},
+                                                                        "1": {"0": 0.75, "1": 0.125}}}}  # fmt: skip
+    directory = checkpoint(saved, tmp_path, files={"kv_cache_scales.json": legacy})
+    with pytest.warns(UserWarning, match="2 tensor-parallel ranks"):
+        rows = cache_for(directory).summary()
+    assert [(r["k_scale"], r["v_scale"]) for r in rows] == [("0.75", "0.75"), ("0.25", "0.25")]
+    assert "kv_cache.scaling_factor[0]" in rows[0]["source"]
+
+
+def test_q_and_prob_scales_are_reported_unused(saved, tmp_path):
+    tensors = {**both_layers("k_scale", "v_scale", scale(0.5), scale(0.5)),
+               **both_layers("q_scale", "prob_scale", scale(0.1), scale(0.1))}  # fmt: skip
+    with pytest.warns(UserWarning, match="4 q/prob scales.*not used"):
+        found = KVScales.from_pretrained(checkpoint(saved, tmp_path, tensors))
+    assert found.unused[0] == "model.layers.0.self_attn.prob_scale" and found.layers == [0, 1]
+
+
+def test_dynamic_scheme_gives_dynamic_scales(saved, tmp_path):
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True, "symmetric": True}
+    directory = checkpoint(saved, tmp_path, config={"quantization_config": {"kv_cache_scheme": scheme}})
+    assert {r["granularity"] for r in cache_for(directory).summary()} == {"per-token-head"}
+
+
+def test_no_scales_warns_once_per_cache_with_the_remedy(saved, tmp_path):
+    directory = checkpoint(saved, tmp_path)
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = cache_for(directory)
+        messages = [str(w.message) for w in caught if issubclass(w.category, UncalibratedScalesWarning)]
+        assert len(messages) == 1 and "scales='dynamic'" in messages[0] and "calibrate" in messages[0]
+    assert {r["source"] for r in cache.summary()} == {"default 1.0"}
+
+
+def test_pickle_only_checkpoint_is_not_unpickled(tmp_path):
+    (tmp_path / "config.json").write_text(tiny_model().config.to_json_string())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle: reading it would fail")
+    with pytest.warns(UserWarning, match="no unpickling"), pytest.warns(UncalibratedScalesWarning):
+        cache_for(tmp_path)
+
+
+def test_local_hf_cache_without_network(saved, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    checkpoint_dir = checkpoint(saved, tmp_path, both_layers("kv_scale", None, scale(0.5), None))
+    shutil.copytree(checkpoint_dir, repo / "snapshots" / commit)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert KVScales.from_pretrained("someone/tiny").key[1].item() == 0.5
+    with pytest.raises(FileNotFoundError, match="no KV cache scales"):
+        KVScales.from_pretrained("someone/not-cached")
+
+
+BAD = [
+    ({f"{ATTN.format(0)}.k_scale": scale(-1.0)}, "model.layers.0.self_attn.k_scale must be finite and > 0, got -1"),
+    ({f"{ATTN.format(0)}.v_scale": scale(0.0)}, "model.layers.0.self_attn.v_scale must be finite and > 0, got 0"),
+    ({f"{ATTN.format(1)}.k_scale": scale(float("nan"))}, "layers.1.self_attn.k_scale must be finite and > 0, got nan"),
+    ({f"{ATTN.format(1)}.v_scale": scale(float("inf"))}, "layers.1.self_attn.v_scale must be finite and > 0, got inf"),
+    ({f"{ATTN.format(0)}.k_scale": scale(0.5, (3,))}, r"layer 0 model.layers.0.self_attn.k_scale has shape \(3,\)"),
+    ({f"{ATTN.format(0)}.k_scale": scale(0.5, (2, 2))}, r"self_attn.k_scale has shape \(2, 2\)"),
+    ({f"{ATTN.format(5)}.k_scale": scale(0.5)}, r"layers \[5\] \(model.layers.5.self_attn.k_scale\)"),
+    ({f"{ATTN.format(0)}.k_scale": scale(0.5), f"{ATTN.format(0)}.kv_scale": scale(0.5)}, "two K scales"),
+]
+
+
+@pytest.mark.parametrize("bad,match", BAD)
+def test_bad_scales_raise_naming_the_tensor(saved, tmp_path, bad, match):
+    tensors = {**both_layers("k_scale", "v_scale", scale(0.5), scale(0.5)), **bad}
+    with pytest.raises(ValueError, match=match):
+        cache_for(checkpoint(saved, tmp_path, tensors))
+
+
+def test_partial_coverage_is_an_error_unless_skipped(saved, tmp_path):
+    directory = checkpoint(saved, tmp_path, {f"{ATTN.format(1)}.k_scale": scale(0.5),
+                                             f"{ATTN.format(1)}.v_scale": scale(0.5)})  # fmt: skip
+    with pytest.raises(ValueError, match=r"missing for layers \[0\].*skip_layers=\[0\]"):
+        cache_for(directory)
+    assert cache_for(directory, skip_layers=[0]).summary()[1]["k_scale"] == "0.5"
+
+
+@pytest.mark.parametrize(
+    "config,files,match",
+    [
+        ({"kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor"}}, {}, "is not FP8"),
+        ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "token"}}, {}, "strategy must be"),
+        ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": False}}, {}, "asymmetric"),
+        ({"kv_cache_quant_algo": "NVFP4"}, {}, "kv_cache_quant_algo='NVFP4'"),
+        ({}, {"hf_quant_config.json": {"quantization": {"kv_cache_quant_algo": "INT8"}}}, "'INT8'"),
+    ],
+)
+def test_declared_schemes_we_cannot_serve_are_refused(saved, tmp_path, config, files, match):
+    tensors = both_layers("k_scale", "v_scale", scale(0.5), scale(0.5))
+    directory = checkpoint(saved, tmp_path, tensors, config={"quantization_config": config}, files=files)
+    with pytest.raises(ValueError, match=match):
+        cache_for(directory)
+
+
+def test_per_head_tensors_under_a_per_tensor_scheme_are_refused(saved, tmp_path):
+    tensors = both_layers("k_scale", "v_scale", scale(0.5, (2,)), scale(0.5, (2,)))
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+    directory = checkpoint(saved, tmp_path, tensors, config={"quantization_config": {"kv_cache_scheme": scheme}})
+    with pytest.raises(ValueError, match="layers.0.self_attn.k_scale has 2 values.*'tensor'"):
+        cache_for(directory)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_export_for_vllm_round_trips(saved, tmp_path, sharded):
+    scales = KVScales(key={0: torch.tensor([0.5, 0.25]), 1: torch.tensor([0.125, 1.5])},
+                      value={0: torch.tensor([2.0, 3.0]), 1: torch.tensor([0.5, 0.5])})  # fmt: skip
+    out = scales.export_for_vllm(saved["sharded" if sharded else "single"], tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    exported = load_file(out / SCALES_FILE)
+    assert sorted(exported) == [f"{ATTN.format(i)}.{w}_scale" for i in range(2) for w in "kv"]
+    assert exported[f"{ATTN.format(1)}.k_scale"].shape == (2, 1, 1)
+    if sharded:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert index["weight_map"][f"{ATTN.format(0)}.v_scale"] == SCALES_FILE
+    reloaded = KVScales.from_pretrained(out)
+    for layer in (0, 1):
+        assert torch.equal(reloaded.key[layer].flatten(), scales.key[layer])
+        assert torch.equal(reloaded.value[layer].flatten(), scales.value[layer])
+    with pytest.raises(FileExistsError, match="not empty"):
+        scales.export_for_vllm(saved["single"], out)
+    with pytest.raises(ValueError, match="already has KV scales"):
+        scales.export_for_vllm(out, tmp_path / "again")
