@@ -6,12 +6,13 @@ variable HF_FP8KV_BACKEND (default "auto"). "triton" on CPU needs TRITON_INTERPR
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from . import reference
-from .formats import StorageFormat
+from .formats import StorageFormat, get_format
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -56,9 +57,8 @@ def write(
     number of values saturated at the format's max.
     """
     if backend == "triton":
-        from .triton_write import write_kv
-
-        return write_kv(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt, dynamic, clipped)
+        triton_ops().write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt.name, dynamic, clipped)
+        return
     end = start + key.shape[2]
     for i, (states, codes, scale) in enumerate(((key, key_codes, key_scale), (value, value_codes, value_scale))):
         if dynamic:
@@ -92,11 +92,60 @@ def attend(
     kwargs = dict(scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks)
     kwargs["key_channel_scale"] = key_channel_scale
     if backend == "triton":
-        from .triton_attention import attention as triton_attention
-
-        return triton_attention(query, key_codes, value_codes, key_scale, value_scale, length, fmt, **kwargs)
+        return triton_ops().attend(
+            query, key_codes, value_codes, key_scale, value_scale, length, fmt.name, scaling, mask, window, softcap,
+            sinks, key_channel_scale,
+        )  # fmt: skip
     k_scale = key_scale[:, :, :length] if key_scale.shape[-1] > 1 else key_scale
     v_scale = value_scale[:, :, :length] if value_scale.shape[-1] > 1 else value_scale
     return reference.attention(
         query, key_codes[:, :, :length], value_codes[:, :, :length], k_scale, v_scale, fmt, **kwargs
     )
+
+
+@functools.cache
+def triton_ops():
+    """`torch.ops.hf_fp8kv`: the Triton launchers registered with `torch.library` as `write` and `attend`
+    (`triton_op`, so that `torch.compile` sees through them), on first use."""
+    from .triton_attention import attention
+    from .triton_write import write_kv
+
+    buffers = {"key_codes", "value_codes", "key_scale", "value_scale", "clipped"}
+
+    @torch.library.triton_op("hf_fp8kv::write", mutates_args=buffers)
+    def write_op(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_codes: torch.Tensor,
+        value_codes: torch.Tensor,
+        key_scale: torch.Tensor,
+        value_scale: torch.Tensor,
+        start: int,
+        fmt: str,
+        dynamic: bool,
+        clipped: torch.Tensor,
+    ) -> None:
+        write_kv(key, value, key_codes, value_codes, key_scale, value_scale, start, get_format(fmt), dynamic, clipped)
+
+    @torch.library.triton_op("hf_fp8kv::attend", mutates_args=())
+    def attend_op(
+        query: torch.Tensor,
+        key_codes: torch.Tensor,
+        value_codes: torch.Tensor,
+        key_scale: torch.Tensor,
+        value_scale: torch.Tensor,
+        length: int,
+        fmt: str,
+        scaling: float,
+        mask: torch.Tensor | None,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        key_channel_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return attention(
+            query, key_codes, value_codes, key_scale, value_scale, length, get_format(fmt), scaling=scaling,
+            mask=mask, window=window, softcap=softcap, sinks=sinks, key_channel_scale=key_channel_scale,
+        )  # fmt: skip
+
+    return torch.ops.hf_fp8kv
