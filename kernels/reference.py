@@ -68,7 +68,8 @@ def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device, slot: 
     numel = math.prod(shape)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor can be written both inside and outside inference mode
+            buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel].view(shape)
 
 
