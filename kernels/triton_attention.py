@@ -70,7 +70,7 @@ def _attention_kernel(
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
     kv_heads, length, q_len, head_dim, split_size, num_splits, window,
-    score_scale, value_factor, softcap,
+    score_scale, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, FP16_SHIFT: tl.constexpr, PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -149,7 +149,7 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if PER_TOKEN_V:
             v_scale = tl.load(v_scale_ptr + b * vs_sb + kv_head * vs_sh + j * vs_st, mask=j_ok, other=0.0)
-            p = p * (v_scale * value_factor)[None, :]
+            p = p * (v_scale * value_boost)[None, :]
         v = tl.load(
             v_ptr + kv_base + j[:, None] * c_st + d[None, :] * c_sd, mask=j_ok[:, None] & d_ok[None, :], other=0
         )
@@ -166,10 +166,9 @@ def _attention_kernel(
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         else:
             sink = 0.0
-        if PER_TOKEN_V:
-            out_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-        else:
-            out_scale = tl.full([BLOCK_M], value_factor, tl.float32) * tl.load(v_scale_ptr + b * vs_sb + kv_head * vs_sh)
+        out_scale = tl.full([BLOCK_M], out_factor, tl.float32)
+        if not PER_TOKEN_V:
+            out_scale *= tl.load(v_scale_ptr + b * vs_sb + kv_head * vs_sh)
         out = finalize(acc, m_i, l_i, sink, out_scale, HAS_SINKS)
         tl.store(
             out_ptr + b * o_sb + head[:, None] * o_sh + pos[:, None] * o_sl + d[None, :] * o_sd,
@@ -183,7 +182,7 @@ def _reduce_kernel(
     part_acc_ptr, part_stats_ptr, v_scale_ptr, sinks_ptr, out_ptr,
     vs_sb, vs_sh,
     o_sb, o_sh, o_sl, o_sd,
-    out_rows, q_heads, q_len, head_dim, num_splits, value_factor,
+    out_rows, q_heads, q_len, head_dim, num_splits, out_factor,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PER_TOKEN_V: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
@@ -204,10 +203,9 @@ def _reduce_kernel(
     weight = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m)[:, None])
     l = tl.sum(l_s * weight, axis=1)
     acc = tl.sum(acc_s * weight[:, :, None], axis=1)
-    if PER_TOKEN_V:
-        out_scale = tl.full([BLOCK_R], 1.0, tl.float32)
-    else:
-        out_scale = value_factor * tl.load(v_scale_ptr + b * vs_sb + (head // GROUP) * vs_sh, mask=row_ok, other=0.0)
+    out_scale = tl.full([BLOCK_R], out_factor, tl.float32)
+    if not PER_TOKEN_V:
+        out_scale *= tl.load(v_scale_ptr + b * vs_sb + (head // GROUP) * vs_sh, mask=row_ok, other=0.0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     else:
@@ -270,6 +268,10 @@ def attention(
     part_stats = torch.empty(batch * q_heads * q_len * num_splits * 2 if split else 1, device=query.device)
     # the fp16 decode of float codes is value / fp16_factor: the factor joins the scales
     score_scale = scaling * fmt.fp16_factor * (1.0 if softcap is not None else LOG2E)
+    # per-token V scales (~amax / max) are boosted by a power of two near max before the probabilities go to
+    # fp16/bf16, or e5m2's (max 57344) would leave them subnormal; the output divides it out
+    value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token_v else 1.0
+    out_factor = fmt.fp16_factor / value_boost
     common = dict(BLOCK_D=block_d, PER_TOKEN_V=per_token_v, HAS_SINKS=sinks is not None)
     wrap_triton(_attention_kernel)[(row_blocks, batch * kv_heads, num_splits)](
         query, key_codes.view(torch.int8), value_codes.view(torch.int8), key_scale, value_scale,
@@ -278,7 +280,7 @@ def attention(
         out, part_acc, part_stats,
         *query.stride(), *key_codes.stride(), *ks_strides, *vs_strides, *mask_strides, *out.stride(),
         kv_heads, length, q_len, head_dim, split_size, num_splits, window or 0,
-        score_scale, fmt.fp16_factor, softcap or 1.0,
+        score_scale, value_boost, out_factor, softcap or 1.0,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, IS_FLOAT=fmt.is_float, FP16_SHIFT=fmt.fp16_shift,
         PER_TOKEN_K=per_token_k, HAS_MASK=mask is not None, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, HAS_CHANNEL_SCALE=key_channel_scale is not None, SPLIT=split,
@@ -291,7 +293,7 @@ def attention(
         wrap_triton(_reduce_kernel)[(triton.cdiv(out_rows, block_r),)](
             part_acc, part_stats, value_scale, sinks if sinks is not None else query, out,
             vs_strides[0], vs_strides[1], *out.stride(),
-            out_rows, q_heads, q_len, head_dim, num_splits, fmt.fp16_factor,
+            out_rows, q_heads, q_len, head_dim, num_splits, out_factor,
             GROUP=group, BLOCK_R=block_r, BLOCK_S=block_s, **common,
         )  # fmt: skip
     return out
