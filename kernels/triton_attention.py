@@ -79,9 +79,16 @@ def _attention_kernel(
     """Program (row block, batch * kv_head, split)."""
     DOT = q_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
-    b = tl.program_id(1) // kv_heads
+    b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = tl.program_id(1) % kv_heads
     split = tl.program_id(2)
+    q_ptr += b * q_sb
+    k_ptr += b * c_sb + kv_head.to(tl.int64) * c_sh
+    v_ptr += b * c_sb + kv_head.to(tl.int64) * c_sh
+    k_scale_ptr += b * ks_sb + kv_head * ks_sh
+    v_scale_ptr += b * vs_sb + kv_head * vs_sh
+    mask_ptr += b * m_sb
+    out_ptr += b * o_sb
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos = rows // GROUP
@@ -92,7 +99,7 @@ def _attention_kernel(
     d_ok = d < head_dim
 
     q = tl.load(
-        q_ptr + b * q_sb + head[:, None] * q_sh + pos[:, None] * q_sl + d[None, :] * q_sd,
+        q_ptr + head[:, None] * q_sh + pos[:, None] * q_sl + d[None, :] * q_sd,
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
@@ -101,7 +108,7 @@ def _attention_kernel(
         q = (q.to(tl.float32) * channel[None, :]).to(DOT)
     qk_scale = score_scale
     if not PER_TOKEN_K:
-        qk_scale *= tl.load(k_scale_ptr + b * ks_sb + kv_head * ks_sh)
+        qk_scale *= tl.load(k_scale_ptr)
 
     # the KV range of this split, narrowed to what the causal / window rule lets this row block see
     lo = split * split_size
@@ -116,21 +123,20 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_base = b * c_sb + kv_head * c_sh
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
         k = tl.load(
-            k_ptr + kv_base + j[None, :] * c_st + d[:, None] * c_sd, mask=j_ok[None, :] & d_ok[:, None], other=0
+            k_ptr + j[None, :] * c_st + d[:, None] * c_sd, mask=j_ok[None, :] & d_ok[:, None], other=0
         )
         scores = tl.dot(q, decode_tile(k, IS_FLOAT, FP16_SHIFT, DOT), input_precision=PRECISION) * qk_scale
         if PER_TOKEN_K:
-            scores *= tl.load(k_scale_ptr + b * ks_sb + kv_head * ks_sh + j * ks_st, mask=j_ok, other=0.0)[None, :]
+            scores *= tl.load(k_scale_ptr + j * ks_st, mask=j_ok, other=0.0)[None, :]
         if HAS_SOFTCAP:  # the score scale holds log2(e) only without softcap
             scores = softcap * _tanh(scores / softcap) * 1.4426950408889634
         if HAS_MASK:
             allowed = tl.load(
-                mask_ptr + b * m_sb + head[:, None] * m_sh + pos[:, None] * m_sl + j[None, :] * m_st,
+                mask_ptr + head[:, None] * m_sh + pos.to(tl.int64)[:, None] * m_sl + j[None, :] * m_st,
                 mask=row_ok[:, None] & j_ok[None, :],
                 other=0,
             )
@@ -148,10 +154,10 @@ def _attention_kernel(
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if PER_TOKEN_V:
-            v_scale = tl.load(v_scale_ptr + b * vs_sb + kv_head * vs_sh + j * vs_st, mask=j_ok, other=0.0)
+            v_scale = tl.load(v_scale_ptr + j * vs_st, mask=j_ok, other=0.0)
             p = p * (v_scale * value_boost)[None, :]
         v = tl.load(
-            v_ptr + kv_base + j[:, None] * c_st + d[None, :] * c_sd, mask=j_ok[:, None] & d_ok[None, :], other=0
+            v_ptr + j[:, None] * c_st + d[None, :] * c_sd, mask=j_ok[:, None] & d_ok[None, :], other=0
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), decode_tile(v, IS_FLOAT, FP16_SHIFT, DOT), input_precision=PRECISION)
         m_i = m_new
@@ -168,10 +174,10 @@ def _attention_kernel(
             sink = 0.0
         out_scale = tl.full([BLOCK_M], out_factor, tl.float32)
         if not PER_TOKEN_V:
-            out_scale *= tl.load(v_scale_ptr + b * vs_sb + kv_head * vs_sh)
+            out_scale *= tl.load(v_scale_ptr)
         out = finalize(acc, m_i, l_i, sink, out_scale, HAS_SINKS)
         tl.store(
-            out_ptr + b * o_sb + head[:, None] * o_sh + pos[:, None] * o_sl + d[None, :] * o_sd,
+            out_ptr + head[:, None] * o_sh + pos[:, None] * o_sl + d[None, :] * o_sd,
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
@@ -187,7 +193,7 @@ def _reduce_kernel(
     PER_TOKEN_V: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Program (block of output rows (batch, q_head, position)): merge the splits' partial results."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < out_rows
     pos = rows % q_len
     head = (rows // q_len) % q_heads

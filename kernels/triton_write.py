@@ -93,32 +93,35 @@ def _write_kernel(
 ):  # fmt: skip
     """Program (token block, batch * head, 0 = keys / 1 = values)."""
     pid_t = tl.program_id(0)
-    b = tl.program_id(1) // heads
-    h = tl.program_id(1) % heads
+    b = (tl.program_id(1) // heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
+    h = (tl.program_id(1) % heads).to(tl.int64)
     which = tl.program_id(2)
     if which == 0:
         src, codes_ptr, scale_ptr, sb, sh, st, sd = key_ptr, key_codes_ptr, key_scale_ptr, k_sb, k_sh, k_st, k_sd
     else:
         src, codes_ptr, scale_ptr, sb, sh, st, sd = value_ptr, value_codes_ptr, value_scale_ptr, v_sb, v_sh, v_st, v_sd
+    src += b * sb + h * sh
+    codes_ptr += b * c_sb + h * c_sh
+    scale_ptr += b * s_sb + h * s_sh
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
     row_ok = t < new_tokens
     valid = row_ok[:, None] & (d < head_dim)[None, :]
-    x = tl.load(src + b * sb + h * sh + t[:, None] * st + d[None, :] * sd, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(src + t[:, None] * st + d[None, :] * sd, mask=valid, other=0.0).to(tl.float32)
     if DYNAMIC:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, MAX), 1.0)
-        tl.store(scale_ptr + b * s_sb + h * s_sh + (start + t) * s_st, scale, mask=row_ok)
+        tl.store(scale_ptr + (start + t) * s_st, scale, mask=row_ok)
         y = tl.math.div_rn(x, scale[:, None])
     else:
-        scale = tl.load(scale_ptr + b * s_sb + h * s_sh)
+        scale = tl.load(scale_ptr)
         y = tl.math.div_rn(x, scale)
     n_clipped = tl.sum(tl.where(valid & (tl.abs(y) > CLIP), 1, 0))
     tl.atomic_add(clipped_ptr + which, n_clipped.to(tl.int64), mask=n_clipped > 0)
     code = encode(y, IS_FLOAT, MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
                   SIGNED_ZERO)
-    offsets = b * c_sb + h * c_sh + (start + t)[:, None] * c_st + d[None, :] * c_sd
+    offsets = (start + t)[:, None] * c_st + d[None, :] * c_sd
     tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=valid)
 
 

@@ -1,0 +1,49 @@
+"""End to end: generate through the Triton kernels (the interpreter on CPU) equals the torch backend."""
+
+import pytest
+import torch
+
+from hf_fp8kv import QuantizedFP8Cache
+from tests.models import tiny_model
+
+PROMPTS = torch.tensor([[0, 0, 0, 5, 17, 42, 8, 99], [23, 64, 11, 3, 7, 120, 1, 9]])
+PADDING = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def generate(model, backend, batch, **cache_kwargs):
+    cache = QuantizedFP8Cache(model, backend=backend, **cache_kwargs)
+    out = model.generate(
+        input_ids=PROMPTS[-batch:],
+        attention_mask=PADDING[-batch:],
+        max_new_tokens=4,
+        do_sample=False,
+        past_key_values=cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert {layer.backend for layer in cache.layers} == {backend}
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize(
+    "batch,cache_kwargs",
+    [(2, dict(scales="dynamic")), (1, dict(scales=0.05)), (1, dict(kv_cache_dtype="int8_per_token_head"))],
+    ids=["fp8-dynamic-left-padded", "fp8-static", "int8"],
+)
+def test_triton_backend_generates_what_torch_generates(model, batch, cache_kwargs):
+    tokens, logits = generate(model, "torch", batch, **cache_kwargs)
+    triton_tokens, triton_logits = generate(model, "triton", batch, **cache_kwargs)
+    assert torch.equal(triton_tokens, tokens)
+    torch.testing.assert_close(triton_logits, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_environment_variable_selects_the_backend(model, monkeypatch):
+    monkeypatch.setenv("HF_FP8KV_BACKEND", "triton")
+    cache = QuantizedFP8Cache(model, scales="dynamic")
+    model(input_ids=PROMPTS[1:, :3], past_key_values=cache)
+    assert {layer.backend for layer in cache.layers} == {"triton"}
