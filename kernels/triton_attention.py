@@ -172,7 +172,7 @@ def _attention_kernel(
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         else:
             sink = 0.0
-        out_scale = tl.full([BLOCK_M], out_factor, tl.float32)
+        out_scale = tl.zeros([BLOCK_M], tl.float32) + out_factor
         if not PER_TOKEN_V:
             out_scale *= tl.load(v_scale_ptr)
         out = finalize(acc, m_i, l_i, sink, out_scale, HAS_SINKS)
@@ -209,7 +209,7 @@ def _reduce_kernel(
     weight = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m)[:, None])
     l = tl.sum(l_s * weight, axis=1)
     acc = tl.sum(acc_s * weight[:, :, None], axis=1)
-    out_scale = tl.full([BLOCK_R], out_factor, tl.float32)
+    out_scale = tl.zeros([BLOCK_R], tl.float32) + out_factor
     if not PER_TOKEN_V:
         out_scale *= tl.load(v_scale_ptr + b * vs_sb + (head // GROUP) * vs_sh, mask=row_ok, other=0.0)
     if HAS_SINKS:

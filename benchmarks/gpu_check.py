@@ -1,0 +1,376 @@
+"""GPU check of the Triton kernels: the kernel tests on CUDA (bf16 included), then speed figures.
+
+(a) device copy bandwidth; (b) decode attention over FP8 codes, achieved GB/s as a fraction of (a), contexts
+4k..128k, batch 1..64, GQA 8:1, head_dim 128; (c) the same for transformers' SDPA over a BF16 cache and for
+transformers' `QuantizedCache(fp8)`; (d) decode step time vs context of a random-weight Llama-3-8B-shaped
+model (bf16), `DynamicCache` against ours, with the fitted slopes; (e) causal prefill attention against SDPA.
+Timing: `triton.testing.do_bench` medians after warm-up, inputs rotated over copies that together exceed the
+L2 cache. Everything printed is also written to `--out`.
+
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check-<date>-<device>.txt
+    python benchmarks/gpu_check.py --dry-run   # CPU: the same code path on the Triton interpreter, toy sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_TESTS = ["tests/kernels/test_triton_write.py", "tests/kernels/test_triton_attention.py"]
+
+
+@dataclass
+class Sizes:
+    """What each section measures; `FULL` on the GPU, `TOY` for the interpreter."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    contexts: list[int]
+    batches: list[int]
+    max_tokens: int  # batch * context cap of (b), (c)
+    max_tokens_dequantizing: int  # the same for QuantizedCache(fp8), which dequantizes everything per step
+    model: dict
+    model_contexts: list[int]
+    prefill_lengths: list[int]
+    copy_bytes: int
+    test_filter: str | None
+    dtype: torch.dtype  # of queries, K/V and the model (bf16 on the GPU; the interpreter's bf16 dot is broken)
+
+
+FULL = Sizes(
+    q_heads=32,
+    kv_heads=8,
+    head_dim=128,
+    contexts=[4096, 16384, 32768, 65536, 131072],
+    batches=[1, 8, 64],
+    max_tokens=4 * 2**20,
+    max_tokens_dequantizing=2**20,
+    model=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072),
+    model_contexts=[2048, 8192, 16384, 32768, 65536],
+    prefill_lengths=[1024, 4096, 16384],
+    copy_bytes=2 * 2**30,
+    test_filter=None,
+    dtype=torch.bfloat16,
+)  # fmt: skip
+TOY = Sizes(
+    q_heads=4,
+    kv_heads=2,
+    head_dim=64,
+    contexts=[130],
+    batches=[1, 2],
+    max_tokens=512,
+    max_tokens_dequantizing=256,
+    model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=512),
+    model_contexts=[16, 40],
+    prefill_lengths=[40],
+    copy_bytes=2**20,
+    test_filter="test_decode_step_writes_one_token",
+    dtype=torch.float32,
+)  # fmt: skip
+
+
+class Report:
+    """Prints each line and appends it to the output file at once (a timeout keeps what was measured)."""
+
+    def __init__(self, path: Path | None):
+        self.file = path.open("w") if path else None
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        if self.file:
+            self.file.write(text + "\n")
+            self.file.flush()
+
+    def table(self, rows: list[dict]) -> None:
+        from hf_fp8kv.table import format_table
+
+        self(format_table(rows))
+
+
+def bench(fn, dry_run: bool) -> float:
+    """Median milliseconds of `fn` (do_bench on the GPU; a few perf_counter runs on the interpreter)."""
+    if dry_run:
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+class Rotation:
+    """Calls `fn(copy)` on the next of enough copies of the inputs that together they exceed the L2 cache."""
+
+    def __init__(self, make_copy, bytes_per_copy: int, device: torch.device):
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+        count = max(1, min(16, math.ceil(4 * l2 / max(bytes_per_copy, 1))))
+        self.copies = [make_copy() for _ in range(count)]
+        self.next = 0
+
+    def __call__(self, fn):
+        def step():
+            fn(self.copies[self.next])
+            self.next = (self.next + 1) % len(self.copies)
+
+        return step
+
+
+def short_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_kernel_tests(report: Report, sizes: Sizes) -> None:
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    if sizes.test_filter:
+        command += ["-k", sizes.test_filter]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    report("## kernel tests: " + " ".join(command[3:]))
+    report("\n".join(result.stdout.strip().splitlines()[-6:]))
+    report(f"exit status {result.returncode}")
+
+
+def copy_bandwidth(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> float:
+    source = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    ms = bench(lambda: target.copy_(source), dry_run)
+    gbps = 2 * sizes.copy_bytes / ms / 1e6
+    report(f"## (a) copy bandwidth: {gbps:.0f} GB/s ({sizes.copy_bytes / 2**30:.2f} GiB read + written, {ms:.3f} ms)")
+    return gbps
+
+
+def random_codes(shape, fmt, device) -> torch.Tensor:
+    """Finite codes of every sign and binade (no NaN patterns)."""
+    codes = torch.randint(0, 0x70, shape, dtype=torch.uint8, device=device)
+    codes |= torch.randint(0, 2, shape, dtype=torch.uint8, device=device) << 7
+    return codes.view(fmt.dtype)
+
+
+def decode_attention(report: Report, sizes: Sizes, device: torch.device, dry_run: bool, copy_gbps: float) -> None:
+    from transformers import LlamaConfig, QuantizedCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_fp8kv.kernels import ops
+    from hf_fp8kv.kernels.formats import get_format
+
+    fmt = get_format("fp8_e4m3")
+    group = sizes.q_heads // sizes.kv_heads
+    module = SimpleNamespace(num_key_value_groups=group, is_causal=True, training=False)
+    one_layer = LlamaConfig(num_hidden_layers=1, num_attention_heads=sizes.q_heads, num_key_value_heads=sizes.kv_heads,
+                            hidden_size=sizes.q_heads * sizes.head_dim)  # fmt: skip
+    scaling = sizes.head_dim**-0.5
+    rows = []
+    for context in sizes.contexts:
+        for batch in sizes.batches:
+            if batch * context > sizes.max_tokens:
+                continue
+            kv_shape = (batch, sizes.kv_heads, context, sizes.head_dim)
+            query = torch.randn(batch, sizes.q_heads, 1, sizes.head_dim, device=device, dtype=sizes.dtype)
+            elements = 2 * math.prod(kv_shape)
+            figures = {}
+
+            def ours(scales: str):
+                def make():
+                    if scales == "dynamic":
+                        scale = [torch.rand(batch, sizes.kv_heads, context, device=device) + 0.5 for _ in range(2)]
+                    else:
+                        scale = [torch.full((1, sizes.kv_heads, 1), 0.5, device=device) for _ in range(2)]
+                    return [random_codes(kv_shape, fmt, device), random_codes(kv_shape, fmt, device), *scale]
+
+                scale_bytes = 2 * batch * sizes.kv_heads * context * 4 if scales == "dynamic" else 0
+                rotation = Rotation(make, elements + scale_bytes, device)
+                step = rotation(lambda c: ops.attend(query, *c, context, fmt, scaling=scaling, backend="triton"))
+                return bench(step, dry_run), elements + scale_bytes
+
+            figures["ours e4m3 static"] = ours("static")
+            figures["ours e4m3 per-token-head"] = ours("dynamic")
+
+            def sdpa():
+                def make():
+                    return [torch.randn(kv_shape, device=device, dtype=sizes.dtype) for _ in range(2)]
+
+                rotation = Rotation(make, 2 * elements, device)
+                step = rotation(lambda kv: sdpa_attention_forward(module, query, *kv, None, scaling=scaling))
+                return bench(step, dry_run), 2 * elements
+
+            figures[f"SDPA {short_name(sizes.dtype)}"] = sdpa()
+
+            if batch * context <= sizes.max_tokens_dequantizing:
+
+                def transformers_fp8():
+                    def make():
+                        cache = QuantizedCache(backend="fp8", config=one_layer)
+                        kv = [torch.randn(kv_shape, device=device, dtype=sizes.dtype) for _ in range(2)]
+                        cache.update(*kv, 0)
+                        return cache
+
+                    new = [torch.randn(batch, sizes.kv_heads, 1, sizes.head_dim, device=device, dtype=sizes.dtype)
+                           for _ in range(2)]  # fmt: skip
+
+                    def step(cache):  # what one layer of a decode step does: append, dequantize all, attend
+                        keys, values = cache.update(*new, 0)
+                        sdpa_attention_forward(module, query, keys, values, None, scaling=scaling)
+
+                    rotation = Rotation(make, elements, device)
+                    return bench(rotation(step), dry_run), elements
+
+                figures["transformers QuantizedCache(fp8)"] = transformers_fp8()
+
+            for name, (ms, nbytes) in figures.items():
+                gbps = nbytes / ms / 1e6
+                rows.append({"context": context, "batch": batch, "method": name, "ms": f"{ms:.4f}",
+                             "KV MB": f"{nbytes / 1e6:.1f}", "GB/s": f"{gbps:.0f}",
+                             "of copy": f"{gbps / copy_gbps:.0%}"})  # fmt: skip
+            del figures
+            free_memory()
+    report(f"## (b, c) decode attention, {sizes.q_heads}:{sizes.kv_heads} heads, head_dim {sizes.head_dim}, "
+           f"{sizes.dtype} query (GB/s = K/V bytes + per-token scales read / time)")  # fmt: skip
+    report.table(rows)
+
+
+def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> None:
+    import numpy
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from hf_fp8kv import QuantizedFP8Cache
+
+    config = LlamaConfig(**sizes.model, attn_implementation="sdpa")
+    dtype = sizes.dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(previous)
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    variants = {
+        f"DynamicCache {short_name(dtype)}": lambda: DynamicCache(config=config),
+        "ours e4m3 per-token-head": lambda: QuantizedFP8Cache(model, scales="dynamic", backend="triton"),
+    }
+    times = {name: [] for name in variants}
+    rows = []
+    for context in sizes.model_contexts:
+        token = torch.tensor([[7]], device=device)
+        position = torch.tensor([[context]], device=device)
+        row = {"context": context}
+        for name, make in variants.items():
+            cache = make()
+            for layer in range(layers):
+                kv = torch.randn(2, 1, kv_heads, context, head_dim, device=device, dtype=dtype)
+                cache.update(kv[0], kv[1], layer)
+
+            def step():
+                model(input_ids=token, position_ids=position, cache=cache)
+                cache.crop(-1)
+
+            with torch.inference_mode():
+                ms = bench(step, dry_run)
+            times[name].append(ms)
+            row[f"{name} ms"] = f"{ms:.3f}"
+            del cache
+            free_memory()
+        rows.append(row)
+    report(f"## (d) decode step of a random {layers}-layer Llama ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} "
+           f"B params, {dtype}), batch 1")  # fmt: skip
+    report.table(rows)
+    slopes = {name: numpy.polyfit(sizes.model_contexts, ms, 1)[0] * 1e3 for name, ms in times.items()}
+    for name, slope in slopes.items():
+        report(f"slope {name}: {slope:.5f} ms per 1k tokens of context")
+    base, ours = slopes.values()
+    report(f"slope ratio ours / DynamicCache: {ours / base:.3f} (target <= 0.50)")
+    del model
+    free_memory()
+
+
+def prefill(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_fp8kv.kernels import ops
+    from hf_fp8kv.kernels.formats import get_format
+
+    fmt = get_format("fp8_e4m3")
+    group = sizes.q_heads // sizes.kv_heads
+    module = SimpleNamespace(num_key_value_groups=group, is_causal=True, training=False)
+    scaling = sizes.head_dim**-0.5
+    rows = []
+    for length in sizes.prefill_lengths:
+        q = torch.randn(1, sizes.q_heads, length, sizes.head_dim, device=device, dtype=sizes.dtype)
+        k, v = (torch.randn(1, sizes.kv_heads, length, sizes.head_dim, device=device, dtype=sizes.dtype)
+                for _ in range(2))  # fmt: skip
+        codes = [torch.empty(k.shape, dtype=fmt.dtype, device=device) for _ in range(2)]
+        scales = [torch.empty(1, sizes.kv_heads, length, device=device) for _ in range(2)]
+        clipped = torch.zeros(2, dtype=torch.int64, device=device)
+
+        def write():
+            ops.write(k, v, *codes, *scales, 0, fmt, True, clipped, backend="triton")
+
+        def attend():
+            return ops.attend(q, *codes, *scales, length, fmt, scaling=scaling, backend="triton")
+
+        write()
+        sdpa_ms = bench(lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling), dry_run)
+        attend_ms = bench(attend, dry_run)
+        both_ms = bench(lambda: (write(), attend()), dry_run)
+        rows.append({"length": length, f"SDPA {short_name(sizes.dtype)} ms": f"{sdpa_ms:.3f}", "ours attend ms": f"{attend_ms:.3f}",
+                     "ours write+attend ms": f"{both_ms:.3f}", "attend / SDPA": f"{attend_ms / sdpa_ms:.2f}",
+                     "write+attend / SDPA": f"{both_ms / sdpa_ms:.2f}"})  # fmt: skip
+    report(f"## (e) causal prefill attention, batch 1, {sizes.q_heads}:{sizes.kv_heads} heads, head_dim "
+           f"{sizes.head_dim}, {sizes.dtype} (target <= 1.05x SDPA)")  # fmt: skip
+    report.table(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, toy sizes")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument("--skip-tests", action="store_true", help="skip the kernel tests")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+        device, sizes = torch.device("cpu"), TOY
+    elif torch.cuda.is_available():
+        device, sizes = torch.device("cuda"), FULL
+    else:
+        raise SystemExit("no CUDA device: run with --dry-run to exercise the code path on the Triton interpreter")
+    report = Report(args.out)
+    import triton
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter, dry run)"
+    report(f"# hf-fp8kv gpu_check {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {name}")
+    report(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")
+    torch.manual_seed(0)
+    if not args.skip_tests:
+        run_kernel_tests(report, sizes)
+    copy_gbps = copy_bandwidth(report, sizes, device, args.dry_run)
+    decode_attention(report, sizes, device, args.dry_run, copy_gbps)
+    decode_steps(report, sizes, device, args.dry_run)
+    prefill(report, sizes, device, args.dry_run)
+
+
+if __name__ == "__main__":
+    main()

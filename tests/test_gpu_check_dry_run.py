@@ -1,0 +1,25 @@
+"""benchmarks/gpu_check.py --dry-run: the GPU script's code path, on the Triton interpreter at toy sizes."""
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, run the script itself")
+def test_dry_run_reports_every_section(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    gpu_check = importlib.import_module("gpu_check")
+    out = tmp_path / "report.txt"
+    gpu_check.main(["--dry-run", "--out", str(out)])
+    report = out.read_text()
+    assert "1 passed" in report and "exit status 0" in report  # the kernel tests it runs
+    for section in ("(a) copy bandwidth", "(b, c) decode attention", "(d) decode step", "(e) causal prefill"):
+        assert f"## {section}" in report
+    for method in ("ours e4m3 static", "ours e4m3 per-token-head", "SDPA float32", "QuantizedCache(fp8)"):
+        assert method in report
+    assert re.search(r"slope ratio ours / DynamicCache: -?\d+\.\d+", report)
