@@ -7,6 +7,7 @@ the whole data set (min-max over every token, not the last batch); padding token
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -50,14 +51,14 @@ def calibrate(
         raise ValueError(f"percentile={percentile} must be in (0, 100]")
     observer = _Observer(keep_tokens=percentile is not None)
     total = len(data) if isinstance(data, (list, tuple)) else None
+    # only the cache's inputs matter: skip the LM head for all but one position where the model allows it
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with torch.inference_mode():
         for inputs in tqdm(model_inputs(data, tokenizer, max_length, model.device), total=total,
                            desc="calibrate", disable=not progress):  # fmt: skip
-            cache = _RecordingCache(model.config, observer, inputs.get("attention_mask"))
-            model(**inputs, cache=cache, use_cache=True)
-            observer.tokens += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs[
-                "input_ids"
-            ].numel()
+            mask = inputs.get("attention_mask")
+            model(**inputs, cache=_RecordingCache(model.config, observer, mask), use_cache=True, **extra)
+            observer.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
     if not observer.channel_amax:
         raise ValueError("calibration saw no keys: data was empty or the model never called the cache")
     return observer.scales(strategy, key_channels, percentile)

@@ -1,0 +1,121 @@
+"""Scale schemes in the cache: KVScales and paths as `scales=`, e4m3fnuz, ROCm, static per-channel key scales."""
+
+import pytest
+import torch
+
+from hf_fp8kv import KVScales, QuantizedFP8Cache
+from hf_fp8kv.kernels.formats import get_format
+from tests.models import tiny_model
+
+KV_HEADS, HEAD_DIM = 2, 16
+
+
+def states(seed, tokens=12, magnitude=5.0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=generator) * magnitude
+
+
+def test_kv_scales_object_and_its_file_serve_as_scales(tmp_path):
+    scales = KVScales(key={0: torch.tensor([0.5]), 1: torch.tensor([0.25, 0.125])},
+                      value={0: torch.tensor([2.0]), 1: torch.tensor([1.0, 3.0])})  # fmt: skip
+    path = scales.save(tmp_path / "scales.safetensors")
+    rows = QuantizedFP8Cache(tiny_model(), scales=scales).summary()
+    assert [(r["k_scale"], r["v_scale"]) for r in rows] == [("0.5", "2"), ("[0.25, 0.125]", "[1, 3]")]
+    for given in (str(path), path):  # the file declares strategy attn_head: layer 0's scale is stored per head
+        rows = QuantizedFP8Cache(tiny_model(), scales=given).summary()
+        assert [(r["k_scale"], r["v_scale"]) for r in rows] == [("[0.5, 0.5]", "[2, 2]"), ("[0.25, 0.125]", "[1, 3]")]
+    assert rows[0]["source"] == f"calibration file {path}"
+    with pytest.raises(ValueError, match="expected 'auto', 'dynamic'.*path of a scales file"):
+        QuantizedFP8Cache(tiny_model(), scales="no/such/file.safetensors")
+
+
+def test_fnuz_codes_decode_like_e4m3fn_with_doubled_scale():
+    """The same bits mean half the value in e4m3fnuz: with the OCP scale doubled (as checkpoints are
+    converted), both formats store the same bit patterns and decode to the same values."""
+    model = tiny_model()
+    keys, values = states(0), states(1)
+    layers = {}
+    for name in ("fp8_e4m3", "fp8_e4m3fnuz"):
+        cache = QuantizedFP8Cache(model, kv_cache_dtype=name, scales=0.05)  # |x| / 0.05 < 448 for these states
+        cache.layers[0].update(keys, values)
+        layers[name] = cache.layers[0]
+    ocp, fnuz = layers["fp8_e4m3"], layers["fp8_e4m3fnuz"]
+    assert fnuz.key_scale.flatten().tolist() == pytest.approx([0.1, 0.1]) and fnuz.fmt.max == 240
+    for name in ("key_codes", "value_codes"):  # the stored tokens of buffers that hold a whole block
+        bits = [getattr(layer, name)[:, :, : layer.length].view(torch.uint8) for layer in (ocp, fnuz)]
+        assert torch.equal(*bits)
+    for a, b in zip(ocp.dequantized(), fnuz.dequantized()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and both are within the format's precision (3 mantissa bits: half an ulp is 2^-4 relative) of the input
+    torch.testing.assert_close(fnuz.dequantized()[0], keys, rtol=2**-4, atol=0.05 * 2**-9)
+
+
+def test_rocm_picks_fnuz_for_fp8(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    assert QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt is get_format("fp8_e4m3fnuz")
+    assert QuantizedFP8Cache(tiny_model(), kv_cache_dtype="fp8_e4m3", scales="dynamic").fmt.name == "fp8_e4m3"
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt.name == "fp8_e4m3"
+
+
+def per_channel_scales(keys, channel):
+    """Per-tensor K/V scales covering the states, with `channel` as the static per-channel key scale."""
+    amax = keys.abs().amax() / 448
+    return KVScales(key={i: amax.reshape(1) for i in range(2)}, value={i: amax.reshape(1) for i in range(2)},
+                    key_channel={i: channel for i in range(2)})  # fmt: skip
+
+
+def test_per_channel_key_scale_keeps_small_channels_precise():
+    """KIVI-style keys: one outlier channel at ~400 and channels at ~0.001, which a per-tensor scale pushes
+    into e4m3's subnormals; a per-channel scale keeps them at full relative precision."""
+    keys = states(2, magnitude=0.001)
+    keys[..., 0] = 400.0
+    channel_amax = keys.abs().amax(dim=(0, 2))
+    model = tiny_model()
+    errors = {}
+    for name, channel in (("tensor", torch.ones(KV_HEADS, HEAD_DIM)), ("channel", channel_amax / channel_amax.amax())):
+        cache = QuantizedFP8Cache(model, scales=per_channel_scales(keys, channel))
+        cache.layers[0].update(keys, keys)
+        stored, _ = cache.layers[0].dequantized()
+        errors[name] = ((stored - keys)[..., 1:].abs() / keys[..., 1:].abs()).mean().item()
+    assert errors["channel"] < 2**-4 < 0.1 < errors["tensor"]
+
+
+def test_per_channel_key_scale_folds_into_the_query_exactly():
+    """The FP8 attention (channel scale folded into the query) matches sdpa over the dequantized keys, and a
+    cache with channel scales runs generate to the same tokens as without when the scales are all one."""
+    model = tiny_model()
+    channel = torch.linspace(0.05, 1.0, KV_HEADS * HEAD_DIM).reshape(KV_HEADS, HEAD_DIM)
+    keys, values = states(3), states(4)
+    cache = QuantizedFP8Cache(model, scales=per_channel_scales(keys, channel))
+    view, _ = cache.layers[0].update(keys, values)
+    query = torch.randn(1, 4, 3, HEAD_DIM, generator=torch.Generator().manual_seed(5))
+    out = view.attend(query, scaling=0.25)
+    k, v = view.dequantized()
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), scale=0.25,
+        attn_mask=torch.ones(3, 12, dtype=torch.bool).tril(diagonal=9),
+    )  # fmt: skip
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert cache.summary()[0]["granularity"] == "per-tensor + key channels"
+
+    ids = torch.tensor([[5, 17, 42, 8, 99, 23]])
+    ones = per_channel_scales(keys, torch.ones(KV_HEADS, HEAD_DIM))
+    plain = KVScales(key=ones.key, value=ones.value)
+    runs = [model.generate(ids, max_new_tokens=6, do_sample=False, cache=QuantizedFP8Cache(model, scales=s))
+            for s in (ones, plain)]  # fmt: skip
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize(
+    "channel,match",
+    [
+        (torch.ones(3, HEAD_DIM), r"key channel scale has shape \(3, 16\): expected \[kv_heads=2"),
+        (torch.ones(KV_HEADS, 8), r"key channel scales have shape \(2, 8\), keys have 2 KV heads x 16 channels"),
+        (torch.zeros(KV_HEADS, HEAD_DIM), "key channel scale must be finite and > 0"),
+    ],
+)
+def test_bad_channel_scales_are_refused(channel, match):
+    with pytest.raises(ValueError, match=match):
+        cache = QuantizedFP8Cache(tiny_model(), scales=per_channel_scales(torch.ones(1), channel))
+        cache.layers[0].update(states(0), states(1))
