@@ -79,9 +79,10 @@ def layer_sensitivity(
             agree.append(ref[valid].argmax(-1) == logits[valid].argmax(-1))
         return torch.cat(kls).mean().item(), torch.cat(agree).float().mean().item()
 
-    kl_all, _ = measure([])  # warns once if the scales fall back to 1.0
+    QuantizedFP8Cache(model, kv_cache_dtype=kv_cache_dtype, scales=scales)  # warns once if scales fall back to 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UncalibratedScalesWarning)
+        kl_all, _ = measure([])
         rows = []
         for layer in tqdm(range(num_layers), desc="layers", disable=not progress):
             kl, top1 = measure([i for i in range(num_layers) if i != layer])
