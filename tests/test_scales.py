@@ -119,3 +119,17 @@ def test_bad_channel_scales_are_refused(channel, match):
     with pytest.raises(ValueError, match=match):
         cache = QuantizedFP8Cache(tiny_model(), scales=per_channel_scales(torch.ones(1), channel))
         cache.layers[0].update(states(0), states(1))
+
+
+def test_per_channel_key_scale_on_the_triton_backend_matches_torch():
+    """The same cache on the Triton kernels (the interpreter on CPU): prefill and one decode step."""
+    model = tiny_model()
+    scales = per_channel_scales(states(3), torch.linspace(0.05, 1.0, KV_HEADS * HEAD_DIM).reshape(KV_HEADS, HEAD_DIM))
+    ids = torch.tensor([[5, 17, 42, 8, 99, 23]])
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = QuantizedFP8Cache(model, scales=scales, backend=backend)
+        with torch.inference_mode():
+            logits[backend] = [model(input_ids=ids, cache=cache).logits, model(input_ids=ids[:, :1], cache=cache).logits]
+    for torch_logits, triton_logits in zip(logits["torch"], logits["triton"]):
+        torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-5, atol=1e-5)
