@@ -97,14 +97,10 @@ def _write_kernel(
     h = (tl.program_id(1) % heads).to(tl.int64)
     which = tl.program_id(2)
     if which == 0:
-        src, codes_ptr, scale_ptr = key_ptr, key_codes_ptr, key_scale_ptr
+        src, codes_ptr, scale_ptr, sb, sh, st, sd = key_ptr, key_codes_ptr, key_scale_ptr, k_sb, k_sh, k_st, k_sd
     else:
-        src, codes_ptr, scale_ptr = value_ptr, value_codes_ptr, value_scale_ptr
-    # strides are selected outside the `if`: Triton specializes a stride of 1 to a constant, and the two
-    # branches must yield values of one type
-    is_key = which == 0
-    st, sd = tl.where(is_key, k_st, v_st), tl.where(is_key, k_sd, v_sd)
-    src += b * tl.where(is_key, k_sb, v_sb) + h * tl.where(is_key, k_sh, v_sh)
+        src, codes_ptr, scale_ptr, sb, sh, st, sd = value_ptr, value_codes_ptr, value_scale_ptr, v_sb, v_sh, v_st, v_sd
+    src += b * sb + h * sh
     codes_ptr += b * c_sb + h * c_sh
     scale_ptr += b * s_sb + h * s_sh
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
