@@ -1,0 +1,76 @@
+"""The `hf-fp8kv compare` command: a small run on the bundled SmolLM2 and on a local model directory, and its errors."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from hf_fp8kv.bundled import smollm2_dir
+from hf_fp8kv.cli import main
+from tests.models import tiny_model
+
+SMALL = ["--max-new-tokens", "3", "--prefill", "16", "--eval-tokens", "8", "--contexts", "24", "--decode-steps", "1",
+         "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("Say hello.\n\n")
+    return path
+
+
+def run(capsys, *args):
+    status = main(["compare", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_default_model_prints_the_tables_and_writes_the_plots(capsys, tmp_path, prompts_file):
+    status, out, _ = run(capsys, *SMALL, "--variants", "fp8_per_token_head", "--prompts-file", str(prompts_file),
+                         "--out", str(tmp_path))
+    assert status == 0
+    assert "== Summary ==" in out and "fp8_per_token_head" in out and "prompt 1: Say hello." in out
+    for name in ("report.txt", "report.html", "kl_vs_position.png", "memory_vs_context.png", "step_time_vs_context.png"):
+        assert (tmp_path / name).stat().st_size > 0
+        assert str(tmp_path / name) in out
+
+
+def test_local_model_directory(capsys, tmp_path, prompts_file):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text("The keeper wrote the weather down at six every morning and six every evening. " * 4)
+    status, out, _ = run(capsys, *SMALL, "--model", str(tmp_path / "model"), "--variants", "fp8_e4m3,hf_quantized_fp8",
+                         "--prompts-file", str(prompts_file), "--text-file", str(text), "--out", str(tmp_path / "out"))
+    assert status == 0
+    assert all(name in out for name in ("native", "fp8_e4m3", "hf_quantized_fp8", "Cost (batch 1)"))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/no/such/model"], "'/no/such/model' is neither a local model directory nor a model in the"),
+        (["--variants", "fp8_e4m3,fp9"], "unknown variant 'fp9'; valid names: native, fp8_e4m3"),
+        (["--prompts-file", "EMPTY"], "prompts is empty"),
+        (["--text-file", "SHORT", "--prefill", "64"], r"text 1 has \d+ tokens, no more than prefill=64"),
+        (["--gguf-file", "model.gguf"], "--gguf-file needs --model"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_error(capsys, tmp_path, args, message):
+    (tmp_path / "EMPTY").write_text("\n \n")
+    (tmp_path / "SHORT").write_text("Too short.")
+    args = [str(tmp_path / a) if a in ("EMPTY", "SHORT") else a for a in args]
+    status, _, err = run(capsys, *args, "--out", str(tmp_path / "out"))
+    assert status == 2
+    assert re.search("hf-fp8kv: error: .*" + message, err)
+
+
+def test_python_m_entry_point_shows_help():
+    result = subprocess.run([sys.executable, "-m", "hf_fp8kv", "compare", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "about 3 minutes on 2 CPU cores" in " ".join(result.stdout.split())
+    assert "--gguf-file" in result.stdout and "--contexts" in result.stdout

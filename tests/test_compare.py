@@ -1,0 +1,163 @@
+"""`hf_fp8kv.compare`: the A/B report on a tiny random model and on SmolLM2, its figures and its input errors."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache
+
+from hf_fp8kv import compare
+from hf_fp8kv.bundled import smollm2_dir
+from hf_fp8kv.compare import BUILTIN_VARIANTS, builtin_text, kv_bytes, resolve_variants
+from tests.models import smollm2, tiny_model
+
+PROMPTS = ["Name three colours of the sea.", "Write one line about a lighthouse."]
+BROKEN = {"scales": 1e-6}  # every K/V value saturates: a variant that must be flagged
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer():
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama", vocab_size=len(tokenizer()))
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tiny):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return compare(
+            tiny,
+            tokenizer(),
+            prompts=PROMPTS,
+            variants={"again": lambda model: DynamicCache(config=model.config), "broken": BROKEN, "fp8": "fp8_e4m3",
+                      "hf": "hf_quantized_fp8"},
+            max_new_tokens=6,
+            prefill=16,
+            eval_tokens=40,
+            contexts=(24, 200),
+            decode_steps=2,
+            progress=False,
+        )
+
+
+def by_variant(rows):
+    return {row["variant"]: row for row in rows}
+
+
+def test_tables_have_a_row_per_variant_prompt_bucket_and_context(tiny_result):
+    names = ["native", "again", "broken", "fp8", "hf"]
+    assert [row["variant"] for row in tiny_result.summary_rows()] == names
+    assert [(r["prompt"], r["variant"]) for r in tiny_result.generation_rows()] == [(p, n) for p in (1, 2) for n in names]
+    quality = tiny_result.quality_rows()
+    assert [r["context"] for r in quality[:: len(names)]] == ["all", "16-31", "32-55"]
+    assert sum(r["tokens"] for r in quality if r["context"] != "all" and r["variant"] == "fp8") == 40
+    assert [(r["variant"], r["context"]) for r in tiny_result.cost_rows()] == [(n, c) for n in names for c in (24, 200)]
+
+
+def test_reference_against_itself_is_exact(tiny_result):
+    again = by_variant(tiny_result.summary_rows())["again"]
+    assert (again["verdict"], again["diverged"]) == ("identical", "0/2")
+    assert again["kl_mean"] == 0.0 and again["ppl_delta_%"] == 0.0 and again["top1_%"] == 100.0
+    assert all(g.diverges_at is None for g in tiny_result.generations if g.variant == "again")
+
+
+def test_broken_variant_is_flagged_and_sane_variants_are_close(tiny_result):
+    summary = by_variant(tiny_result.summary_rows())
+    assert summary["broken"]["verdict"] in ("FAILS top-k rule", "diverges, top-k ok")
+    assert summary["broken"]["diverged"] == "2/2"
+    assert summary["broken"]["kl_mean"] > 100 * summary["fp8"]["kl_mean"]
+    assert summary["fp8"]["kl_mean"] < 1e-3 and summary["fp8"]["top1_%"] > 90
+
+
+def test_memory_and_speed_figures(tiny_result):
+    costs = {(p.variant, p.context): p for p in tiny_result.costs}
+    native, ours, theirs = costs["native", 200], costs["fp8", 200], costs["hf", 200]
+    # 2 layers x 2 KV heads x 16 dims x (K + V): 512 bytes a token in fp32, 128 in fp8 (+ block slack for ours)
+    assert native.kv_bytes == 512 * native.tokens
+    assert 128 * ours.tokens <= ours.kv_bytes <= 128 * (ours.tokens + 64)
+    assert 128 * theirs.tokens <= theirs.kv_bytes < 130 * theirs.tokens
+    assert all(p.peak_bytes >= tiny_result.weight_bytes + p.kv_bytes for p in tiny_result.costs)
+    assert all(p.step_ms > 0 for p in tiny_result.costs)
+    summary = by_variant(tiny_result.summary_rows())
+    assert summary["fp8"]["max_batch@200"] > 3 * summary["native"]["max_batch@200"]
+
+
+def test_report_renders_and_saves_png_plots(tiny_result, tmp_path):
+    text, page = str(tiny_result), tiny_result._repr_html_()
+    for title in ("Summary", "Greedy outputs", "Decode-mode quality by context length", "Cost (batch 1)"):
+        assert title in text and title in page
+    assert "[[" in text and "<mark>" in page  # the broken variant's first divergent token is marked
+    paths = tiny_result.save(tmp_path / "report")
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert {p.stem for p in pngs} == {"kl_vs_position", "memory_vs_context", "step_time_vs_context"}
+    for png in pngs:
+        data = png.read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+    assert (tmp_path / "report" / "report.txt").read_text().startswith("device cpu")
+
+
+def test_kv_bytes_counts_a_dynamic_cache_tensors(tiny):
+    cache = DynamicCache(config=tiny.config)
+    tiny(input_ids=torch.arange(10)[None], cache=cache, use_cache=True)
+    assert kv_bytes(cache) == sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) == 10 * 512
+
+
+def test_smollm2_per_token_head_is_close_and_broken_scales_diverge():
+    model, tok = smollm2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = compare(
+            model,
+            tok,
+            prompts=PROMPTS[:1],
+            variants={"fp8_per_token_head": "fp8_per_token_head", "broken": BROKEN},
+            max_new_tokens=6,
+            prefill=32,
+            eval_tokens=16,
+            contexts=(48,),
+            decode_steps=1,
+            progress=False,
+        )
+    summary = by_variant(result.summary_rows())
+    assert summary["fp8_per_token_head"]["kl_mean"] < 0.02 and summary["fp8_per_token_head"]["top1_%"] >= 90
+    assert summary["broken"]["verdict"] == "FAILS top-k rule" and summary["broken"]["kl_mean"] > 1
+    assert 0 < summary["fp8_per_token_head"]["kv_vs_ref_%"] < 60
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+
+
+def test_unknown_variant_lists_the_valid_names():
+    with pytest.raises(ValueError, match="unknown variant 'fp9'.*fp8_e4m3.*hf_quantized_fp8"):
+        resolve_variants(["fp8_e4m3", "fp9"])
+    with pytest.raises(TypeError, match="built-in names"):
+        resolve_variants([{"scales": 1.0}])
+
+
+def test_default_variants_put_the_reference_first():
+    assert [v.name for v in resolve_variants(None)] == list(BUILTIN_VARIANTS)
+    assert [v.name for v in resolve_variants({"mine": {"scales": 2.0}, "native": "native"})] == ["native", "mine"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(prompts=[]), "prompts is empty"),
+        (dict(prompts=["ok", "  "]), "prompts is empty or holds a blank entry"),
+        (dict(texts=["A short text."]), r"text 1 has \d+ tokens, no more than prefill=64"),
+        (dict(variants={"bad": {"kv_cache_dtype": "fp9"}}), "kv_cache_dtype='fp9'"),
+        (dict(contexts=(0, 8)), "contexts"),
+    ],
+)
+def test_bad_input_fails_before_running(tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        compare(tiny, tokenizer(), **{"variants": ["fp8_e4m3"], **kwargs})
+
+
+def test_builtin_text_is_long_enough_for_the_defaults():
+    assert len(tokenizer()(builtin_text()).input_ids) > 64 + 256  # prefill + eval_tokens
