@@ -294,8 +294,8 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
             del cache
             free_memory()
         rows.append(row)
-    report(f"## (d) decode step of a random {layers}-layer Llama ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} "
-           f"B params, {dtype}), batch 1")  # fmt: skip
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    report(f"## (d) decode step of a random {layers}-layer Llama ({params:.2f} B params, {dtype}), batch 1")
     report.table(rows)
     slopes = {name: numpy.polyfit(sizes.model_contexts, ms, 1)[0] * 1e3 for name, ms in times.items()}
     for name, slope in slopes.items():
@@ -335,9 +335,9 @@ def prefill(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -
         sdpa_ms = bench(lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling), dry_run)
         attend_ms = bench(attend, dry_run)
         both_ms = bench(lambda: (write(), attend()), dry_run)
-        rows.append({"length": length, f"SDPA {short_name(sizes.dtype)} ms": f"{sdpa_ms:.3f}", "ours attend ms": f"{attend_ms:.3f}",
-                     "ours write+attend ms": f"{both_ms:.3f}", "attend / SDPA": f"{attend_ms / sdpa_ms:.2f}",
-                     "write+attend / SDPA": f"{both_ms / sdpa_ms:.2f}"})  # fmt: skip
+        rows.append({"length": length, f"SDPA {short_name(sizes.dtype)} ms": f"{sdpa_ms:.3f}",
+                     "ours attend ms": f"{attend_ms:.3f}", "ours write+attend ms": f"{both_ms:.3f}",
+                     "attend / SDPA": f"{attend_ms / sdpa_ms:.2f}", "write+attend / SDPA": f"{both_ms / sdpa_ms:.2f}"})  # fmt: skip
     report(f"## (e) causal prefill attention, batch 1, {sizes.q_heads}:{sizes.kv_heads} heads, head_dim "
            f"{sizes.head_dim}, {sizes.dtype} (target <= 1.05x SDPA)")  # fmt: skip
     report.table(rows)

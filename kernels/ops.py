@@ -57,7 +57,8 @@ def write(
     number of values saturated at the format's max.
     """
     if backend == "triton":
-        triton_ops().write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt.name, dynamic, clipped)
+        buffers = (key_codes, value_codes, key_scale, value_scale)
+        triton_ops().write(key, value, *buffers, start, fmt.name, dynamic, clipped)
         return
     end = start + key.shape[2]
     for i, (states, codes, scale) in enumerate(((key, key_codes, key_scale), (value, value_codes, value_scale))):

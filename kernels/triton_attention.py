@@ -159,7 +159,8 @@ def _attention_kernel(
         v = tl.load(
             v_ptr + j[:, None] * c_st + d[None, :] * c_sd, mask=j_ok[:, None] & d_ok[None, :], other=0
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), decode_tile(v, IS_FLOAT, FP16_SHIFT, DOT), input_precision=PRECISION)
+        v = decode_tile(v, IS_FLOAT, FP16_SHIFT, DOT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
         m_i = m_new
 
     if SPLIT:

@@ -10,6 +10,7 @@ from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.triton_attention import attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRACE_CHECKS = ("test_faketensor", "test_aot_dispatch_dynamic")  # what torch.compile needs of a custom op
 # error relative to the largest output of the fp32 oracle, by query dtype
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -158,6 +159,17 @@ def test_registered_op_is_the_launcher():
     direct = attention(*args, fmt, scaling=0.1, softcap=10.0)
     registered = ops.triton_ops().attend(*args, fmt.name, 0.1, None, None, 10.0, None, None)
     assert torch.equal(registered, direct)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing needs compiled kernels (GPU)")
+def test_registered_op_traces_for_torch_compile():
+    case = Case(q_len=3, scales="per-head", mask="padding")
+    key_codes, value_codes, key_scale, value_scale = make_cache(case, torch.Generator().manual_seed(1))
+    query = torch.randn(case.batch, case.kv_heads * case.group, case.q_len, case.head_dim, device=DEVICE)
+    mask = make_mask(case, torch.Generator()).to(DEVICE)
+    args = (query, key_codes, value_codes, key_scale, value_scale, case.length, case.fmt, 0.1, mask, None, 30.0,
+            None, None)  # fmt: skip
+    torch.library.opcheck(ops.triton_ops().attend.default, args, test_utils=TRACE_CHECKS)
 
 
 def test_bad_inputs_are_named():

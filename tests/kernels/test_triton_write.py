@@ -14,6 +14,7 @@ from hf_fp8kv.kernels.reference import quantize
 from hf_fp8kv.kernels.triton_write import encode, encoding, write_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRACE_CHECKS = ("test_faketensor", "test_aot_dispatch_dynamic")  # what torch.compile needs of a custom op
 EDGES = [31.6, 125.4, 447.0, 448.0, 449.0, 464.0, 465.0, 1e30, -math.inf, math.inf, 2.0**-10, 2.0**-9 * 1.5,
          -(2.0**-10), 1e-30, -0.0, 0.0, 0.5, 1.5, 2.5, -2.5, 126.5, 240.0, 248.0, 57344.0, 61440.0, 61441.0,
          math.nan]  # fmt: skip
@@ -42,7 +43,8 @@ def hard_values(fmt) -> torch.Tensor:
     base = torch.cat([values, midpoints, torch.tensor(EDGES, dtype=torch.float64)]).float()
     bits = base.view(torch.int32)
     near = torch.cat([(bits + step).view(torch.float32) for step in range(-3, 4)])
-    randoms = torch.randint(-(2**31), 2**31 - 1, (100_000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    randoms = torch.randint(-(2**31), 2**31 - 1, (100_000,), dtype=torch.int64, generator=generator)
     return torch.cat([near, -near, randoms.to(torch.int32).view(torch.float32)])
 
 
@@ -109,6 +111,17 @@ def test_decode_step_writes_one_token():
     expected = run_write("torch", key, -key, fmt, "dynamic", 8, 5)
     got = run_write("triton", key, -key, fmt, "dynamic", 8, 5)
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing needs compiled kernels (GPU)")
+def test_registered_op_traces_for_torch_compile():
+    fmt = FORMATS["fp8_e4m3"]
+    key = torch.randn(1, 2, 3, 64, device=DEVICE)
+    codes = [torch.zeros(1, 2, 8, 64, dtype=fmt.dtype, device=DEVICE) for _ in range(2)]
+    scales = [torch.zeros(1, 2, 8, device=DEVICE) for _ in range(2)]
+    clipped = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    args = (key, -key, *codes, *scales, 2, fmt.name, True, clipped)
+    torch.library.opcheck(ops.triton_ops().write.default, args, test_utils=TRACE_CHECKS)
 
 
 def test_bad_buffers_are_named():
