@@ -23,7 +23,7 @@ from torch.library import wrap_triton
 from .formats import StorageFormat
 from .triton_write import check_codes
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
 MIN_ROWS = 16  # tl.dot needs 16 rows
 REDUCE_TILE = 4096  # partial-result elements one reduce program merges
 
@@ -41,7 +41,7 @@ def decode_tile(codes, IS_FLOAT: tl.constexpr, FP16_SHIFT: tl.constexpr, DOT: tl
 
 @triton.jit
 def _tanh(x):
-    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 
@@ -133,7 +133,7 @@ def _attention_kernel(
         if PER_TOKEN_K:
             scores *= tl.load(k_scale_ptr + j * ks_st, mask=j_ok, other=0.0)[None, :]
         if HAS_SOFTCAP:  # the score scale holds log2(e) only without softcap
-            scores = softcap * _tanh(scores / softcap) * 1.4426950408889634
+            scores = softcap * _tanh(scores / softcap) * LOG2E
         if HAS_MASK:
             allowed = tl.load(
                 mask_ptr + head[:, None] * m_sh + pos.to(tl.int64)[:, None] * m_sl + j[None, :] * m_st,
@@ -170,7 +170,7 @@ def _attention_kernel(
         tl.store(part_stats_ptr + row_index * 2 + 1, l_i, mask=row_ok)
     else:
         if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         else:
             sink = 0.0
         out_scale = tl.zeros([BLOCK_M], tl.float32) + out_factor
@@ -214,7 +214,7 @@ def _reduce_kernel(
     if not PER_TOKEN_V:
         out_scale *= tl.load(v_scale_ptr + b * vs_sb + (head // GROUP) * vs_sh, mask=row_ok, other=0.0)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
     else:
         sink = 0.0
     out = finalize(acc, m, l, sink, out_scale, HAS_SINKS)
@@ -277,7 +277,7 @@ def attention(
     part_acc = torch.empty(batch * q_heads * q_len * num_splits * block_d if split else 1, device=query.device)
     part_stats = torch.empty(batch * q_heads * q_len * num_splits * 2 if split else 1, device=query.device)
     # the fp16 decode of float codes is value / fp16_factor: the factor joins the scales
-    score_scale = scaling * fmt.fp16_factor * (1.0 if softcap is not None else LOG2E)
+    score_scale = scaling * fmt.fp16_factor * (1.0 if softcap is not None else LOG2E.value)
     # per-token V scales (~amax / max) are boosted by a power of two near max before the probabilities go to
     # fp16/bf16, or e5m2's (max 57344) would leave them subnormal; the output divides it out
     value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token_v else 1.0
