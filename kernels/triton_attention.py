@@ -9,6 +9,9 @@ Codes are decoded in registers to fp16 by bit operations (exact, see `StorageFor
 memory; the scales are folded out of the inner loop: per-head K scale and the fp16 decode factor into the
 score scale, per-token K scale times the score, per-token V scale into the probabilities, per-head V scale
 into the output. The dot runs in the query's dtype (fp16/bf16 tensor cores) or in exact fp32 (`ieee`).
+
+Prefill reads the codes too: the cache writes the new tokens first, with or without a past, so there is one read
+path and a prompt's logits equal those of feeding it token by token.
 """
 
 from __future__ import annotations
