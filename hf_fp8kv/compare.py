@@ -358,10 +358,10 @@ class Comparison:
         for variant, color in zip(self.variants, _colors()):
             points = [p for p in self.costs if p.variant == variant.name]
             contexts = [p.context for p in points]
-            ax.plot(contexts, [p.kv_bytes / MIB for p in points], "o-", color=color, label=f"{variant.name} KV held")
-            extra = [(p.peak_bytes - self.weight_bytes) / MIB for p in points]
-            ax.plot(contexts, extra, "x--", color=color, label=f"{variant.name} step peak - weights")
-        ax.set(xlabel="context (tokens)", ylabel="MiB", title="Memory vs context (batch 1)")
+            ax.plot(contexts, [p.kv_bytes / MIB for p in points], "o-", color=color, label=variant.name)
+            ax.plot(contexts, [(p.peak_bytes - self.weight_bytes) / MIB for p in points], "x--", color=color)
+        ax.set(xlabel="context (tokens)", ylabel="MiB (solid: KV held; dashed: step peak - weights)")
+        ax.set_title("Memory vs context (batch 1)")
         _legend(ax)
 
     def _plot_step_time(self, ax) -> None:
