@@ -1,8 +1,9 @@
 """The `hf-fp8kv compare` command: a small run on the bundled SmolLM2 and on a local model directory, and its errors."""
 
 import re
-import subprocess
+import runpy
 import sys
+from importlib.metadata import entry_points
 
 import pytest
 from transformers import AutoTokenizer
@@ -69,8 +70,12 @@ def test_bad_input_exits_2_with_a_clear_error(capsys, tmp_path, args, message):
     assert re.search("hf-fp8kv: error: .*" + message, err)
 
 
-def test_python_m_entry_point_shows_help():
-    result = subprocess.run([sys.executable, "-m", "hf_fp8kv", "compare", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0
-    assert "about 3 minutes on 2 CPU cores" in " ".join(result.stdout.split())
-    assert "--gguf-file" in result.stdout and "--contexts" in result.stdout
+def test_python_m_and_console_script_entry_points(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["hf_fp8kv", "compare", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("hf_fp8kv", run_name="__main__")
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "about 3 minutes on 2 CPU cores" in out and "--gguf-file" in out and "--contexts" in out
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts["hf-fp8kv"] == "hf_fp8kv.cli:main"
