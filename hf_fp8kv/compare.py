@@ -51,7 +51,7 @@ def _ours(**kwargs: Any) -> CacheFactory:
 BUILTIN_VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
-        Variant(REFERENCE, lambda model: DynamicCache(config=model.config), "transformers DynamicCache, full precision"),
+        Variant(REFERENCE, lambda model: DynamicCache(config=model.config), "transformers DynamicCache, model dtype"),
         Variant("fp8_e4m3", _ours(kv_cache_dtype="fp8_e4m3"), "QuantizedFP8Cache, e4m3, default scales ('auto')"),
         Variant("fp8_per_token_head", _ours(scales="dynamic"), "QuantizedFP8Cache, e4m3, per-token-head scales"),
         Variant("fp8_e5m2", _ours(kv_cache_dtype="fp8_e5m2"), "QuantizedFP8Cache, e5m2, default scales ('auto')"),
@@ -439,12 +439,16 @@ def compare(
     variant_list = resolve_variants(variants)
     prompt_list = _non_empty_strings(prompts if prompts is not None else builtin_prompts(), "prompts")
     text_list = _non_empty_strings(texts if texts is not None else [builtin_text()], "texts")
-    if prefill < 1:
-        raise ValueError(f"prefill={prefill} must be at least 1 token")
+    counts = dict(max_new_tokens=max_new_tokens, prefill=prefill, eval_tokens=eval_tokens, decode_steps=decode_steps,
+                  top_k=top_k)
+    for name, value in counts.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
     context_list = sorted(set(contexts))
     if any(not isinstance(c, int) or c < 1 for c in context_list):
         raise ValueError(f"contexts {list(contexts)} must be positive token counts")
     device = next(model.parameters()).device
+    memory_budget = _memory_budget(memory_budget_gib, device)
     text_ids = [_text_ids(tokenizer, text, i, prefill, eval_tokens, device) for i, text in enumerate(text_list)]
     for variant in variant_list:  # fail on a bad factory or bad kwargs before the long loops
         variant.make_cache(model)
@@ -453,13 +457,11 @@ def compare(
     prompt_ids = [_prompt_ids(tokenizer, p, use_chat, device) for p in prompt_list]
     generations = _compare_generations(model, tokenizer, prompt_ids, variant_list, max_new_tokens, top_k, progress)
     positions, scores = _decode_mode_scores(model, text_ids, prefill, variant_list, progress)
-    cost_ids = _repeat_to(text_ids[0][0], context_list[-1] + (decode_steps + 1) * len(context_list) + 1) if context_list else None
     costs = [
         point
-        for variant in tqdm(variant_list, desc="cost", disable=not progress)
-        for point in _measure_costs(model, variant, cost_ids, context_list, decode_steps)
-    ] if context_list else []
-    weight_bytes = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+        for variant in tqdm(variant_list if context_list else [], desc="cost", disable=not progress)
+        for point in _measure_costs(model, variant, text_ids[0][0], context_list, decode_steps)
+    ]
     return Comparison(
         variants=variant_list,
         prompts=prompt_list,
@@ -468,8 +470,8 @@ def compare(
         scores=scores,
         buckets=_buckets(positions, prefill, buckets),
         costs=costs,
-        weight_bytes=weight_bytes,
-        memory_budget=_memory_budget(memory_budget_gib, device),
+        weight_bytes=_weight_bytes(model),
+        memory_budget=memory_budget,
         top_k=top_k,
         device=str(device),
     )
@@ -571,13 +573,16 @@ def _buckets(positions: torch.Tensor, prefill: int, edges: Sequence[int] | None)
     return list(zip(bounds[:-1], bounds[1:])) if inner else []
 
 
-def _repeat_to(ids: torch.Tensor, length: int) -> torch.Tensor:
-    return ids.repeat(math.ceil(length / len(ids)))[:length]
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
 
 
 @torch.inference_mode()
-def _measure_costs(model, variant: Variant, ids: torch.Tensor, contexts: list[int], steps: int) -> list[CostPoint]:
-    """Grow one cache through `contexts` (a prefill chunk up to each), timing `steps` decode steps at each."""
+def _measure_costs(model, variant: Variant, text: torch.Tensor, contexts: list[int], steps: int) -> list[CostPoint]:
+    """Grow one cache through `contexts` (a prefill chunk up to each), timing `steps` decode steps at each; the
+    tokens are `text`'s, repeated as needed."""
+    needed = contexts[-1] + (steps + 1) * len(contexts)
+    ids = text.repeat(math.ceil(needed / len(text)))
     cache = variant.make_cache(model)
     length, points = 0, []
 
@@ -597,7 +602,7 @@ def _measure_costs(model, variant: Variant, ids: torch.Tensor, contexts: list[in
             forward(length + 1)
             length += 1
         _synchronize(ids.device)
-        elapsed_ms = 1000.0 * (time.perf_counter() - began) / max(steps, 1)
+        elapsed_ms = 1000.0 * (time.perf_counter() - began) / steps
         points.append(CostPoint(variant.name, start, length, kv_bytes(cache), peak, elapsed_ms))
     return points
 
@@ -612,7 +617,7 @@ def _step_peak_bytes(model, cache: Cache, step: Callable[[], None]) -> int:
         return torch.cuda.max_memory_allocated(device)
     with _LiveTensorBytes(_cache_tensors(cache)) as live:
         step()
-    return sum(t.nbytes for t in (*model.parameters(), *model.buffers())) + live.peak
+    return _weight_bytes(model) + live.peak
 
 
 class _LiveTensorBytes(TorchDispatchMode):

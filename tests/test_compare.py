@@ -152,6 +152,8 @@ def test_default_variants_put_the_reference_first():
         (dict(texts=["A short text."]), r"text 1 has \d+ tokens, no more than prefill=64"),
         (dict(variants={"bad": {"kv_cache_dtype": "fp9"}}), "kv_cache_dtype='fp9'"),
         (dict(contexts=(0, 8)), "contexts"),
+        (dict(decode_steps=0), "decode_steps=0 must be at least 1"),
+        (dict(memory_budget_gib=-1.0), "memory_budget_gib=-1.0 must be positive"),
     ],
 )
 def test_bad_input_fails_before_running(tiny, kwargs, message):
