@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -76,7 +77,9 @@ def load_model(name: str | None, gguf_file: str | None, dtype: torch.dtype):
         gguf = path / gguf_file
         if not gguf.is_file():
             raise FileNotFoundError(f"--gguf-file {gguf_file!r}: no such file in {path}")
-        source, gguf_file = converted_dir(gguf.stem.lower(), gguf), None
+        # converted once into a dense copy; the path digest keeps same-named files in different folders apart
+        digest = hashlib.sha1(str(gguf.resolve()).encode()).hexdigest()[:8]
+        source, gguf_file = converted_dir(f"{gguf.stem.lower()}-{digest}", gguf), None
     elif path.exists() and not path.is_dir():
         raise ValueError(f"--model {name!r} is a file: pass its directory (and --gguf-file for a GGUF file)")
     if gguf_file:

@@ -59,12 +59,13 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
         (["--prompts-file", "EMPTY"], "prompts is empty"),
         (["--text-file", "SHORT", "--prefill", "64"], r"text 1 has \d+ tokens, no more than prefill=64"),
         (["--gguf-file", "model.gguf"], "--gguf-file needs --model"),
+        (["--model", "DIR", "--gguf-file", "model.gguf"], "--gguf-file 'model.gguf': no such file in"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_error(capsys, tmp_path, args, message):
     (tmp_path / "EMPTY").write_text("\n \n")
     (tmp_path / "SHORT").write_text("Too short.")
-    args = [str(tmp_path / a) if a in ("EMPTY", "SHORT") else a for a in args]
+    args = [str(tmp_path / a) if a in ("EMPTY", "SHORT") else str(tmp_path) if a == "DIR" else a for a in args]
     status, _, err = run(capsys, *args, "--out", str(tmp_path / "out"))
     assert status == 2
     assert re.search("hf-fp8kv: error: .*" + message, err)
