@@ -105,3 +105,33 @@ def per_token_kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.T
 def quality(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor) -> Quality:
     """Perplexities, KL and top-1 agreement of `test_logits` against `ref_logits` for next tokens `targets`."""
     return Quality.of(TokenScores.of(ref_logits, test_logits, targets))
+
+
+@torch.inference_mode()
+def greedy_with_logits(model: torch.nn.Module, inputs: dict, cache, max_new_tokens: int, **generate_kwargs):
+    """Greedy `generate` through `cache`: new tokens `[batch, new]` and raw logits `[batch, new, vocab]` (fp32)."""
+    out = model.generate(
+        **inputs,
+        cache=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **generate_kwargs,
+    )
+    new_tokens = out.sequences[:, inputs["input_ids"].shape[1] :]
+    return new_tokens, torch.stack(out.logits, dim=1).float()
+
+
+def topk_rule(
+    ref_tokens: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor, k: int = 5
+) -> tuple[int | None, bool]:
+    """vLLM's greedy-agreement rule for one sequence: the first position where the tokens differ (None when
+    they agree throughout), and whether each side's choice there is in the other's top-k logits."""
+    length = min(len(ref_tokens), len(tokens))
+    differ = (ref_tokens[:length] != tokens[:length]).nonzero()
+    if len(differ) == 0:
+        return None, True
+    at = int(differ[0, 0])
+    ok = bool(tokens[at] in ref_logits[at].topk(k).indices and ref_tokens[at] in logits[at].topk(k).indices)
+    return at, ok
