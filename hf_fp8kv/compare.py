@@ -99,7 +99,7 @@ def _variant(name: str, spec: VariantSpec) -> Variant:
         arguments = ", ".join(f"{k}={v!r}" for k, v in spec.items())
         return Variant(name, _ours(**spec), f"QuantizedFP8Cache({arguments})")
     if callable(spec):
-        return Variant(name, spec, getattr(spec, "__doc__", None) or "user cache factory")
+        return Variant(name, spec, f"user factory {getattr(spec, '__qualname__', type(spec).__name__)}")
     raise TypeError(f"variant {name!r}: expected a built-in name, a factory model -> Cache or a dict, got {spec!r}")
 
 
