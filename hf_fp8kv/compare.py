@@ -26,7 +26,7 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from hf_fp8kv.cache import QuantizedFP8Cache
-from hf_fp8kv.evaluate import Quality, TokenScores, decode_mode_logits
+from hf_fp8kv.evaluate import Quality, TokenScores, decode_mode_logits, greedy_with_logits, topk_rule
 from hf_fp8kv.table import format_table
 
 CacheFactory = Callable[[torch.nn.Module], Cache]
@@ -507,47 +507,25 @@ def _compare_generations(model, tokenizer, prompt_ids, variants, max_new_tokens,
     results = []
     bar = tqdm(total=len(prompt_ids) * len(variants), desc="generate", disable=not progress)
     for index, ids in enumerate(prompt_ids):
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         reference = None
         for variant in variants:
-            tokens, logits = _greedy(model, ids, variant.make_cache(model), max_new_tokens, pad)
-            reference = reference or (tokens, logits)
-            results.append(_generation(tokenizer, index, variant.name, reference, (tokens, logits), top_k))
+            cache = variant.make_cache(model)  # a fresh cache for every call: transformers would continue a filled one
+            tokens, logits = greedy_with_logits(model, inputs, cache, max_new_tokens, pad_token_id=pad)
+            reference = reference or (tokens[0], logits[0])
+            results.append(_generation(tokenizer, index, variant.name, *reference, tokens[0], logits[0], top_k))
             bar.update()
     bar.close()
     return results
 
 
-@torch.inference_mode()
-def _greedy(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, pad: int) -> tuple[list[int], torch.Tensor]:
-    # a fresh cache for every call: a filled one would be continued, not replaced
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        cache=cache,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    return out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.logits)[:, 0].float()
-
-
-def _generation(tokenizer, prompt: int, name: str, reference, test, top_k: int) -> Generation:
-    (ref_tokens, ref_logits), (tokens, logits) = reference, test
-    at = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
-    if at is None:
-        return Generation(prompt, name, tokenizer.decode(tokens, skip_special_tokens=True), "", "", None, None)
-    in_ref_topk = tokens[at] in ref_logits[at].topk(top_k).indices.tolist()
-    in_test_topk = ref_tokens[at] in logits[at].topk(top_k).indices.tolist()
-
-    def decode(part: list[int]) -> str:
-        return tokenizer.decode(part, skip_special_tokens=False)
-
-    return Generation(
-        prompt, name, decode(tokens[:at]), decode(tokens[at : at + 1]), decode(tokens[at + 1 :]), at,
-        in_ref_topk and in_test_topk,
-    )
+def _generation(tokenizer, prompt: int, name: str, ref_tokens, ref_logits, tokens, logits, top_k: int) -> Generation:
+    at, ok = topk_rule(ref_tokens, ref_logits, tokens, logits, k=top_k)
+    ids = tokens.tolist()
+    split = len(ids) if at is None else at
+    pieces = (ids[:split], ids[split : split + 1], ids[split + 1 :])
+    before, divergent, after = (tokenizer.decode(piece, skip_special_tokens=False) for piece in pieces)
+    return Generation(prompt, name, before, divergent, after, at, None if at is None else ok)
 
 
 def _decode_mode_scores(model, text_ids, prefill, variants, progress) -> tuple[torch.Tensor, dict[str, TokenScores]]:
