@@ -14,10 +14,10 @@ WINDOW, BLOCK, HEADS, DIM = 8, 4, 2, 16
 SCHEDULE = [5, 1, 1, 1, 1, 3, 12, 1, 1, 2, 1, 1, 1, 1, 1, 1]
 
 
-def fp8_layer(dynamic: bool, window: int = WINDOW) -> FP8SlidingWindowLayer:
+def fp8_layer(dynamic: bool, window: int = WINDOW, backend: str = "torch") -> FP8SlidingWindowLayer:
     ones = torch.ones(HEADS)
     scales = DynamicScales() if dynamic else StaticScales(ones, ones, "per-tensor", "test")
-    return FP8SlidingWindowLayer(get_format("fp8"), scales, BLOCK, "torch", lambda: True, 0, sliding_window=window)
+    return FP8SlidingWindowLayer(get_format("fp8"), scales, BLOCK, backend, lambda: True, 0, sliding_window=window)
 
 
 def exact_states(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,3 +137,23 @@ def test_reset_and_batch_operations():
 def test_window_too_small_is_refused():
     with pytest.raises(ValueError, match="layer 0: sliding_window=1"):
         fp8_layer(False, window=1)
+
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_triton_reads_the_sliding_view_like_torch(dynamic):
+    """Once the window wraps, the view starts inside the buffers: the Triton kernel (the interpreter on CPU) must
+    read it at that offset, as the torch reference does."""
+    generator = torch.Generator().manual_seed(7)
+    layers = {backend: fp8_layer(dynamic, backend=backend) for backend in ("torch", "triton")}
+    offsets = []
+    for tokens in [5, 1, 1, 1, 12, 1]:
+        key, value = torch.randn(2, 1, HEADS, tokens, DIM, generator=generator)
+        query = torch.randn(1, 2 * HEADS, tokens, DIM, generator=generator)
+        outs = {}
+        for backend, layer in layers.items():
+            view, _ = layer.update(key, value)
+            outs[backend] = view.attend(query, scaling=0.25, window=WINDOW)
+        offsets.append(view.start)
+        torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-5)
+    assert max(offsets) > 0
