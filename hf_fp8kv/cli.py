@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--decode-steps", type=int, default=8, help="timed decode steps at each context")
     cmp.add_argument("--memory-budget-gib", type=float, help="budget for the largest-batch column "
                      "(default: the GPU's memory, else the machine's RAM)")
-    cmp.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype")
+    cmp.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                     help="model dtype; auto: bfloat16 on a GPU, float32 on the CPU")
     cmp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     cmp.add_argument("--out", type=Path, default=Path("fp8kv-report"), help="directory for the report and plots")
     cmp.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -100,7 +101,8 @@ def run_compare(args: argparse.Namespace) -> int:
     texts = [path.read_text(encoding="utf-8") for path in args.text_file] if args.text_file else None
     variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     resolve_variants(variants)  # a bad name fails before the model loads
-    model, tokenizer = load_model(args.model, args.gguf_file, DTYPES[args.dtype])
+    dtype_name = args.dtype if args.dtype != "auto" else "bfloat16" if args.device.startswith("cuda") else "float32"
+    model, tokenizer = load_model(args.model, args.gguf_file, DTYPES[dtype_name])
     result = compare(
         model.to(args.device),
         tokenizer,
