@@ -139,7 +139,6 @@ def test_window_too_small_is_refused():
         fp8_layer(False, window=1)
 
 
-
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_triton_reads_the_sliding_view_like_torch(dynamic):
     """Once the window wraps, the view starts inside the buffers: the Triton kernel (the interpreter on CPU) must
@@ -147,7 +146,7 @@ def test_triton_reads_the_sliding_view_like_torch(dynamic):
     generator = torch.Generator().manual_seed(7)
     layers = {backend: fp8_layer(dynamic, backend=backend) for backend in ("torch", "triton")}
     offsets = []
-    for tokens in [5, 1, 1, 1, 12, 1]:
+    for tokens in [5, 1, 1, 1, 12, 1, 1]:
         key, value = torch.randn(2, 1, HEADS, tokens, DIM, generator=generator)
         query = torch.randn(1, 2 * HEADS, tokens, DIM, generator=generator)
         outs = {}
