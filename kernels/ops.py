@@ -60,16 +60,17 @@ def write(
         buffers = (key_codes, value_codes, key_scale, value_scale)
         triton_ops().write(key, value, *buffers, start, fmt.name, dynamic, clipped)
         return
+    # keys and values go through one quantization: decode writes are tiny, so op count is the cost
     end = start + key.shape[2]
-    for i, (states, codes, scale) in enumerate(((key, key_codes, key_scale), (value, value_codes, value_scale))):
-        if dynamic:
-            scale[:, :, start:end] = reference.dynamic_scale(states, fmt)
-            row_scale = scale[:, :, start:end, None]
-        else:
-            row_scale = scale[..., None]
-        new_codes, n_clipped = reference.quantize(states, row_scale, fmt)
-        codes[:, :, start:end] = new_codes
-        clipped[i] += n_clipped
+    states = torch.stack((key, value))
+    if dynamic:
+        scale = reference.dynamic_scale(states, fmt)
+        key_scale[:, :, start:end], value_scale[:, :, start:end] = scale
+    else:
+        scale = torch.stack((key_scale, value_scale))
+    codes, n_clipped = reference.quantize(states, scale[..., None], fmt, count_per_row=True)
+    key_codes[:, :, start:end], value_codes[:, :, start:end] = codes
+    clipped += n_clipped
 
 
 def attend(

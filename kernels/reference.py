@@ -20,18 +20,21 @@ from .formats import StorageFormat
 
 def dynamic_scale(x: torch.Tensor, fmt: StorageFormat) -> torch.Tensor:
     """Per-row scale `amax(|x|) / max` over the last dim (non-finite values ignored, 1.0 for an all-zero row)."""
-    magnitude = x.float().abs()
-    amax = torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax(dim=-1)
+    amax = x.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1)
     return torch.where(amax > 0, amax / fmt.max, 1.0)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes of `x / scale` in `fmt` (saturated, round to nearest even) and the number of clipped values.
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat, count_per_row: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of `x / scale` in `fmt` (saturated, round to nearest even) and the number of clipped values
+    (one count per index of `x`'s first dim with `count_per_row`).
 
     `scale` broadcasts against `x[..., :1]`, i.e. it has the shape of `x` without its last dim plus a trailing 1.
     """
     scaled = x.float() / scale
-    clipped = (scaled.abs() > fmt.clip_bound).sum()
+    beyond = scaled.abs() > fmt.clip_bound
+    clipped = beyond.flatten(1).sum(1) if count_per_row else beyond.sum()
     scaled = scaled.clamp(-fmt.max, fmt.max)
     if fmt.is_float:
         return scaled.to(fmt.dtype), clipped
@@ -68,8 +71,11 @@ def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device, slot: 
     numel = math.prod(shape)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
-        with torch.inference_mode(False):  # a normal tensor can be written both inside and outside inference mode
-            buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+        # grown by a quarter at least, so a cache that grows a token per step reallocates rarely;
+        # a normal (not inference) tensor can be written both inside and outside inference mode
+        numel_held = max(numel, buffer.numel() * 5 // 4) if buffer is not None else numel
+        with torch.inference_mode(False):
+            buffer = _SCRATCH[key] = torch.empty(numel_held, dtype=dtype, device=device)
     return buffer[:numel].view(shape)
 
 
@@ -133,7 +139,9 @@ def attention(
     if sinks is not None:
         sink = sinks.float().reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
         scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row (left padding) attends to nothing
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        probs = probs.nan_to_num_(0.0)  # a fully masked row (left padding) attends to nothing
     if sinks is not None:
         probs = probs[..., :kv_len]
     probs = probs.reshape(batch, kv_heads, group * q_len, kv_len)

@@ -1,0 +1,141 @@
+"""QuantizedFP8Cache inside `generate` on the real SmolLM2-135M-Instruct: every generation mode, agreement with
+DynamicCache under vLLM's top-k rule, and decode-mode quality against transformers' own FP8 cache."""
+
+from importlib.resources import files
+
+import pytest
+import torch
+from transformers import DynamicCache, QuantizedCache
+
+from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
+from tests.models import smollm2
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "Explain in one sentence why the sky is blue.",
+    "What is 12 times 7?",
+]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return smollm2()
+
+
+def chat(tokenizer, prompts, **kwargs):
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    return dict(tokenizer(texts, return_tensors="pt", add_special_tokens=False, **kwargs))
+
+
+def generate(model, inputs, cache, new=16, **kwargs):
+    with torch.inference_mode():
+        return model.generate(**inputs, cache=cache, max_new_tokens=new, do_sample=False, **kwargs)
+
+
+def test_greedy_with_both_spellings(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    inputs = chat(tokenizer, PROMPTS[:1])
+    with_cache = generate(model, inputs, QuantizedFP8Cache(model, scales="dynamic"))
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        legacy = model.generate(**inputs, past_key_values=QuantizedFP8Cache(model, scales="dynamic"), max_new_tokens=16,
+                                do_sample=False)
+    assert torch.equal(with_cache, legacy)
+    assert "Paris" in tokenizer.decode(with_cache[0])
+
+
+def test_greedy_agreement_with_dynamic_cache(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    for prompt in PROMPTS:
+        inputs = chat(tokenizer, [prompt])
+        ref_tokens, ref_logits = greedy_with_logits(model, inputs, DynamicCache(config=model.config), 24)
+        tokens, logits = greedy_with_logits(model, inputs, QuantizedFP8Cache(model, scales="dynamic"), 24)
+        at, ok = topk_rule(ref_tokens[0], ref_logits[0], tokens[0], logits[0], k=5)
+        assert ok, f"{prompt!r}: first divergence at {at} breaks the top-5 rule"
+
+
+def test_sampling_is_reproducible_with_a_seed(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    inputs = chat(tokenizer, PROMPTS[1:2])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with torch.inference_mode():
+            runs.append(model.generate(**inputs, cache=QuantizedFP8Cache(model, scales="dynamic"), max_new_tokens=16,
+                                       do_sample=True, temperature=0.8, top_p=0.95))
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_left_padded_batch_matches_each_prompt_alone(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompts = [PROMPTS[0], PROMPTS[2], "Hi"]
+    tokenizer.padding_side = "left"
+    batch = chat(tokenizer, prompts, padding=True)
+    assert (batch["attention_mask"] == 0).any()  # really padded
+    tokens, logits = greedy_with_logits(model, batch, QuantizedFP8Cache(model, scales="dynamic"), 16)
+    for row, prompt in enumerate(prompts):
+        alone_tokens, alone_logits = greedy_with_logits(model, chat(tokenizer, [prompt]), QuantizedFP8Cache(model, scales="dynamic"), 16)
+        at, ok = topk_rule(alone_tokens[0], alone_logits[0], tokens[row], logits[row], k=5)
+        assert ok, f"row {row}: batch and single diverge at {at} outside the top-5"
+        assert at is None or at > 0  # the first token (from the prompt alone) always agrees
+
+
+def test_beam_search(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    inputs = chat(tokenizer, PROMPTS[:1])
+    ours = generate(model, inputs, QuantizedFP8Cache(model, scales="dynamic"), num_beams=3, num_return_sequences=2)
+    reference = generate(model, inputs, DynamicCache(config=model.config), num_beams=3, num_return_sequences=2)
+    assert ours.shape[0] == 2
+    assert torch.equal(ours[0, : inputs["input_ids"].shape[1] + 4], reference[0, : inputs["input_ids"].shape[1] + 4])
+
+
+def test_prompt_lookup_decoding_uses_crop(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    inputs = chat(tokenizer, ["Repeat exactly: the cat sat on the mat, the cat sat on the mat."])
+    plain = generate(model, inputs, QuantizedFP8Cache(model, scales="dynamic"), new=20)
+    lookup = generate(model, inputs, QuantizedFP8Cache(model, scales="dynamic"), new=20, prompt_lookup_num_tokens=4)
+    assert torch.equal(plain[:, : inputs["input_ids"].shape[1] + 8], lookup[:, : inputs["input_ids"].shape[1] + 8])
+
+
+def test_multi_turn_continuation_with_the_same_cache(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    cache = QuantizedFP8Cache(model, scales="dynamic")
+    messages = [{"role": "user", "content": "My name is Ada. Remember it."}]
+    first_inputs = dict(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                      return_dict=True))
+    first = generate(model, first_inputs, cache, new=12)
+    reply = tokenizer.decode(first[0, first_inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "What is my name?"}]
+    second_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+    if not torch.equal(second_ids[:, : first.shape[1]], first):  # the template re-renders the reply differently
+        second_ids = torch.cat([first, second_ids[:, first.shape[1] - 1 :]], dim=1)[:, : max(second_ids.shape[1], first.shape[1] + 1)]
+    continued = generate(model, {"input_ids": second_ids}, cache, new=12)
+    fresh = generate(model, {"input_ids": second_ids}, QuantizedFP8Cache(model, scales="dynamic"), new=12)
+    assert cache.get_seq_length() == continued.shape[1] - 1
+    assert torch.equal(continued[:, : second_ids.shape[1] + 3], fresh[:, : second_ids.shape[1] + 3])
+
+
+def test_return_dict_in_generate(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    cache = QuantizedFP8Cache(model, scales="dynamic")
+    out = generate(model, chat(tokenizer, PROMPTS[:1]), cache, new=6, return_dict_in_generate=True, output_scores=True)
+    assert out.past_key_values is cache and len(out.scores) == 6 and cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_decode_mode_quality_beats_transformers_fp8(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :320]
+    targets = ids[0, 64:]
+    reference = decode_mode_logits(model, ids, 64, DynamicCache(config=model.config))
+    ours = quality(reference, decode_mode_logits(model, ids, 64, QuantizedFP8Cache(model, scales="dynamic")), targets)
+    theirs = quality(reference, decode_mode_logits(model, ids, 64, QuantizedCache(backend="fp8", config=model.config)),
+                     targets)
+    print(f"\ndppl ours {ours.ppl_delta_pct:+.2f}% KL {ours.kl_mean:.2e}; transformers fp8 {theirs.ppl_delta_pct:+.2f}% "
+          f"KL {theirs.kl_mean:.2e}")
+    assert abs(ours.ppl_delta_pct) < 1.0
+    assert ours.kl_mean < theirs.kl_mean
