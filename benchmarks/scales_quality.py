@@ -1,4 +1,4 @@
-"""Quality of each scale scheme on SmolLM2-135M: the table of docs/scales.md.
+"""Quality of each scale scheme on SmolLM2-135M (or Gemma 3 270M): the tables of docs/scales.md.
 
 Calibration data: the first half of the built-in text, in chunks of `--chunk` tokens. Held-out: the second
 half; `--prefix` tokens are context, every later token is scored. Each scheme's cache is compared with the
@@ -10,6 +10,7 @@ tests/test_sensitivity.py::test_one_pass_through_the_cache_is_decode_mode). `--d
 at a time instead (hf_fp8kv.evaluate.decode_mode_logits; slower).
 
     python benchmarks/scales_quality.py
+    python benchmarks/scales_quality.py --model gemma3
     python benchmarks/scales_quality.py --decode --tokens 320
 """
 
@@ -24,9 +25,11 @@ import torch
 from transformers import DynamicCache
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache, calibrate, layer_sensitivity
-from hf_fp8kv.bundled import load_smollm2
+from hf_fp8kv.bundled import load_gemma3, load_smollm2
 from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
+
+MODELS = {"smollm2": ("SmolLM2-135M", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
 
 
 @torch.inference_mode()
@@ -39,20 +42,22 @@ def logits_through(model, ids: torch.Tensor, prefix: int, cache, decode: bool) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--tokens", type=int, default=0, help="held-out tokens (0: the whole second half)")
     parser.add_argument("--prefix", type=int, default=64, help="held-out tokens used as context only")
     parser.add_argument("--chunk", type=int, default=256, help="calibration sample length in tokens")
     parser.add_argument("--decode", action="store_true", help="feed held-out tokens one at a time")
     args = parser.parse_args()
 
-    model, tokenizer = load_smollm2()
+    title, load = MODELS[args.model]
+    model, tokenizer = load()
     text = (files("hf_fp8kv") / "data" / "sample_text.txt").read_text()
     ids = tokenizer(text, return_tensors="pt").input_ids
     half = ids.shape[1] // 2
     chunks = [ids[:, start : start + args.chunk] for start in range(0, half, args.chunk)]
     held_out = ids[:, half:] if not args.tokens else ids[:, half : half + args.tokens]
     targets = held_out[0, args.prefix :]
-    print(f"SmolLM2-135M fp32; calibration {half} tokens in {len(chunks)} chunks; held-out {held_out.shape[1]} "
+    print(f"{title} fp32; calibration {half} tokens in {len(chunks)} chunks; held-out {held_out.shape[1]} "
           f"tokens ({args.prefix} context, {len(targets)} scored); {'decode' if args.decode else 'one-pass'} mode")  # fmt: skip
 
     start = time.perf_counter()

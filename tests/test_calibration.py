@@ -87,7 +87,11 @@ def test_export_for_vllm_of_the_smollm2_directory(smollm2_scales, tmp_path):
     assert not reloaded.key_channel
 
 
-def test_calibrated_static_beats_scale_one_in_decode_mode(smollm2_scales, paragraphs):
+def test_calibrated_static_holds_its_own_against_scale_one_in_decode_mode(smollm2_scales, paragraphs):
+    """SmolLM2's K/V stay far below 448 (|k| <= 20), so scale 1.0 does not saturate and e4m3's relative
+    precision does not depend on the scale: on 831 held-out tokens calibrated per-tensor and 1.0 are within 5%
+    in mean KL (docs/scales.md), and on this 120-token text calibrated is ahead. A broken calibration (wrong
+    keys, saturating scales) would be far behind."""
     model, tokenizer = smollm2()
     scales, _ = smollm2_scales
     per_tensor = KVScales(key={i: k.amax().reshape(1) for i, k in scales.key.items()},
@@ -100,8 +104,25 @@ def test_calibrated_static_beats_scale_one_in_decode_mode(smollm2_scales, paragr
     for name, given in (("1.0", 1.0), ("calibrated", per_tensor)):
         logits = decode_mode_logits(model, ids, prefix, QuantizedFP8Cache(model, scales=given))
         results[name] = quality(reference, logits, ids[0, prefix:])
-    # mean KL is the stable measure at this length; top-1 agreement over 120 tokens moves by a few flips
-    assert results["calibrated"].kl_mean < 0.9 * results["1.0"].kl_mean, results
+    assert results["calibrated"].kl_mean < 1.1 * results["1.0"].kl_mean, results
+
+
+def test_calibrated_static_beats_scale_one_on_an_outlier_model():
+    """Values far beyond 448 in one layer (outlier-heavy models): scale 1.0 saturates them, calibration does not."""
+    model = tiny_model(num_hidden_layers=3)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.mul_(1e4)
+    generator = torch.Generator().manual_seed(3)
+    calibration = torch.randint(0, 128, (4, 32), generator=generator)
+    held_out = torch.randint(0, 128, (1, 40), generator=generator)
+    scales = calibrate(model, calibration, progress=False)
+    reference = decode_mode_logits(model, held_out, 8, DynamicCache(config=model.config))
+    results, clipped = {}, {}
+    for name, given in (("1.0", 1.0), ("calibrated", scales)):
+        cache = QuantizedFP8Cache(model, scales=given)
+        results[name] = quality(reference, decode_mode_logits(model, held_out, 8, cache), held_out[0, 8:])
+        clipped[name] = cache.summary()[1]["clipped"]
+    assert clipped["1.0"] > 500 and results["calibrated"].kl_mean < 0.05 * results["1.0"].kl_mean, results
 
 
 # --- data forms and options on a tiny model ------------------------------------------------------------------
