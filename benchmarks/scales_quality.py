@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=64, help="held-out tokens used as context only")
     parser.add_argument("--chunk", type=int, default=256, help="calibration sample length in tokens")
     parser.add_argument("--decode", action="store_true", help="feed held-out tokens one at a time")
+    parser.add_argument("--skip-layers", default=None, help="e.g. 0,1,2: use these instead of layer_sensitivity's")
     args = parser.parse_args()
 
     title, load = MODELS[args.model]
@@ -69,10 +70,14 @@ def main() -> None:
     clipped_999 = calibrate(model, chunks, percentile=99.9, progress=False)
     print(f"calibration: {time.perf_counter() - start:.0f} s")
 
-    start = time.perf_counter()
-    sensitivity = layer_sensitivity(model, chunks[:2], scales=calibrated[("tensor", False)], progress=False)
-    print(f"sensitivity (per-tensor scales, first 2 calibration chunks): {time.perf_counter() - start:.0f} s")
-    print(sensitivity)
+    if args.skip_layers is not None:
+        skip_layers = [int(i) for i in args.skip_layers.split(",")]
+    else:
+        start = time.perf_counter()
+        sensitivity = layer_sensitivity(model, chunks[:2], scales=calibrated[("tensor", False)], progress=False)
+        print(f"sensitivity (per-tensor scales, first 2 calibration chunks): {time.perf_counter() - start:.0f} s")
+        print(sensitivity)
+        skip_layers = sensitivity.skip_layers
 
     schemes = {
         "scale 1.0 (uncalibrated)": dict(scales=1.0),
@@ -82,9 +87,7 @@ def main() -> None:
         "per-tensor + key channels": dict(scales=calibrated[("tensor", True)]),
         "per-head + key channels": dict(scales=calibrated[("attn_head", True)]),
         "dynamic per-token-head": dict(scales="dynamic"),
-        f"per-tensor, skip_layers={sensitivity.skip_layers}": dict(
-            scales=calibrated[("tensor", False)], skip_layers=sensitivity.skip_layers
-        ),
+        f"per-tensor, skip_layers={skip_layers}": dict(scales=calibrated[("tensor", False)], skip_layers=skip_layers),
     }
     reference = logits_through(model, held_out, args.prefix, DynamicCache(config=model.config), args.decode)
     rows = []
