@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.bundled import load_gemma3
-from hf_fp8kv.evaluate import decode_mode_logits, quality
+from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
 from hf_fp8kv.table import format_table
 
 CONFIGURATIONS = {
@@ -33,24 +33,11 @@ def cache_bytes(cache) -> int:
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-def greedy_agreement(reference: torch.Tensor, test: torch.Tensor, ref_logits, test_logits, k: int) -> str:
+def greedy_agreement(model, ids: torch.Tensor, reference: tuple, cache, new: int, k: int) -> str:
     """vLLM's rule: equal, or at the first difference each choice is in the other's top-k."""
-    differ = (reference != test).nonzero()
-    if len(differ) == 0:
-        return "equal"
-    i = int(differ[0, 0])
-    ok = bool(
-        torch.isin(test[i], ref_logits[i].topk(k).indices) and torch.isin(reference[i], test_logits[i].topk(k).indices)
-    )
-    return f"differ at {i}, top-{k} {'ok' if ok else 'FAILED'}"
-
-
-def generate(model, ids: torch.Tensor, cache, new: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out = model.generate(
-        input_ids=ids, max_new_tokens=new, do_sample=False, past_key_values=cache, output_scores=True,
-        return_dict_in_generate=True,
-    )
-    return out.sequences[0, ids.shape[1]:], torch.stack(out.scores)[:, 0]
+    tokens, logits = greedy_with_logits(model, {"input_ids": ids}, cache, new)
+    at, ok = topk_rule(*reference, tokens[0], logits[0], k)
+    return "equal" if at is None else f"differ at {at}, top-{k} {'ok' if ok else 'FAILED'}"
 
 
 def main() -> None:
@@ -71,17 +58,18 @@ def main() -> None:
     reference = decode_mode_logits(model, ids, args.prefix, reference_cache)
     rows = [{"cache": "DynamicCache (fp32)", "bytes": cache_bytes(reference_cache), "ppl": quality(
         reference, reference, targets).ppl_ref, "seconds": time.perf_counter() - start}]
-    ref_tokens, ref_scores = generate(model, ids, DynamicCache(config=model.config), args.new)
+    ref_tokens, ref_logits = greedy_with_logits(model, {"input_ids": ids}, DynamicCache(config=model.config), args.new)
+    reference_greedy = (ref_tokens[0], ref_logits[0])
     for name, kwargs in CONFIGURATIONS.items():
         start = time.perf_counter()
         cache = QuantizedFP8Cache(model, **kwargs)
         logits = decode_mode_logits(model, ids, args.prefix, cache)
         q = quality(reference, logits, targets)
-        tokens, scores = generate(model, ids, QuantizedFP8Cache(model, **kwargs), args.new)
         rows.append({
             "cache": name, "bytes": cache_bytes(cache), "ppl": q.ppl, "ppl_delta_%": q.ppl_delta_pct,
             "kl_mean": q.kl_mean, "kl_p99": q.kl_p99, "top1": q.top1_agreement, "first_flip": q.first_flip,
-            "greedy": greedy_agreement(ref_tokens, tokens, ref_scores, scores, args.top_k),
+            "greedy": greedy_agreement(model, ids, reference_greedy, QuantizedFP8Cache(model, **kwargs), args.new,
+                                       args.top_k),
             "seconds": time.perf_counter() - start,
         })
     print(f"Gemma 3 270M, {ids.shape[1]} tokens, decode mode from {args.prefix}, greedy {args.new} new tokens")
