@@ -17,7 +17,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from hf_fp8kv.kernels.reference import causal_mask
 from hf_fp8kv.layer import QuantizedKV
 
 ATTENTION_NAME = "fp8kv"
@@ -41,11 +40,10 @@ def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dro
         return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if module.training and dropout:
         raise ValueError("FP8 KV cache attention is for inference: attention dropout is not supported")
-    q_len = query.shape[2]
     out = key.attend(
         query,
         scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
-        mask=_boolean_mask(attention_mask, q_len, key.length),
+        mask=_boolean_mask(attention_mask, key.length),
         window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
@@ -53,13 +51,11 @@ def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2).contiguous(), None
 
 
-def _boolean_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """The sdpa (bool), eager (0 / min float) or 2D padding mask as a bool mask over `[batch, 1, q_len, kv_len]`."""
+def _boolean_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+    """The sdpa (bool) or eager (0 / min float) 4D mask, which carries the causal and window rules, as a bool
+    mask over `[batch, 1, q_len, kv_len]`."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() == 2:
-        padding = attention_mask[:, -kv_len:].bool()[:, None, None, :]
-        return padding & causal_mask(q_len, kv_len, device=attention_mask.device)
     mask = attention_mask[..., -kv_len:]
     return mask if mask.dtype == torch.bool else mask == 0
 

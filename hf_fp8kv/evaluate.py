@@ -26,7 +26,7 @@ def decode_mode_logits(
     length = input_ids.shape[1]
     if not 0 < prefix < length:
         raise ValueError(f"prefix={prefix} must be between 1 and the text length - 1 ({length - 1} tokens)")
-    out = model(input_ids=input_ids[:, :prefix], cache=cache, use_cache=True)
+    out = model(input_ids=input_ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
     rows = [out.logits[0, -1].float()]
     for position in tqdm(range(prefix, length - 1), disable=not progress, desc="decode", leave=False):
         out = model(input_ids=input_ids[:, position : position + 1], cache=cache, use_cache=True)

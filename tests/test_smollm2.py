@@ -129,7 +129,7 @@ def test_return_dict_in_generate(model_and_tokenizer):
 def test_decode_mode_quality_beats_transformers_fp8(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :320]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :640]
     targets = ids[0, 64:]
     reference = decode_mode_logits(model, ids, 64, DynamicCache(config=model.config))
     ours = quality(reference, decode_mode_logits(model, ids, 64, QuantizedFP8Cache(model, scales="dynamic")), targets)
@@ -138,4 +138,6 @@ def test_decode_mode_quality_beats_transformers_fp8(model_and_tokenizer):
     print(f"\ndppl ours {ours.ppl_delta_pct:+.2f}% KL {ours.kl_mean:.2e}; transformers fp8 {theirs.ppl_delta_pct:+.2f}% "
           f"KL {theirs.kl_mean:.2e}")
     assert abs(ours.ppl_delta_pct) < 1.0
-    assert ours.kl_mean < theirs.kl_mean
+    # "clearly better" by KL: over a few hundred tokens the perplexity delta is noise-dominated (transformers'
+    # swings between +0.3% and +0.9% across windows of this text), KL is not (ours ~3.5e-3 vs ~5.2e-3)
+    assert ours.kl_mean < 0.8 * theirs.kl_mean
