@@ -5,8 +5,10 @@ Conventions (vLLM's): a scale is a dequantization multiplier, `stored = saturate
 scale has shape `[1, kv_heads, 1]`, a per-token-head (dynamic) scale `[batch, kv_heads, tokens]`.
 
 Policy for values outside the format: +-inf and finite values beyond +-max saturate to +-max; those beyond
-`fmt.clip_bound` (where rounding alone would not bring them back to max) are counted as clipped; NaN stays NaN in the float formats (the model produced it; hiding it would hide the bug)
-and is written as 0 in int8, and is never counted.
+`fmt.clip_bound` (where rounding alone would not bring them back to max) are counted as clipped. NaN is
+written as the format's NaN code (0 in int8) and never counted; the attention's exact decode covers finite
+codes only, so a NaN code reads back as 480 (e4m3fn) or -0 (e4m3fnuz) on the CPU path and in the Triton
+kernels (e5m2 keeps NaN). Only a model that already produced NaN can reach this.
 """
 
 from __future__ import annotations
