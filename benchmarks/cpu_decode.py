@@ -18,6 +18,7 @@ from transformers import DynamicCache, QuantizedCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.bundled import load_smollm2
+from hf_fp8kv.compare import kv_bytes
 from hf_fp8kv.table import format_table
 
 VARIANTS = {
@@ -26,18 +27,6 @@ VARIANTS = {
     "ours fp8_e4m3 static": lambda m: QuantizedFP8Cache(m, scales=1.0),
     "ours fp8_e4m3 dynamic": lambda m: QuantizedFP8Cache(m, scales="dynamic"),
 }
-
-
-def kv_bytes(cache) -> int:
-    if isinstance(cache, QuantizedFP8Cache):
-        return cache.nbytes
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            value = getattr(layer, name, None)
-            tensors = value if isinstance(value, tuple) else (value,)
-            total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
-    return total
 
 
 @torch.inference_mode()

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.bundled import load_gemma3
+from hf_fp8kv.compare import kv_bytes
 from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
 from hf_fp8kv.table import format_table
 
@@ -25,12 +26,6 @@ CONFIGURATIONS = {
     "fp8 dynamic, sliding skipped": dict(scales="dynamic", skip_layers="sliding_window"),
     "fp8 scale 1.0, all layers": dict(scales=1.0),
 }
-
-
-def cache_bytes(cache) -> int:
-    if isinstance(cache, QuantizedFP8Cache):
-        return cache.nbytes
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
 def greedy_agreement(model, ids: torch.Tensor, reference: tuple, cache, new: int, k: int) -> str:
@@ -56,7 +51,7 @@ def main() -> None:
     start = time.perf_counter()
     reference_cache = DynamicCache(config=model.config)
     reference = decode_mode_logits(model, ids, args.prefix, reference_cache)
-    rows = [{"cache": "DynamicCache (fp32)", "bytes": cache_bytes(reference_cache), "ppl": quality(
+    rows = [{"cache": "DynamicCache (fp32)", "bytes": kv_bytes(reference_cache), "ppl": quality(
         reference, reference, targets).ppl_ref, "seconds": time.perf_counter() - start}]
     ref_tokens, ref_logits = greedy_with_logits(model, {"input_ids": ids}, DynamicCache(config=model.config), args.new)
     reference_greedy = (ref_tokens[0], ref_logits[0])
@@ -66,7 +61,7 @@ def main() -> None:
         logits = decode_mode_logits(model, ids, args.prefix, cache)
         q = quality(reference, logits, targets)
         rows.append({
-            "cache": name, "bytes": cache_bytes(cache), "ppl": q.ppl, "ppl_delta_%": q.ppl_delta_pct,
+            "cache": name, "bytes": kv_bytes(cache), "ppl": q.ppl, "ppl_delta_%": q.ppl_delta_pct,
             "kl_mean": q.kl_mean, "kl_p99": q.kl_p99, "top1": q.top1_agreement, "first_flip": q.first_flip,
             "greedy": greedy_agreement(model, ids, reference_greedy, QuantizedFP8Cache(model, **kwargs), args.new,
                                        args.top_k),
