@@ -21,9 +21,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from .formats import StorageFormat
+from .triton_launch import Launch
 from .triton_write import check_codes
 
 LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
@@ -247,21 +247,70 @@ def attention(
 ) -> torch.Tensor:
     """Attention of `query` over the first `length` cached tokens (see `ops.attend`); `num_splits` forces the
     number of KV splits (default: enough programs to fill the GPU)."""
-    batch, q_heads, q_len, head_dim = query.shape
-    kv_heads = key_codes.shape[1]
-    _check_attention(query, key_codes, value_codes, key_scale, value_scale, length, fmt, sinks, key_channel_scale)
-    group = q_heads // kv_heads
-    rows = group * q_len
+    if num_splits is None:
+        num_splits = default_splits(query, key_codes, length, query.device)
+    out, launches = plan_attention(
+        query, key_codes, value_codes, key_scale, value_scale, length, fmt, scaling=scaling, mask=mask,
+        window=window, softcap=softcap, sinks=sinks, key_channel_scale=key_channel_scale, num_splits=num_splits,
+    )  # fmt: skip
+    for launch in launches:
+        launch.run()
+    return out
+
+
+def block_sizes(rows: int, head_dim: int) -> tuple[int, int, int, dict]:
+    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` of the attention kernel for `rows` query rows per KV head."""
     block_m = min(64, max(MIN_ROWS, triton.next_power_of_2(rows)))
     block_d = triton.next_power_of_2(head_dim)
     # register use from `ptxas -v` on sm_90 (AOT-compiled, not timed): these keep every row-block size within
     # 255 registers with at most 28 bytes of spill; 4 warps at head_dim 128 spill up to 292 bytes
     block_n = 32 if block_d > 128 else 64
-    launch = dict(num_warps=4 if block_d <= 64 else 8, num_stages=2)
+    return block_m, block_n, block_d, dict(num_warps=4 if block_d <= 64 else 8, num_stages=2)
+
+
+def split_count(programs: int, kv_blocks: int, sm_count: int) -> int:
+    """KV splits that give about two waves of `programs` row-block programs on `sm_count` SMs."""
+    return max(1, min(kv_blocks, math.ceil(2 * sm_count / programs)))
+
+
+def default_splits(query: torch.Tensor, key_codes: torch.Tensor, length: int, device: torch.device) -> int:
+    """The split count for this launch on `device` (one split off GPU)."""
+    if device.type != "cuda":
+        return 1
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = key_codes.shape[1]
+    block_m, block_n, _, _ = block_sizes(q_heads // kv_heads * q_len, head_dim)
+    programs = batch * kv_heads * triton.cdiv(q_heads // kv_heads * q_len, block_m)
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return split_count(programs, max(1, triton.cdiv(length, block_n)), sm_count)
+
+
+def plan_attention(
+    query: torch.Tensor,
+    key_codes: torch.Tensor,
+    value_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_scale: torch.Tensor,
+    length: int,
+    fmt: StorageFormat,
+    *,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    key_channel_scale: torch.Tensor | None = None,
+    num_splits: int = 1,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """The output tensor and the launches (attention, then the split reduce if any) that fill it."""
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = key_codes.shape[1]
+    _check_attention(query, key_codes, value_codes, key_scale, value_scale, length, fmt, sinks, key_channel_scale)
+    group = q_heads // kv_heads
+    rows = group * q_len
+    block_m, block_n, block_d, launch = block_sizes(rows, head_dim)
     row_blocks = triton.cdiv(rows, block_m)
     kv_blocks = max(1, triton.cdiv(length, block_n))
-    if num_splits is None:
-        num_splits = _default_splits(batch * kv_heads * row_blocks, kv_blocks, query.device)
     num_splits = max(1, min(num_splits, kv_blocks))
     split_size = triton.cdiv(kv_blocks, num_splits) * block_n
     num_splits = max(1, triton.cdiv(length, split_size))
@@ -286,7 +335,7 @@ def attention(
     value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token_v else 1.0
     out_factor = fmt.fp16_factor / value_boost
     common = dict(BLOCK_D=block_d, PER_TOKEN_V=per_token_v, HAS_SINKS=sinks is not None)
-    wrap_triton(_attention_kernel)[(row_blocks, batch * kv_heads, num_splits)](
+    launches = [Launch(_attention_kernel, (row_blocks, batch * kv_heads, num_splits), (
         query, key_codes.view(torch.int8), value_codes.view(torch.int8), key_scale, value_scale,
         mask if mask is not None else query, sinks if sinks is not None else query,
         key_channel_scale if key_channel_scale is not None else query,
@@ -294,30 +343,22 @@ def attention(
         *query.stride(), *key_codes.stride(), *ks_strides, *vs_strides, *mask_strides, *out.stride(),
         kv_heads, length, q_len, head_dim, split_size, num_splits, window or 0,
         score_scale, value_boost, out_factor, softcap or 1.0,
+    ), dict(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, IS_FLOAT=fmt.is_float, FP16_SHIFT=fmt.fp16_shift,
         PER_TOKEN_K=per_token_k, HAS_MASK=mask is not None, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, HAS_CHANNEL_SCALE=key_channel_scale is not None, SPLIT=split,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **common, **launch,
-    )  # fmt: skip
+    ))]  # fmt: skip
     if split:
         out_rows = batch * q_heads * q_len
         block_s = triton.next_power_of_2(num_splits)
         block_r = min(triton.next_power_of_2(out_rows), max(1, REDUCE_TILE // (block_s * block_d)))
-        wrap_triton(_reduce_kernel)[(triton.cdiv(out_rows, block_r),)](
+        launches.append(Launch(_reduce_kernel, (triton.cdiv(out_rows, block_r),), (
             part_acc, part_stats, value_scale, sinks if sinks is not None else query, out,
             vs_strides[0], vs_strides[1], *out.stride(),
             out_rows, q_heads, q_len, head_dim, num_splits, out_factor,
-            GROUP=group, BLOCK_R=block_r, BLOCK_S=block_s, **common,
-        )  # fmt: skip
-    return out
-
-
-def _default_splits(programs: int, kv_blocks: int, device: torch.device) -> int:
-    """Splits that give about two waves of programs on the GPU (one split off GPU)."""
-    if device.type != "cuda":
-        return 1
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(kv_blocks, math.ceil(2 * sm_count / programs)))
+        ), dict(GROUP=group, BLOCK_R=block_r, BLOCK_S=block_s, **common)))  # fmt: skip
+    return out, launches
 
 
 def _expand_mask(mask: torch.Tensor, batch: int, q_heads: int, q_len: int, length: int) -> torch.Tensor:

@@ -14,9 +14,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from .formats import StorageFormat
+from .triton_launch import Launch
 
 FP32_ONE_BITS = 0x3F800000
 MAX_TILE = 4096  # elements of one program's [tokens, head_dim] tile
@@ -138,21 +138,38 @@ def write_kv(
     clipped: torch.Tensor,
 ) -> None:
     """Quantize `key`/`value` `[batch, kv_heads, new, head_dim]` into the code buffers at `start` (see `ops.write`)."""
+    launch = plan_write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt, dynamic, clipped)
+    if launch is not None:
+        launch.run()
+
+
+def plan_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_codes: torch.Tensor,
+    value_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_scale: torch.Tensor,
+    start: int,
+    fmt: StorageFormat,
+    dynamic: bool,
+    clipped: torch.Tensor,
+) -> Launch | None:
+    """The launch of `write_kv` (None when there is nothing to write)."""
     _check_write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt, dynamic, clipped)
     batch, heads, new_tokens, head_dim = key.shape
     if new_tokens == 0:
-        return
+        return None
     block_d = triton.next_power_of_2(head_dim)
     block_t = min(triton.next_power_of_2(new_tokens), max(1, MAX_TILE // block_d))
     # a static [1, kv_heads, 1] scale is read at batch stride 0
     scale_strides = key_scale.expand(batch, heads, key_scale.shape[-1]).stride()
     grid = (triton.cdiv(new_tokens, block_t), batch * heads, 2)
-    wrap_triton(_write_kernel)[grid](
+    return Launch(_write_kernel, grid, (
         key, value, key_codes.view(torch.uint8), value_codes.view(torch.uint8), key_scale, value_scale, clipped,
         *key.stride(), *value.stride(), *key_codes.stride(), *scale_strides,
         heads, new_tokens, start, head_dim,
-        DYNAMIC=dynamic, CLIP=fmt.clip_bound, BLOCK_T=block_t, BLOCK_D=block_d, **encoding(fmt),
-    )  # fmt: skip
+    ), dict(DYNAMIC=dynamic, CLIP=fmt.clip_bound, BLOCK_T=block_t, BLOCK_D=block_d, **encoding(fmt)))  # fmt: skip
 
 
 def _check_write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt, dynamic, clipped) -> None:
