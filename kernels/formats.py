@@ -14,14 +14,19 @@ class StorageFormat:
     `ocp_scale_factor` multiplies scales calibrated for the OCP e4m3fn format (what checkpoints carry): the same
     bits decode to half the value in e4m3fnuz, so its scales are doubled, as vLLM does on ROCm.
 
-    A value counts as clipped when `|x / scale| > clip_bound`, the max plus half the code spacing there: beyond
-    it saturation, not rounding, decides the code (dynamic scales map the row's amax to max within an ulp, which
-    is rounding, not clipping).
+    `dynamic_max` is what a per-token-head (dynamic) scale maps a row's amax to: the format's max, except
+    e4m3fnuz where vLLM divides by 224, not 240 (its comment: 240 "will cause accuracy issue on dynamic
+    quantization"); static checkpoint scales keep 240 as the saturation bound there, as vLLM does.
 
-    `fp16_shift` / `fp16_factor` describe the exact CPU decode: the code, sign-extended to int16 and shifted
-    left by `fp16_shift` (bit 14 cleared for e4m3 formats), is an fp16 whose value times `fp16_factor` is the
-    code's value. torch converts fp8 to float at ~0.4 G elements/s on CPU; this runs at ~2.7 G elements/s
-    (8.8 M codes: 3.3 ms against 22 ms, docs/benchmarks.md).
+    A value counts as clipped when `|x / scale| > clip_bound`, the max plus half the code spacing there: beyond
+    it saturation, not rounding, decides the code.
+
+    `fp16_shift` / `fp16_factor` describe the exact bit decode (the CPU path and the Triton interpreter): the
+    code, sign-extended to int16 and shifted left by `fp16_shift` (bit 14 cleared for e4m3 formats), is an fp16
+    whose value times `fp16_factor` is the code's value. torch converts fp8 to float at ~0.4 G elements/s on
+    CPU; this runs at ~2.7 G elements/s (8.8 M codes: 3.3 ms against 22 ms, docs/benchmarks.md). It is exact for
+    finite codes; `nan_code_mask` / `nan_code` (a code is NaN iff `code & mask == nan_code`, as uint8) mark the
+    NaN codes it would misread.
     """
 
     name: str
@@ -32,20 +37,32 @@ class StorageFormat:
     per_token_only: bool = False
     fp16_shift: int = 0
     fp16_factor: float = 1.0
+    dynamic_max: float = 0.0  # 0: the format's max
+    nan_code_mask: int = 0
+    nan_code: int = -1  # -1: the bit decode reads NaN codes right (e5m2) or there are none (int8)
 
     @property
     def is_float(self) -> bool:
         return self.dtype.is_floating_point
 
+    @property
+    def row_max(self) -> float:
+        """What a dynamic scale maps a row's amax to."""
+        return self.dynamic_max or self.max
+
 
 FORMATS: dict[str, StorageFormat] = {
-    "fp8_e4m3": StorageFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 464.0, fp16_shift=7, fp16_factor=256.0),
+    "fp8_e4m3": StorageFormat(
+        "fp8_e4m3", torch.float8_e4m3fn, 448.0, 464.0, fp16_shift=7, fp16_factor=256.0, nan_code_mask=0x7F,
+        nan_code=0x7F,
+    ),
     "fp8_e5m2": StorageFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 61440.0, fp16_shift=8, fp16_factor=1.0),
     "fp8_e4m3fnuz": StorageFormat(
-        "fp8_e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 248.0, ocp_scale_factor=2.0, fp16_shift=7, fp16_factor=128.0
+        "fp8_e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 248.0, ocp_scale_factor=2.0, fp16_shift=7, fp16_factor=128.0,
+        dynamic_max=224.0, nan_code_mask=0xFF, nan_code=0x80,
     ),
     "int8_per_token_head": StorageFormat("int8_per_token_head", torch.int8, 127.0, 127.5, per_token_only=True),
-}
+}  # fmt: skip
 ALIASES = {"fp8": "fp8_e4m3"}
 
 

@@ -1,31 +1,43 @@
 """The two cache operations, write and attend, dispatched to the torch reference or the Triton kernels.
 
 `backend`: "torch", "triton" or "auto" (Triton on CUDA, torch elsewhere); `None` reads the environment
-variable HF_FP8KV_BACKEND (default "auto"). "triton" on CPU needs TRITON_INTERPRET=1.
+variable HF_FP8KV_BACKEND (default "auto"). "triton" on CPU needs TRITON_INTERPRET=1, and there computes in
+fp32 (the interpreter's bf16 dot is broken: bf16 queries are refused with a clear error).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from . import reference
-from .formats import StorageFormat, get_format
+from .view import KVView
 
 BACKENDS = ("auto", "triton", "torch")
 
 
-def resolve_backend(requested: str | None, device: torch.device) -> str:
-    """The backend that serves `device`: "torch" or "triton"."""
+def check_backend(requested: str | None) -> str:
+    """The backend name asked for (argument, else HF_FP8KV_BACKEND, else "auto"), validated."""
     name = requested if requested is not None else os.environ.get("HF_FP8KV_BACKEND", "auto")
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is not one of {BACKENDS} (argument or HF_FP8KV_BACKEND)")
+    return name
+
+
+def resolve_backend(requested: str | None, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The backend that serves `device` (and model `dtype`): "torch" or "triton"."""
+    name = check_backend(requested)
     if name == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"backend='triton' on {device.type} needs TRITON_INTERPRET=1 (the Triton interpreter)")
+    if name == "triton" and device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"backend='triton' on {device.type} needs TRITON_INTERPRET=1 (the Triton interpreter)")
+        if dtype == torch.bfloat16:
+            raise ValueError(
+                "backend='triton' under TRITON_INTERPRET=1 cannot run a bf16 model: the Triton interpreter's bf16 "
+                "dot multiplies raw bits (wrong results). Use backend='torch' (the default off GPU) or fp32/fp16."
+            )
     return name
 
 
@@ -40,114 +52,43 @@ def _triton_available() -> bool:
 def write(
     key: torch.Tensor,
     value: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    start: int,
-    fmt: StorageFormat,
+    view: KVView,
     dynamic: bool,
-    clipped: torch.Tensor,
+    stats: torch.Tensor,
     backend: str = "torch",
-) -> None:
-    """Quantize `key`/`value` (`[batch, kv_heads, new, head_dim]`) into the code buffers at `start`.
-
-    Static scales (`[1, kv_heads, 1]`) are read; dynamic ones are computed per token and head and stored into
-    the `[batch, kv_heads, capacity]` scale buffers. `clipped` (int64 `[2]`: keys, values) grows by the
-    number of values saturated at the format's max.
-    """
+    plans: dict | None = None,
+) -> bool:
+    """Store the new tokens `[view.end, view.end + n)` in the buffers of `view` (see `reference.write`);
+    returns whether NaN codes may have been written. `plans`: the Triton launch plans the caller keeps."""
     if backend == "triton":
-        buffers = (key_codes, value_codes, key_scale, value_scale)
-        triton_ops().write(key, value, *buffers, start, fmt.name, dynamic, clipped)
-        return
-    # keys and values go through one quantization: decode writes are tiny, so op count is the cost
-    end = start + key.shape[2]
-    states = torch.stack((key, value))
-    if dynamic:
-        scale = reference.dynamic_scale(states, fmt)
-        key_scale[:, :, start:end], value_scale[:, :, start:end] = scale
-    else:
-        scale = torch.stack((key_scale, value_scale))
-    codes, n_clipped = reference.quantize(states, scale[..., None], fmt, count_per_row=True)
-    key_codes[:, :, start:end], value_codes[:, :, start:end] = codes
-    clipped += n_clipped
+        from .triton_write import write_kv
+
+        write_kv(key, value, view, dynamic, stats, plans)
+        return True
+    return reference.write(
+        key, value, view.codes, view.scales, view.recent, view.end, view.fp_start, view.offset, view.fmt, dynamic,
+        stats, view.ring,
+    )  # fmt: skip
 
 
 def attend(
     query: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    length: int,
-    fmt: StorageFormat,
+    view: KVView,
     *,
     scaling: float,
     mask: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    key_channel_scale: torch.Tensor | None = None,
     backend: str = "torch",
+    plans: dict | None = None,
 ) -> torch.Tensor:
-    """Attention of `query` over the first `length` cached tokens (see `reference.attention`)."""
-    kwargs = dict(scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks)
-    kwargs["key_channel_scale"] = key_channel_scale
+    """Attention of `query` `[batch, q_heads, q_len, head_dim]` over the tokens of `view` (see
+    `reference.attend`); returns `[batch, q_heads, q_len, head_dim]` in the query's dtype."""
     if backend == "triton":
-        return triton_ops().attend(
-            query, key_codes, value_codes, key_scale, value_scale, length, fmt.name, scaling, mask, window, softcap,
-            sinks, key_channel_scale,
-        )  # fmt: skip
-    k_scale = key_scale[:, :, :length] if key_scale.shape[-1] > 1 else key_scale
-    v_scale = value_scale[:, :, :length] if value_scale.shape[-1] > 1 else value_scale
-    return reference.attention(
-        query, key_codes[:, :, :length], value_codes[:, :, :length], k_scale, v_scale, fmt, **kwargs
-    )
+        from .triton_attention import attention
 
-
-@functools.cache
-def triton_ops():
-    """`torch.ops.hf_fp8kv`: the Triton launchers registered with `torch.library` as `write` and `attend`
-    (`triton_op`, so that `torch.compile` sees through them), on first use."""
-    from .triton_attention import attention
-    from .triton_write import write_kv
-
-    buffers = {"key_codes", "value_codes", "key_scale", "value_scale", "clipped"}
-
-    @torch.library.triton_op("hf_fp8kv::write", mutates_args=buffers)
-    def write_op(
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_codes: torch.Tensor,
-        value_codes: torch.Tensor,
-        key_scale: torch.Tensor,
-        value_scale: torch.Tensor,
-        start: int,
-        fmt: str,
-        dynamic: bool,
-        clipped: torch.Tensor,
-    ) -> None:
-        write_kv(key, value, key_codes, value_codes, key_scale, value_scale, start, get_format(fmt), dynamic, clipped)
-
-    @torch.library.triton_op("hf_fp8kv::attend", mutates_args=())
-    def attend_op(
-        query: torch.Tensor,
-        key_codes: torch.Tensor,
-        value_codes: torch.Tensor,
-        key_scale: torch.Tensor,
-        value_scale: torch.Tensor,
-        length: int,
-        fmt: str,
-        scaling: float,
-        mask: torch.Tensor | None,
-        window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-        key_channel_scale: torch.Tensor | None,
-    ) -> torch.Tensor:
         return attention(
-            query, key_codes, value_codes, key_scale, value_scale, length, get_format(fmt), scaling=scaling,
-            mask=mask, window=window, softcap=softcap, sinks=sinks, key_channel_scale=key_channel_scale,
-        )  # fmt: skip
-
-    return torch.ops.hf_fp8kv
+            query, view, scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks, plans=plans
+        )
+    return reference.attend(query, view, scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks)

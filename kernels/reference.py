@@ -1,14 +1,18 @@
 """Torch reference of every kernel: the test oracle of the Triton kernels and the CPU path of the cache.
 
 Conventions (vLLM's): a scale is a dequantization multiplier, `stored = saturate(x / scale)`,
-`value = stored * scale`. Scales are fp32 and broadcast against `[batch, kv_heads, tokens]`: a static
-scale has shape `[1, kv_heads, 1]`, a per-token-head (dynamic) scale `[batch, kv_heads, tokens]`.
+`value = stored * scale`. Scales are fp32 and broadcast against `[..., tokens]`: a static scale is one value
+per KV head, a dynamic (per-token-head) scale one value per token and head.
 
 Policy for values outside the format: +-inf and finite values beyond +-max saturate to +-max; those beyond
-`fmt.clip_bound` (where rounding alone would not bring them back to max) are counted as clipped. NaN is
-written as the format's NaN code (0 in int8) and never counted; the attention's exact decode covers finite
-codes only, so a NaN code reads back as 480 (e4m3fn) or -0 (e4m3fnuz) on the CPU path and in the Triton
-kernels (e5m2 keeps NaN). Only a model that already produced NaN can reach this.
+`fmt.clip_bound` (where rounding alone would not bring them back to max) are counted as clipped. NaN is written
+as the format's NaN code (0 in int8, which has none) and reads back as NaN, on every backend; NaN and +-inf
+inputs are counted as non-finite. A dynamic scale ignores non-finite values.
+
+The functions come in two kinds: the obviously right oracle (`dynamic_scale`, `quantize`, `decode`,
+`attention`), and the CPU path the cache runs (`write_stacked`, `dequantize_stacked`), which produces the same
+bits with the fewest torch ops (a decode step on CPU is op-dispatch bound: docs/benchmarks.md); tests hold the
+two equal.
 """
 
 from __future__ import annotations
@@ -16,162 +20,362 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .formats import StorageFormat
 
+TINY_SCALE = 2.0**-126  # the smallest dynamic scale: an all-zero row gets it (its codes are 0 whatever it is)
+QUERY_BLOCK = 256  # query rows per block of the explicit-softmax path: its memory stays linear in the prompt
 
+
+# --- the oracle ------------------------------------------------------------------------------------------------
 def dynamic_scale(x: torch.Tensor, fmt: StorageFormat) -> torch.Tensor:
-    """Per-row scale `amax(|x|) / max` over the last dim (non-finite values ignored, 1.0 for an all-zero row)."""
-    amax = x.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1)
-    return torch.where(amax > 0, amax / fmt.max, 1.0)
+    """Per-row scale over the last dim: `max(amax(|finite x|) / fmt.row_max, TINY_SCALE)`."""
+    amax = x.float().abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=-1)
+    return (amax / fmt.row_max).clamp_min(TINY_SCALE)
 
 
 def quantize(
     x: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat, count_per_row: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes of `x / scale` in `fmt` (saturated, round to nearest even) and the number of clipped values
-    (one count per index of `x`'s first dim with `count_per_row`).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes of `x / scale` in `fmt` (saturated, round to nearest even), the number of clipped values and the
+    number of non-finite inputs (one count per index of `x`'s first dim with `count_per_row`).
 
     `scale` broadcasts against `x[..., :1]`, i.e. it has the shape of `x` without its last dim plus a trailing 1.
     """
     scaled = x.float() / scale
     beyond = scaled.abs() > fmt.clip_bound
-    clipped = beyond.flatten(1).sum(1) if count_per_row else beyond.sum()
+    nonfinite = ~torch.isfinite(x)
+    if count_per_row:
+        clipped, nonfinite = beyond.flatten(1).sum(1), nonfinite.flatten(1).sum(1)
+    else:
+        clipped, nonfinite = beyond.sum(), nonfinite.sum()
     scaled = scaled.clamp(-fmt.max, fmt.max)
     if fmt.is_float:
-        return scaled.to(fmt.dtype), clipped
-    return torch.round(torch.nan_to_num(scaled, nan=0.0)).to(fmt.dtype), clipped
+        return scaled.to(fmt.dtype), clipped, nonfinite
+    return torch.round(torch.nan_to_num(scaled, nan=0.0)).to(fmt.dtype), clipped, nonfinite
 
 
-def codes_to_float(codes: torch.Tensor, fmt: StorageFormat, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 values of `codes`: exactly `codes.float()` for every finite code."""
-    values = codes_to_scaled_float(codes, fmt, out)
-    return values.mul_(fmt.fp16_factor) if fmt.fp16_factor != 1.0 else values
-
-
-def codes_to_scaled_float(codes: torch.Tensor, fmt: StorageFormat, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 values of `codes` divided by `fmt.fp16_factor` (exact), for callers that fold the factor into
-    a scale. Float formats are decoded through int16 bit operations and an fp16 view (see `StorageFormat`)."""
-    if out is None:
-        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-    if not fmt.is_float:
-        return out.copy_(codes)
-    bits = _scratch(codes.shape, torch.int16, codes.device).copy_(codes.view(torch.int8))
-    bits.bitwise_left_shift_(fmt.fp16_shift)
-    if fmt.fp16_shift == 7:  # e4m3: the sign landed on bit 14 too (sign extension); keep it on bit 15 only
-        bits.bitwise_and_(~0x4000)
-    return out.copy_(bits.view(torch.float16))
-
-
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-
-
-def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
-    """A reused buffer: fresh multi-MB allocations cost page faults that took longer than the decode itself
-    (35 MB: 17 ms to allocate and fill vs 2 ms into a reused buffer, on this project's 2-core CPU)."""
-    key = (dtype, torch.device(device), slot)
-    numel = math.prod(shape)
-    buffer = _SCRATCH.get(key)
-    if buffer is None or buffer.numel() < numel:
-        # grown by a quarter at least, so a cache that grows a token per step reallocates rarely;
-        # a normal (not inference) tensor can be written both inside and outside inference mode
-        numel_held = max(numel, buffer.numel() * 5 // 4) if buffer is not None else numel
-        with torch.inference_mode(False):
-            buffer = _SCRATCH[key] = torch.empty(numel_held, dtype=dtype, device=device)
-    return buffer[:numel].view(shape)
+def decode(codes: torch.Tensor, fmt: StorageFormat) -> torch.Tensor:
+    """The fp32 values of `codes` (torch's own conversion: NaN codes are NaN)."""
+    return codes.float()
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat) -> torch.Tensor:
     """`codes * scale` in fp32, `scale` broadcasting against `codes[..., :1]`."""
-    return codes_to_float(codes, fmt) * scale
-
-
-def _per_token(scale: torch.Tensor) -> bool:
-    return scale.dim() == 3 and scale.shape[-1] > 1
-
-
-def attention(
-    query: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    fmt: StorageFormat,
-    *,
-    scaling: float,
-    mask: torch.Tensor | None = None,
-    causal: bool = True,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    key_channel_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of `query` over quantized keys and values; returns `[batch, q_heads, q_len, head_dim]`.
-
-    query: `[batch, q_heads, q_len, head_dim]`; key/value codes: `[batch, kv_heads, kv_len, head_dim]`, the
-    last `q_len` of which are the query tokens' own (bottom-right alignment); scales broadcast against
-    `[batch, kv_heads, kv_len]`. `mask` (bool, True = attend) broadcasts against `[batch, 1, q_len, kv_len]`
-    and replaces the causal/window rule; without it query i sees key j iff `j <= kv_len - q_len + i` and,
-    with `window`, `j > kv_len - q_len + i - window`. `softcap` caps scores as `softcap * tanh(s / softcap)`;
-    `sinks` (`[q_heads]`, gpt-oss) add one logit per head to the softmax denominator. `key_channel_scale`
-    (`[kv_heads, head_dim]`) is a static per-channel key scale, folded into the query.
-    """
-    batch, q_heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key_codes.shape[1], key_codes.shape[2]
-    group = q_heads // kv_heads
-    if q_heads != group * kv_heads:
-        raise ValueError(f"query has {q_heads} heads, not a multiple of the cache's {kv_heads} KV heads")
-    # GQA: every KV head serves its `group` query heads as one batch of rows, with no copy of the keys
-    q = query.float().reshape(batch, kv_heads, group * q_len, head_dim) * (scaling * fmt.fp16_factor)
-    if key_channel_scale is not None:
-        q = q * key_channel_scale.float()[None, :, None, :]
-    if not _per_token(key_scale):
-        q = q * key_scale.float().reshape(-1, kv_heads, 1, 1)
-    keys = codes_to_scaled_float(key_codes, fmt, _scratch(key_codes.shape, torch.float32, key_codes.device, 1))
-    scores = torch.matmul(q, keys.transpose(-1, -2))
-    if _per_token(key_scale):
-        scores = scores * key_scale.float()[:, :, None, :]
-    scores = scores.reshape(batch, kv_heads, group, q_len, kv_len)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if mask is None and (q_len > 1 or window is not None):
-        mask = causal_mask(q_len, kv_len, window, causal, device=query.device)
-    if mask is not None:
-        scores = scores.masked_fill(~_mask_5d(mask, kv_heads), -math.inf)
-    if sinks is not None:
-        sink = sinks.float().reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        probs = probs.nan_to_num_(0.0)  # a fully masked row (left padding) attends to nothing
-    if sinks is not None:
-        probs = probs[..., :kv_len]
-    probs = probs.reshape(batch, kv_heads, group * q_len, kv_len)
-    if _per_token(value_scale):
-        probs = probs * value_scale.float()[:, :, None, :]
-    values = codes_to_scaled_float(value_codes, fmt, _scratch(value_codes.shape, torch.float32, value_codes.device, 1))
-    out = torch.matmul(probs, values) * fmt.fp16_factor
-    if not _per_token(value_scale):
-        out = out * value_scale.float().reshape(-1, kv_heads, 1, 1)
-    return out.reshape(batch, q_heads, q_len, head_dim).to(query.dtype)
+    return decode(codes, fmt) * scale
 
 
 def causal_mask(
-    q_len: int, kv_len: int, window: int | None = None, causal: bool = True, device: torch.device | str = "cpu"
+    q_len: int, kv_len: int, window: int | None = None, device: torch.device | str = "cpu", q_end: int | None = None
 ) -> torch.Tensor:
-    """Bottom-right aligned causal (and sliding-window) mask `[q_len, kv_len]`, True = attend."""
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    """Causal (and sliding-window) mask `[q_len, kv_len]`, True = attend, the queries being keys
+    `[q_end - q_len, q_end)` (bottom-right aligned by default: `q_end = kv_len`)."""
+    q_end = kv_len if q_end is None else q_end
+    q_pos = torch.arange(q_end - q_len, q_end, device=device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
-    allowed = k_pos <= q_pos if causal else torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    allowed = k_pos <= q_pos
     if window is not None:
         allowed = allowed & (k_pos > q_pos - window)
     return allowed
 
 
-def _mask_5d(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A `[.., q_len, kv_len]` mask broadcastable over `[batch, kv_heads, group, q_len, kv_len]`."""
-    if mask.dim() == 2:
-        return mask
-    if mask.shape[1] == 1:  # [batch, 1, q, kv]: the same for every head
-        return mask[:, :, None]
-    return mask.reshape(mask.shape[0], kv_heads, -1, *mask.shape[-2:])
+def attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `query` `[batch, q_heads, q_len, D]` over full-precision `keys`/`values`
+    `[batch, kv_heads, kv_len, D]` (GQA: each KV head serves `q_heads / kv_heads` query heads); returns
+    `[batch, q_heads, q_len, D]` in fp32.
+
+    `mask` (bool, True = attend) broadcasts against `[batch, q_heads, q_len, kv_len]` and replaces the causal
+    rule; without it query i sees key j iff `j <= kv_len - q_len + i` (and, with `window`,
+    `j > kv_len - q_len + i - window`). `softcap` caps scores as `softcap * tanh(s / softcap)`; `sinks`
+    (`[q_heads]`, gpt-oss) add one logit per head to the softmax denominator. A row that sees nothing gives 0.
+    Memory stays linear in `kv_len`: sdpa (a flash kernel on CPU) where it applies, else blocks of queries.
+    """
+    q_heads, q_len = query.shape[1], query.shape[2]
+    kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"query has {q_heads} heads, not a multiple of the cache's {kv_heads} KV heads")
+    query, keys, values = query.float(), keys.float(), values.float()
+    if mask is None and (window is not None or 1 < q_len < kv_len):
+        mask = causal_mask(q_len, kv_len, window, query.device)
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling,
+            enable_gqa=q_heads != kv_heads,
+        )  # fmt: skip
+    if mask is None:
+        mask = causal_mask(q_len, kv_len, device=query.device)
+    group = q_heads // kv_heads
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    out = torch.empty_like(query)
+    for first in range(0, q_len, QUERY_BLOCK):
+        rows = slice(first, first + QUERY_BLOCK)
+        scores = query[:, :, rows] @ keys.transpose(-1, -2) * scaling
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask[..., rows, :], -math.inf)
+        if sinks is not None:
+            sink = sinks.float().reshape(1, q_heads, 1, 1).expand(*scores.shape[:3], 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row attends to nothing
+        out[:, :, rows] = probs[..., :kv_len] @ values
+    return out
+
+
+# --- the CPU path: the same bits in few ops ------------------------------------------------------------------
+def write_stacked(
+    states: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: StorageFormat,
+    dynamic: bool,
+    stats: torch.Tensor,
+) -> bool:
+    """Quantize `states` (`[2, ...rows, D]`: keys then values) into `codes` (a view of the same shape); with
+    `dynamic`, store each row's scale into `scale` (`[2, ...rows, 1]`), else read it from there. Adds clipped and
+    non-finite counts to `stats` (int64 `[2, 2]`: keys/values x clipped/non-finite). Returns whether any input was
+    non-finite (so the reader knows NaN codes may exist).
+
+    Bit-identical to `dynamic_scale` + `quantize`; the common case (finite inputs, nothing clipped) is found by
+    one reduction and takes no counting ops.
+    """
+    if dynamic:
+        amax = torch.linalg.vector_norm(states, math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+        finite = states.is_meta or math.isfinite(amax.sum().item())  # NaN or inf anywhere: a non-finite sum
+        if not finite:
+            amax = states.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)
+        row_scale = amax.div_(fmt.row_max).clamp_min_(TINY_SCALE)
+        scale.copy_(row_scale)
+        scaled = states / row_scale
+        ok = finite  # a finite row divided by its own amax never leaves the format's range
+    else:
+        scaled = states / scale
+        low, high = torch.aminmax(scaled)  # NaN in, NaN out: the comparison below is then False
+        ok = states.is_meta or bool(-fmt.clip_bound <= low.item() and high.item() <= fmt.clip_bound)
+    nonfinite = False
+    if not ok:
+        counts = torch.stack([
+            (scaled.abs() > fmt.clip_bound).flatten(1).sum(1), (~torch.isfinite(states)).flatten(1).sum(1)
+        ], dim=1)  # fmt: skip
+        stats += counts
+        nonfinite = bool(counts[:, 1].any())
+    if fmt.dtype == torch.float8_e4m3fn:
+        codes.copy_(scaled)  # torch's cast saturates e4m3fn, inf included; NaN stays NaN
+    elif fmt.is_float:
+        codes.copy_(scaled.clamp_(-fmt.max, fmt.max))
+    else:
+        codes.copy_(scaled.clamp_(-fmt.max, fmt.max).round_().nan_to_num_(nan=0.0))
+    return nonfinite
+
+
+def dequantize_stacked(codes: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat, has_nan: bool) -> torch.Tensor:
+    """`codes * scale` in fp32 (exactly `dequantize`), for codes `[2, ...]` and a broadcasting `scale`.
+
+    Float codes are decoded through int16 bit operations and an fp16 view (see `StorageFormat`), the fp16
+    factor folded into the scale multiply; `has_nan` adds the select that reads NaN codes as NaN.
+    """
+    if not fmt.is_float:
+        return codes * scale
+    bits = codes.view(torch.int8).to(torch.int16).bitwise_left_shift_(fmt.fp16_shift)
+    if fmt.fp16_shift == 7:  # e4m3: the sign landed on bit 14 too (sign extension); keep it on bit 15 only
+        bits.bitwise_and_(~0x4000)
+    values = bits.view(torch.float16) * (scale * fmt.fp16_factor if fmt.fp16_factor != 1.0 else scale)
+    if has_nan and fmt.nan_code >= 0:
+        code_bits = codes.view(torch.uint8) & fmt.nan_code_mask
+        values = values.masked_fill_(code_bits == fmt.nan_code, math.nan)
+    return values
+
+
+# --- the cache's two operations over its buffers ---------------------------------------------------------------
+def _pieces(first: int, stop: int, modulus: int):
+    """`(timeline start, timeline stop, slot)` runs of tokens `[first, stop)` in a ring of `modulus` slots."""
+    while first < stop:
+        slot = first % modulus
+        run = min(stop - first, modulus - slot)
+        yield first, first + run, slot
+        first += run
+
+
+def write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    recent: torch.Tensor | None,
+    end,
+    fp_start,
+    offset: int,
+    fmt: StorageFormat,
+    dynamic: bool,
+    stats: torch.Tensor,
+    ring: bool = False,
+) -> bool:
+    """Store the new tokens `[end, end + n)` (`key`/`value` `[batch, kv_heads, n, head_dim]`) in a layer's
+    buffers (see `KVView`): each token that leaves the recent window (`recent`, R slots; all of them without
+    one) is quantized into the codes, once. `end` and `fp_start` are the positions before the update: Python
+    ints, or 0-dim device tensors for static buffers (one slot more than they hold, the last one taking the
+    writes that have nowhere to go), written without a host sync. Returns whether a non-finite input was seen
+    (always True for static buffers, which cannot check without a sync).
+    """
+    states = torch.stack((key, value))
+    window = recent.shape[3] if recent is not None else 0
+    n = states.shape[3]
+    if isinstance(end, torch.Tensor):
+        _write_static(states, codes, scales, recent, end, fp_start, fmt, dynamic, stats, window, ring)
+        return True
+    new_fp_start = max(fp_start, end + n - window)
+    nonfinite = False
+
+    def quantize_into(rows: torch.Tensor, first: int) -> None:
+        nonlocal nonfinite
+        slots = slice(first - offset, first - offset + rows.shape[3])
+        scale = scales[:, :, :, slots, None] if dynamic else scales[..., None]
+        nonfinite |= write_stacked(rows, codes[:, :, :, slots], scale, fmt, dynamic, stats)
+
+    for first, stop, slot in _pieces(fp_start, min(new_fp_start, end), window):  # leaving the window
+        quantize_into(recent[:, :, :, slot : slot + stop - first], first)
+    if new_fp_start > end:  # new tokens that are not among the newest `window`
+        quantize_into(states[:, :, :, : new_fp_start - end], end)
+    for first, stop, slot in _pieces(max(end, new_fp_start), end + n, window):
+        recent[:, :, :, slot : slot + stop - first] = states[:, :, :, first - end : stop - end]
+    return nonfinite
+
+
+def _write_static(states, codes, scales, recent, end, fp_start, fmt, dynamic, stats, window, ring) -> None:
+    """`write` for static buffers: positions are device tensors, every index is computed, nothing syncs."""
+    n, slots = states.shape[3], codes.shape[3] - 1
+    device = states.device
+
+    def slot_of(t: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, t % slots if ring else t, slots)
+
+    def quantize_into(rows: torch.Tensor, index: torch.Tensor) -> None:
+        if dynamic:
+            row_scale = dynamic_scale(rows, fmt)[..., None]
+            scales.index_copy_(3, index, row_scale[..., 0])
+        else:
+            row_scale = scales[..., None]
+        row_codes, clipped, nonfinite = quantize(rows, row_scale, fmt, count_per_row=True)
+        stats.add_(torch.stack([clipped, nonfinite], dim=1))
+        codes.view(torch.uint8).index_copy_(3, index, row_codes.view(torch.uint8))
+
+    if window:
+        # the window's oldest tokens leave it: at most min(n, window) of them, those at or after fp_start
+        leaving = end - window + torch.arange(min(n, window), device=device)
+        valid = leaving >= fp_start
+        quantize_into(recent.index_select(3, leaving % window), slot_of(leaving, valid))
+    direct = max(n - window, 0)
+    if direct:
+        t = end + torch.arange(direct, device=device)
+        quantize_into(states[:, :, :, :direct], slot_of(t, torch.ones_like(t, dtype=torch.bool)))
+    if window:
+        kept = end + torch.arange(direct, n, device=device)
+        recent.index_copy_(3, kept % window, states[:, :, :, direct:].to(recent.dtype))
+
+
+def attend(
+    query: torch.Tensor,
+    view,
+    *,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `query` (the last `q_len` tokens of the timeline) over a layer's tokens (`KVView`):
+    the visible tokens are decoded, the full-precision ones laid over them, then `attention` runs; returns
+    `[batch, q_heads, q_len, head_dim]` in the query's dtype.
+
+    `mask` (bool, True = attend) broadcasts against `[batch, q_heads, q_len, columns]`, its columns being the
+    tokens `[end - columns, end)`, or `[0, max_len)` for static buffers.
+    """
+    keys, values = materialize(view)
+    if view.static:
+        positions, held = _static_positions(view)
+        q_pos = view.end - query.shape[2] + torch.arange(query.shape[2], device=query.device)
+        if mask is not None:
+            visible = mask.index_select(-1, positions.clamp(0, mask.shape[-1] - 1)) & held
+        else:
+            visible = (positions <= q_pos[:, None]) & held
+            if window is not None:
+                visible = visible & (positions > q_pos[:, None] - window)
+        mask, window = visible, None
+    elif mask is not None:
+        first = mask.shape[-1] - keys.shape[2] if view.mask_start is None else view.start - view.mask_start
+        mask = mask[..., first : first + keys.shape[2]]
+    out = attention(query, keys, values, scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks)
+    return out.to(query.dtype)
+
+
+def materialize(view) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 keys and values `[batch, kv_heads, tokens, head_dim]` of the visible tokens (`[start, end)` in
+    order), or of every slot for static buffers (their positions: `_static_positions`)."""
+    if view.static:  # every slot, the spare one included: it takes the writes below that have nowhere to go
+        codes, scales = view.codes, view.scales
+    else:
+        first = view.start - view.offset
+        codes = view.codes[:, :, :, first : view.end - view.offset]
+        scales = view.scales[..., first : view.end - view.offset] if view.dynamic else view.scales
+    kv = dequantize_stacked(codes, scales[..., None], view.fmt, view.has_nan)
+    if view.recent is not None:
+        _lay_recent(kv, view)
+    if view.sinks is not None:
+        _lay_sinks(kv, view)
+    if view.static:
+        kv = kv[:, :, :, : view.slots]
+    if view.key_channel_scale is not None:
+        kv[0] *= view.key_channel_scale[None, :, None, :]
+    return kv[0], kv[1]
+
+
+def _static_positions(view) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's token position and whether it holds a visible token (static buffers)."""
+    slot = torch.arange(view.slots, device=view.codes.device)
+    if view.ring:  # the latest token of the slot's residue before `end`
+        positions = view.end - 1 - (view.end - 1 - slot) % view.slots
+    else:
+        positions = slot
+    return positions, (positions >= view.start) & (positions >= 0) & (positions < view.end)
+
+
+def _slot(view, t: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """The materialized column of static positions `t`: the spare column where `held` is False."""
+    return torch.where(held, t % view.slots if view.ring else t, view.slots)
+
+
+def _lay_recent(kv: torch.Tensor, view) -> None:
+    """Replace the decoded codes of the recent window's tokens by their full-precision values."""
+    window = view.recent.shape[3]
+    if not view.static:
+        for lo, hi, slot in _pieces(max(view.fp_start, view.start), view.end, window):
+            kv[:, :, :, lo - view.start : hi - view.start] = view.recent[:, :, :, slot : slot + hi - lo]
+        return
+    t = view.end - window + torch.arange(window, device=kv.device)
+    column = _slot(view, t, (t >= view.fp_start) & (t >= view.start) & (t >= 0))
+    kv.index_copy_(3, column, view.recent.index_select(3, t % window).float())
+
+
+def _lay_sinks(kv: torch.Tensor, view) -> None:
+    """Replace the decoded codes of each row's sink tokens by their full-precision values."""
+    if not view.static:  # the rows' spans are known on the host: one copy per distinct span
+        for (first, count), rows in view.sink_spans.items():
+            index = torch.tensor(rows, device=kv.device) if len(rows) < kv.shape[1] else slice(None)
+            column = slice(first - view.start, first - view.start + count)
+            kv[:, index, :, column] = view.sinks[:, index, :, :count]
+        return
+    s = torch.arange(view.sinks.shape[3], device=kv.device)
+    t = view.sink_start[:, None] + s  # [batch, S]
+    column = _slot(view, t, s < view.sink_count[:, None])
+    index = column[None, :, None, :, None].expand(2, -1, kv.shape[2], -1, kv.shape[4])
+    kv.scatter_(3, index, view.sinks.float())

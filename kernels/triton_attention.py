@@ -1,21 +1,25 @@
-"""Triton attention over the quantized cache: one flash-attention kernel for decode and prefill, plus a reduce.
+"""Triton attention over a layer's cache (`KVView`): one flash-attention kernel for decode and prefill, plus a
+split reduce.
 
 Rows of a program are the (query position, query head) pairs of one KV head, position-major: every query head
 of a GQA group shares each K/V load (GQA packing), and a decode step (one position) fills one row block. The
-KV length is split across programs (flash-decoding) when the row blocks alone would leave the GPU idle; the
-splits' partial results are merged by `_reduce_kernel`.
+codes' part of the timeline is split across programs (flash-decoding) when the row blocks alone would leave the
+GPU idle; the last split also reads the full-precision recent and sink tokens, and the splits' partial results
+are merged by `_reduce_kernel` (in a loop over splits: no spill however many there are).
 
-Codes are decoded in registers to fp16 by bit operations (exact, see `StorageFormat`), never dequantized in
-memory; the scales are folded out of the inner loop: per-head K scale and the fp16 decode factor into the
-score scale, per-token K scale times the score, per-token V scale into the probabilities, per-head V scale
-into the output. The dot runs in the query's dtype (fp16/bf16 tensor cores) or in exact fp32 (`ieee`).
+Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (softmax scale, log2(e), per-head
+K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
+`cvt.rn.f16x2.e4m3x2`, two per instruction) or by exact bit operations (the interpreter, e4m3fnuz); per-token
+K scales multiply the scores, per-token V scales the probabilities, per-head V scales the output. Nothing is
+dequantized in memory.
 
-Prefill reads the codes too: the cache writes the new tokens first, with or without a past, so there is one read
-path and a prompt's logits equal those of feeding it token by token.
+Static caches (CUDA graphs): positions are read from a device tensor and the grid is fixed (the split count for
+the full buffer); splits with no tokens write an empty partial result and exit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,23 +27,42 @@ import triton
 import triton.language as tl
 
 from .formats import StorageFormat
-from .triton_launch import Launch
-from .triton_write import check_codes
+from .triton_launch import Launch, cdiv, compiled_occupancy, interpreting, launch_all, next_power_of_2, sm_count
+from .view import KVView
 
 LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
+FP16_MAX = 65504.0
 MIN_ROWS = 16  # tl.dot needs 16 rows
-REDUCE_TILE = 4096  # partial-result elements one reduce program merges
+PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
+REDUCE_ROWS = 16  # output rows one reduce program merges
+REDUCE_SPLITS = 16  # splits merged per reduce iteration
 
 
 @triton.jit
-def decode_tile(codes, IS_FLOAT: tl.constexpr, FP16_SHIFT: tl.constexpr, DOT: tl.constexpr):
-    """A tile of int8-viewed codes as DOT values, exact: float codes as fp16 holding value / fp16_factor."""
+def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr,
+                 NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """A tile of codes as DOT values: by the hardware (fp8 dtype in, exact) or, on int8-viewed codes, by exact
+    bit operations giving value / fp16_factor (NaN codes read as NaN)."""
+    if HW_CONVERT:
+        return codes.to(DOT)
     if IS_FLOAT:
         bits = codes.to(tl.int16) << FP16_SHIFT  # sign-extended: the sign lands on bit 15
         if FP16_SHIFT == 7:  # e4m3: it landed on bit 14 too
             bits = bits & -0x4001  # ~0x4000 as int16
-        return bits.to(tl.float16, bitcast=True).to(DOT)
+        values = bits.to(tl.float16, bitcast=True)
+        if NAN_CODE >= 0:
+            values = tl.where((codes.to(tl.int32) & NAN_MASK) == NAN_CODE, float("nan"), values)
+        return values.to(DOT)
     return codes.to(DOT)
+
+
+@triton.jit
+def _as_dot(x, DOT: tl.constexpr):
+    """Full-precision K/V as dot operands (clamped into fp16's range when the dot runs in fp16)."""
+    x = x.to(tl.float32)
+    if DOT == tl.float16:
+        x = tl.minimum(tl.maximum(x, -FP16_MAX), FP16_MAX)
+    return x.to(DOT)
 
 
 @triton.jit
@@ -50,46 +73,89 @@ def _tanh(x):
 
 
 @triton.jit
-def finalize(acc, m, l, sink, out_scale, HAS_SINKS: tl.constexpr):
-    """The attention output from the running max `m` (log2 units), denominator `l` and unnormalised `acc`;
-    rows that attend to nothing (fully masked) give 0."""
-    if HAS_SINKS:
-        m_new = tl.maximum(m, sink)
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.exp2(sink - m_new)
-        acc = acc * alpha[:, None]
-    l_safe = tl.where(l > 0, l, 1.0)
-    return tl.where((l > 0)[:, None], acc / l_safe[:, None], 0.0) * out_scale[:, None]
+def _attend_tile(
+    q, acc, m_i, l_i, k, v, scores_scale, v_scale, visible, softcap,
+    PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of the online softmax: `k` `[D, N]` and `v` `[N, D]` already in the dot dtype; `scores_scale` /
+    `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]`."""
+    scores = tl.dot(q, k, input_precision=PRECISION)
+    if PER_TOKEN_K:
+        scores = scores * scores_scale[None, :]
+    if HAS_SOFTCAP:  # the query holds log2(e) only without softcap
+        scores = softcap * _tanh(scores / softcap) * LOG2E
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if PER_TOKEN_V:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                sink_lo, sink_hi, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+                EXCLUDE_SINKS: tl.constexpr):  # fmt: skip
+    """Which (row, token) pairs attend: the mask (its column = position - mask_start) or the causal and window
+    rules; sink tokens are excluded where another segment holds them."""
+    ok = t_ok
+    if HAS_SINK_TOKENS and EXCLUDE_SINKS:
+        ok = ok & ((t < sink_lo) | (t >= sink_hi))
+    if HAS_MASK:
+        allowed = tl.load(
+            mask_ptr + head[:, None] * m_sh + pos.to(tl.int64)[:, None] * m_sl + (t - mask_start)[None, :] * m_st,
+            mask=row_ok[:, None] & ok[None, :],
+            other=0,
+        )
+        return (allowed != 0) & ok[None, :] & row_ok[:, None]
+    visible = (t[None, :] <= q_pos[:, None]) & ok[None, :] & row_ok[:, None]
+    if HAS_WINDOW:
+        visible = visible & (t[None, :] > q_pos[:, None] - window)
+    return visible
 
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, mask_ptr, sinks_ptr, channel_ptr,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
+    sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sinks_ptr, channel_ptr,
     out_ptr, part_acc_ptr, part_stats_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
-    ks_sb, ks_sh, ks_st,
-    vs_sb, vs_sh, vs_st,
+    s_sb, s_sh, s_st,
+    r_sb, r_sh, r_st, r_sd,
+    x_sb, x_sh, x_st, x_sd,
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
-    kv_heads, length, q_len, head_dim, split_size, num_splits, window,
-    score_scale, value_boost, out_factor, softcap,
+    kv_heads, q_len, head_dim, num_splits, slots, offset, recent_slots, sink_slots,
+    start, end, fp_start, mask_start, window,
+    score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_FLOAT: tl.constexpr, FP16_SHIFT: tl.constexpr, PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr,
+    IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
+    NAN_CODE: tl.constexpr, PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr,
+    STATIC: tl.constexpr, RING: tl.constexpr, HAS_RECENT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
-    DOT = q_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
-    kv_head = tl.program_id(1) % kv_heads
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
     split = tl.program_id(2)
+    if STATIC:  # positions on the device: nothing about them reaches the host (CUDA graphs)
+        end = tl.load(positions_ptr)
+        fp_start = tl.load(positions_ptr + 1)
+    if RING:  # a slot holds the latest token of its residue: the ring covers the last `slots` tokens
+        start = tl.maximum(start, end - slots)
     q_ptr += b * q_sb
-    k_ptr += b * c_sb + kv_head.to(tl.int64) * c_sh
-    v_ptr += b * c_sb + kv_head.to(tl.int64) * c_sh
-    k_scale_ptr += b * ks_sb + kv_head * ks_sh
-    v_scale_ptr += b * vs_sb + kv_head * vs_sh
+    k_ptr += b * c_sb + kv_head * c_sh
+    v_ptr += b * c_sb + kv_head * c_sh
+    k_scale_ptr += b * s_sb + kv_head * s_sh
+    v_scale_ptr += b * s_sb + kv_head * s_sh
     mask_ptr += b * m_sb
     out_ptr += b * o_sb
 
@@ -97,74 +163,118 @@ def _attention_kernel(
     pos = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = rows < GROUP * q_len
-    q_pos = length - q_len + pos  # bottom-right alignment: the queries are the last q_len cached tokens
+    q_pos = end - q_len + pos  # the queries are the last q_len tokens
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
 
+    # the query, scaled once: softmax scale and log2(e) (score_scale), per-head K scale, per-channel K scale
     q = tl.load(
         q_ptr + head[:, None] * q_sh + pos[:, None] * q_sl + d[None, :] * q_sd,
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
-    )
-    if HAS_CHANNEL_SCALE:
-        channel = tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)
-        q = (q.to(tl.float32) * channel[None, :]).to(DOT)
-    qk_scale = score_scale
+    ).to(tl.float32)
+    q_scale = score_scale
     if not PER_TOKEN_K:
-        qk_scale *= tl.load(k_scale_ptr)
-
-    # the KV range of this split, narrowed to what the causal / window rule lets this row block see
-    lo = split * split_size
-    hi = tl.minimum(lo + split_size, length)
-    if not HAS_MASK:
-        last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, GROUP * q_len) - 1
-        hi = tl.minimum(hi, length - q_len + last_row // GROUP + 1)
-        if HAS_WINDOW:
-            first_visible = length - q_len + (pid_m * BLOCK_M) // GROUP - window + 1
-            lo = tl.maximum(lo, (first_visible // BLOCK_N) * BLOCK_N)
+        q_scale *= tl.load(k_scale_ptr)
+    q = q * q_scale
+    if HAS_CHANNEL_SCALE:
+        q = q * tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)[None, :]
+    if DOT == tl.float16:  # the scaled query fits fp16 for any sane model; never let it become inf
+        q = tl.minimum(tl.maximum(q, -FP16_MAX), FP16_MAX)
+    q = q.to(DOT)
+    if HAS_SINK_TOKENS:
+        sink_lo = tl.load(sink_start_ptr + b)
+        sink_hi = sink_lo + tl.load(sink_count_ptr + b)
+    else:
+        sink_lo = 0
+        sink_hi = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < hi
-        k = tl.load(
-            k_ptr + j[None, :] * c_st + d[:, None] * c_sd, mask=j_ok[None, :] & d_ok[:, None], other=0
-        )
-        scores = tl.dot(q, decode_tile(k, IS_FLOAT, FP16_SHIFT, DOT), input_precision=PRECISION) * qk_scale
-        if PER_TOKEN_K:
-            scores *= tl.load(k_scale_ptr + j * ks_st, mask=j_ok, other=0.0)[None, :]
-        if HAS_SOFTCAP:  # the score scale holds log2(e) only without softcap
-            scores = softcap * _tanh(scores / softcap) * LOG2E
-        if HAS_MASK:
-            allowed = tl.load(
-                mask_ptr + head[:, None] * m_sh + pos.to(tl.int64)[:, None] * m_sl + j[None, :] * m_st,
-                mask=row_ok[:, None] & j_ok[None, :],
-                other=0,
-            )
-            visible = allowed != 0
-        else:
-            visible = j[None, :] <= q_pos[:, None]
-            if HAS_WINDOW:
-                visible = visible & (j[None, :] > q_pos[:, None] - window)
-        visible = visible & j_ok[None, :] & row_ok[:, None]
-        scores = tl.where(visible, scores, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+    # the codes' share of this split: [lo, hi) of [start, fp_start), narrowed to what the causal / window rule
+    # lets this row block see (without a mask: masks skip whole tiles below instead)
+    fp8_end = tl.maximum(fp_start, start)
+    split_tokens = tl.cdiv(tl.cdiv(fp8_end - start, BLOCK_N), num_splits) * BLOCK_N
+    lo = start + split * split_tokens
+    hi = tl.minimum(lo + split_tokens, fp8_end)
+    if not HAS_MASK:
+        first_pos = end - q_len + (pid_m * BLOCK_M) // GROUP
+        last_pos = end - q_len + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, GROUP * q_len) - 1) // GROUP
+        hi = tl.minimum(hi, last_pos + 1)
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, start + ((first_pos - window + 1 - start) // BLOCK_N) * BLOCK_N)
+    n = tl.arange(0, BLOCK_N)
+    for tile in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+        t = tile + n
+        t_ok = t < hi
+        if RING:
+            slot = (t % slots).to(tl.int64)
+        else:
+            slot = (t - offset).to(tl.int64)
+        k = tl.load(k_ptr + slot[None, :] * c_st + d[:, None] * c_sd, mask=t_ok[None, :] & d_ok[:, None], other=0)
+        v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0)
+        if PER_TOKEN_K:
+            k_scale = tl.load(k_scale_ptr + slot * s_st, mask=t_ok, other=0.0)
+        else:
+            k_scale = 1.0
         if PER_TOKEN_V:
-            v_scale = tl.load(v_scale_ptr + j * vs_st, mask=j_ok, other=0.0)
-            p = p * (v_scale * value_boost)[None, :]
-        v = tl.load(
-            v_ptr + j[:, None] * c_st + d[None, :] * c_sd, mask=j_ok[:, None] & d_ok[None, :], other=0
-        )
-        v = decode_tile(v, IS_FLOAT, FP16_SHIFT, DOT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
-        m_i = m_new
+            v_scale = tl.load(v_scale_ptr + slot * s_st, mask=t_ok, other=0.0) * value_boost
+        else:
+            v_scale = 1.0
+        visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                              sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True)  # fmt: skip
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i,
+            decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
+            decode_codes(v, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
+            k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION,
+        )  # fmt: skip
+
+    # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
+    # V scale) applied once; the full-precision tokens then undo the query's K scaling on their scores
+    out_scale = out_factor
+    if not PER_TOKEN_V:
+        out_scale *= tl.load(v_scale_ptr)
+    acc = acc * out_scale
+    fp_weight = tl.full([BLOCK_N], 1.0, tl.float32) / (q_scale / score_scale * code_factor)
+    if split == num_splits - 1:  # the full-precision tokens, in the model's dtype
+        if HAS_RECENT:
+            recent_k_ptr += b * r_sb + kv_head * r_sh
+            recent_v_ptr += b * r_sb + kv_head * r_sh
+            recent_lo = tl.maximum(fp_start, start)
+            for first in range(0, recent_slots, BLOCK_N):
+                slot = first + n
+                t = end - 1 - (end - 1 - slot) % recent_slots  # the latest token of the slot's residue
+                t_ok = (slot < recent_slots) & (t >= recent_lo) & (t >= 0) & (t < end)
+                k = tl.load(recent_k_ptr + slot[None, :] * r_st + d[:, None] * r_sd,
+                            mask=t_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
+                v = tl.load(recent_v_ptr + slot[:, None] * r_st + d[None, :] * r_sd,
+                            mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+                visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
+                                      window, sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True)  # fmt: skip
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
+                    True, False, HAS_SOFTCAP, PRECISION,
+                )  # fmt: skip
+        if HAS_SINK_TOKENS:
+            sink_k_ptr += b * x_sb + kv_head * x_sh
+            sink_v_ptr += b * x_sb + kv_head * x_sh
+            for first in range(0, sink_slots, BLOCK_N):
+                slot = first + n
+                t = sink_lo + slot
+                t_ok = (t < sink_hi) & (t >= start)
+                k = tl.load(sink_k_ptr + slot[None, :] * x_st + d[:, None] * x_sd,
+                            mask=t_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
+                v = tl.load(sink_v_ptr + slot[:, None] * x_st + d[None, :] * x_sd,
+                            mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+                visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
+                                      window, sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False)  # fmt: skip
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
+                    True, False, HAS_SOFTCAP, PRECISION,
+                )  # fmt: skip
 
     if SPLIT:
         row_index = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits + split
@@ -172,14 +282,7 @@ def _attention_kernel(
         tl.store(part_stats_ptr + row_index * 2, m_i, mask=row_ok)
         tl.store(part_stats_ptr + row_index * 2 + 1, l_i, mask=row_ok)
     else:
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-        else:
-            sink = 0.0
-        out_scale = tl.zeros([BLOCK_M], tl.float32) + out_factor
-        if not PER_TOKEN_V:
-            out_scale *= tl.load(v_scale_ptr)
-        out = finalize(acc, m_i, l_i, sink, out_scale, HAS_SINKS)
+        out = _finalize(acc, m_i, l_i, head, row_ok, sinks_ptr, HAS_SINKS)
         tl.store(
             out_ptr + head[:, None] * o_sh + pos[:, None] * o_sl + d[None, :] * o_sd,
             out.to(out_ptr.dtype.element_ty),
@@ -188,39 +291,57 @@ def _attention_kernel(
 
 
 @triton.jit
+def _finalize(acc, m, l, head, row_ok, sinks_ptr, HAS_SINKS: tl.constexpr):
+    """The attention output from the running max `m` (log2 units), denominator `l` and unnormalised `acc`;
+    rows that attend to nothing give 0."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    l_safe = tl.where(l > 0, l, 1.0)
+    return tl.where((l > 0)[:, None], acc / l_safe[:, None], 0.0)
+
+
+@triton.jit
 def _reduce_kernel(
-    part_acc_ptr, part_stats_ptr, v_scale_ptr, sinks_ptr, out_ptr,
-    vs_sb, vs_sh,
+    part_acc_ptr, part_stats_ptr, sinks_ptr, out_ptr,
     o_sb, o_sh, o_sl, o_sd,
-    out_rows, q_heads, q_len, head_dim, num_splits, out_factor,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    PER_TOKEN_V: tl.constexpr, HAS_SINKS: tl.constexpr,
+    out_rows, q_heads, q_len, head_dim, num_splits,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """Program (block of output rows (batch, q_head, position)): merge the splits' partial results."""
+    """Program (block of output rows (batch, q_head, position)): merge the splits' partial results, BLOCK_S
+    splits at a time (registers stay BLOCK_R x BLOCK_D whatever the split count)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < out_rows
     pos = rows % q_len
     head = (rows // q_len) % q_heads
     b = rows // (q_len * q_heads)
-    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    part = rows[:, None] * num_splits + s[None, :]
-    part_ok = row_ok[:, None] & (s < num_splits)[None, :]
-    m_s = tl.load(part_stats_ptr + part * 2, mask=part_ok, other=float("-inf"))
-    l_s = tl.load(part_stats_ptr + part * 2 + 1, mask=part_ok, other=0.0)
-    acc_s = tl.load(part_acc_ptr + part[:, :, None] * BLOCK_D + d[None, None, :], mask=part_ok[:, :, None], other=0.0)
-    m = tl.max(m_s, axis=1)
-    weight = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    l = tl.sum(l_s * weight, axis=1)
-    acc = tl.sum(acc_s * weight[:, :, None], axis=1)
-    out_scale = tl.zeros([BLOCK_R], tl.float32) + out_factor
-    if not PER_TOKEN_V:
-        out_scale *= tl.load(v_scale_ptr + b * vs_sb + (head // GROUP) * vs_sh, mask=row_ok, other=0.0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-    else:
-        sink = 0.0
-    out = finalize(acc, m, l, sink, out_scale, HAS_SINKS)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        part = rows[:, None] * num_splits + s[None, :]
+        part_ok = row_ok[:, None] & (s < num_splits)[None, :]
+        m_s = tl.load(part_stats_ptr + part * 2, mask=part_ok, other=float("-inf"))
+        l_s = tl.load(part_stats_ptr + part * 2 + 1, mask=part_ok, other=0.0)
+        m_new = tl.maximum(m, tl.max(m_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        weight = tl.exp2(m_s - m_safe[:, None])
+        l = l * alpha + tl.sum(l_s * weight, axis=1)
+        acc = acc * alpha[:, None]
+        for j in tl.static_range(BLOCK_S):  # one split's [rows, D] at a time: no 3-D tile in registers
+            part_j = rows * num_splits + first + j
+            ok_j = row_ok & (tl.full([BLOCK_R], first + j, tl.int32) < num_splits)
+            acc_j = tl.load(part_acc_ptr + part_j[:, None] * BLOCK_D + d[None, :], mask=ok_j[:, None], other=0.0)
+            w_j = tl.sum(tl.where(tl.arange(0, BLOCK_S)[None, :] == j, weight, 0.0), axis=1)
+            acc += acc_j * w_j[:, None]
+        m = m_new
+    out = _finalize(acc, m, l, head, row_ok, sinks_ptr, HAS_SINKS)
     tl.store(
         out_ptr + (b * o_sb + head * o_sh + pos * o_sl)[:, None] + d[None, :] * o_sd,
         out.to(out_ptr.dtype.element_ty),
@@ -228,168 +349,254 @@ def _reduce_kernel(
     )
 
 
+# --- launchers ---------------------------------------------------------------------------------------------------
 def attention(
     query: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    length: int,
-    fmt: StorageFormat,
+    view: KVView,
     *,
     scaling: float,
     mask: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    key_channel_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
-    """Attention of `query` over the first `length` cached tokens (see `ops.attend`); `num_splits` forces the
-    number of KV splits (default: enough programs to fill the GPU)."""
-    if num_splits is None:
-        num_splits = default_splits(query, key_codes, length, query.device)
-    out, launches = plan_attention(
-        query, key_codes, value_codes, key_scale, value_scale, length, fmt, scaling=scaling, mask=mask,
-        window=window, softcap=softcap, sinks=sinks, key_channel_scale=key_channel_scale, num_splits=num_splits,
-    )  # fmt: skip
-    for launch in launches:
-        launch.run()
+    """Attention of `query` `[batch, q_heads, q_len, head_dim]` over the tokens of `view` (see
+    `reference.attend`); `num_splits` forces the number of KV splits (default: from the compiled kernel's
+    occupancy on the GPU, one off GPU). `plans` (a dict the caller keeps, e.g. one per cache layer) memoizes
+    the plan of each kind of call, so that a decode step only fills in positions and tensors."""
+    settings = (scaling, window, softcap, num_splits)
+    if plans is None:
+        plan = AttentionPlan(query, view, mask, sinks, *settings)
+    else:
+        key = (*settings, query.shape, query.dtype, query.device, view.codes.shape[:3], view.dynamic, view.static,
+               view.ring, view.recent is not None, view.sinks is not None, view.key_channel_scale is not None,
+               None if mask is None else mask.shape[:-1], sinks is not None)  # fmt: skip
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = AttentionPlan(query, view, mask, sinks, *settings)
+    out, launches = plan.launches(query, view, mask, sinks)
+    launch_all(launches, query.device)
     return out
 
 
 def block_sizes(rows: int, head_dim: int) -> tuple[int, int, int, dict]:
-    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` of the attention kernel for `rows` query rows per KV head."""
-    block_m = min(64, max(MIN_ROWS, triton.next_power_of_2(rows)))
-    block_d = triton.next_power_of_2(head_dim)
-    # register use from `ptxas -v` on sm_90 (AOT-compiled, not timed): these keep every row-block size within
-    # 255 registers with at most 28 bytes of spill; 4 warps at head_dim 128 spill up to 292 bytes
-    block_n = 32 if block_d > 128 else 64
-    return block_m, block_n, block_d, dict(num_warps=4 if block_d <= 64 else 8, num_stages=2)
+    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head."""
+    block_d = next_power_of_2(head_dim)
+    if rows > 64:  # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
+        return PREFILL_ROWS, 64 if block_d <= 128 else 32, block_d, dict(num_warps=8, STAGES=2)
+    block_m = max(MIN_ROWS, next_power_of_2(rows))
+    return block_m, 64 if block_d <= 128 else 32, block_d, dict(num_warps=4, STAGES=3)
 
 
-def split_count(programs: int, kv_blocks: int, sm_count: int) -> int:
-    """KV splits that give about two waves of `programs` row-block programs on `sm_count` SMs."""
-    return max(1, min(kv_blocks, math.ceil(2 * sm_count / programs)))
-
-
-def default_splits(query: torch.Tensor, key_codes: torch.Tensor, length: int, device: torch.device) -> int:
-    """The split count for this launch on `device` (one split off GPU)."""
-    if device.type != "cuda":
-        return 1
-    batch, q_heads, q_len, head_dim = query.shape
-    kv_heads = key_codes.shape[1]
-    block_m, block_n, _, _ = block_sizes(q_heads // kv_heads * q_len, head_dim)
-    programs = batch * kv_heads * triton.cdiv(q_heads // kv_heads * q_len, block_m)
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    return split_count(programs, max(1, triton.cdiv(length, block_n)), sm_count)
+@functools.lru_cache(maxsize=4096)
+def split_count(programs: int, tiles: int, resident_slots: int) -> int:
+    """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
+    `resident_slots` blocks at once: the count that minimizes waves x tiles per split (so the last wave is
+    nearly full); the smallest on ties."""
+    most = max(1, min(tiles, 4 * resident_slots // max(programs, 1)))
+    best, best_cost = 1, None
+    for splits in range(1, most + 1):
+        cost = cdiv(programs * splits, resident_slots) * cdiv(tiles, splits)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def plan_attention(
     query: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    length: int,
-    fmt: StorageFormat,
+    view: KVView,
     *,
     scaling: float,
     mask: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    key_channel_scale: torch.Tensor | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
+    resident_slots: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """The output tensor and the launches (attention, then the split reduce if any) that fill it."""
-    batch, q_heads, q_len, head_dim = query.shape
-    kv_heads = key_codes.shape[1]
-    _check_attention(query, key_codes, value_codes, key_scale, value_scale, length, fmt, sinks, key_channel_scale)
-    group = q_heads // kv_heads
-    rows = group * q_len
-    block_m, block_n, block_d, launch = block_sizes(rows, head_dim)
-    row_blocks = triton.cdiv(rows, block_m)
-    kv_blocks = max(1, triton.cdiv(length, block_n))
-    num_splits = max(1, min(num_splits, kv_blocks))
-    split_size = triton.cdiv(kv_blocks, num_splits) * block_n
-    num_splits = max(1, triton.cdiv(length, split_size))
-
-    # written as [batch, q_len, q_heads, head_dim]: the layout the model's attention returns, no copy later
-    out = query.new_empty(batch, q_len, q_heads, head_dim).transpose(1, 2)
-    per_token_k, per_token_v = key_scale.shape[-1] > 1, value_scale.shape[-1] > 1
-    ks_strides = key_scale.expand(batch, kv_heads, key_scale.shape[-1]).stride()
-    vs_strides = value_scale.expand(batch, kv_heads, value_scale.shape[-1]).stride()
-    if mask is not None:
-        mask = _expand_mask(mask, batch, q_heads, q_len, length)
-    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    if key_channel_scale is not None:
-        key_channel_scale = key_channel_scale.float().contiguous()
-    split = num_splits > 1
-    part_acc = torch.empty(batch * q_heads * q_len * num_splits * block_d if split else 1, device=query.device)
-    part_stats = torch.empty(batch * q_heads * q_len * num_splits * 2 if split else 1, device=query.device)
-    # the fp16 decode of float codes is value / fp16_factor: the factor joins the scales
-    score_scale = scaling * fmt.fp16_factor * (1.0 if softcap is not None else LOG2E.value)
-    # per-token V scales (~amax / max) are boosted by a power of two near max before the probabilities go to
-    # fp16/bf16, or e5m2's (max 57344) would leave them subnormal; the output divides it out
-    value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token_v else 1.0
-    out_factor = fmt.fp16_factor / value_boost
-    common = dict(BLOCK_D=block_d, PER_TOKEN_V=per_token_v, HAS_SINKS=sinks is not None)
-    launches = [Launch(_attention_kernel, (row_blocks, batch * kv_heads, num_splits), (
-        query, key_codes.view(torch.int8), value_codes.view(torch.int8), key_scale, value_scale,
-        mask if mask is not None else query, sinks if sinks is not None else query,
-        key_channel_scale if key_channel_scale is not None else query,
-        out, part_acc, part_stats,
-        *query.stride(), *key_codes.stride(), *ks_strides, *vs_strides, *mask_strides, *out.stride(),
-        kv_heads, length, q_len, head_dim, split_size, num_splits, window or 0,
-        score_scale, value_boost, out_factor, softcap or 1.0,
-    ), dict(
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, IS_FLOAT=fmt.is_float, FP16_SHIFT=fmt.fp16_shift,
-        PER_TOKEN_K=per_token_k, HAS_MASK=mask is not None, HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_CHANNEL_SCALE=key_channel_scale is not None, SPLIT=split,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **common, **launch,
-    ))]  # fmt: skip
-    if split:
-        out_rows = batch * q_heads * q_len
-        block_s = triton.next_power_of_2(num_splits)
-        block_r = min(triton.next_power_of_2(out_rows), max(1, REDUCE_TILE // (block_s * block_d)))
-        launches.append(Launch(_reduce_kernel, (triton.cdiv(out_rows, block_r),), (
-            part_acc, part_stats, value_scale, sinks if sinks is not None else query, out,
-            vs_strides[0], vs_strides[1], *out.stride(),
-            out_rows, q_heads, q_len, head_dim, num_splits, out_factor,
-        ), dict(GROUP=group, BLOCK_R=block_r, BLOCK_S=block_s, **common)))  # fmt: skip
-    return out, launches
+    """The output tensor and the launches (attention, then the split reduce if any) that fill it.
+    `resident_slots` (SMs x blocks per SM) replaces the device's own for planning without a GPU."""
+    plan = AttentionPlan(query, view, mask, sinks, scaling, window, softcap, num_splits, resident_slots)
+    return plan.launches(query, view, mask, sinks)
 
 
-def _expand_mask(mask: torch.Tensor, batch: int, q_heads: int, q_len: int, length: int) -> torch.Tensor:
-    """The bool mask as a `[batch, q_heads, q_len, length]` uint8 view (broadcast dims at stride 0)."""
+class AttentionPlan:
+    """What stays the same from one call to the next of one kind (a layer's decode steps): validation, block
+    sizes, constexprs, launch options, scalar factors and the GPU's resident blocks. `launches` fills in the
+    positions and tensors of a call."""
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        view: KVView,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+        scaling: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        num_splits: int | None = None,
+        resident_slots: int | None = None,
+    ):
+        _check_attention(query, view, mask, sinks)
+        batch, q_heads, q_len, head_dim = query.shape
+        fmt = view.fmt
+        self.kv_heads = view.codes.shape[2]
+        group = q_heads // self.kv_heads
+        self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim)
+        self.row_blocks = cdiv(group * q_len, self.block_m)
+        self.hw_convert = (
+            query.is_cuda and not interpreting() and fmt.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        )
+        code_factor = 1.0 if self.hw_convert or not fmt.is_float else fmt.fp16_factor
+        dot = tl.float32 if query.dtype == torch.float32 else tl.float16
+        # the fp16 decode of float codes is value / code_factor: the factor joins the score scale
+        score_scale = scaling * code_factor * (1.0 if softcap is not None else LOG2E.value)
+        # per-token V scales (~amax / max) are boosted by a power of two near max before the probabilities go to
+        # fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out
+        value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if view.dynamic else 1.0
+        self.scalars = (window or 0, score_scale, code_factor, value_boost, code_factor / value_boost, softcap or 1.0)
+        self.constexprs = dict(
+            GROUP=group, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=self.block_d, IS_FLOAT=fmt.is_float,
+            HW_CONVERT=self.hw_convert, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
+            NAN_CODE=fmt.nan_code, PER_TOKEN_K=view.dynamic, PER_TOKEN_V=view.dynamic, STATIC=view.static,
+            RING=view.ring, HAS_RECENT=view.recent is not None, HAS_SINK_TOKENS=view.sinks is not None,
+            HAS_MASK=mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None, HAS_CHANNEL_SCALE=view.key_channel_scale is not None, DOT=dot,
+            PRECISION="ieee" if dot == tl.float32 else "tf32", **options,
+        )  # fmt: skip
+        self.num_splits = num_splits
+        self.resident_slots = resident_slots
+        if num_splits is None and self.row_blocks == 1 and query.is_cuda and not resident_slots:
+            # blocks per SM of the kernel as compiled (registers, shared memory), times the SMs
+            self.resident_slots = sm_count(query.device) * compiled_occupancy(
+                self._attention(query, view, mask, sinks, 2, *self._buffers(query, 2))[0], query.device
+            )
+
+    def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, q_heads, q_len, head_dim = query.shape
+        out = query.new_empty(batch, q_len, q_heads, head_dim).transpose(1, 2)  # the layout attention returns
+        rows = batch * q_heads * q_len * splits if splits > 1 else 0
+        part_acc = torch.empty(max(rows * self.block_d, 1), device=query.device)
+        part_stats = torch.empty(max(rows * 2, 1), device=query.device)
+        return out, part_acc, part_stats
+
+    def splits(self, query: torch.Tensor, view: KVView) -> int:
+        """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
+        so that the grid is the same at every step)."""
+        codes_tokens = view.slots if view.static else max(view.fp_start - view.start, 0)
+        tiles = max(1, cdiv(codes_tokens, self.block_n))
+        if self.num_splits is not None:
+            return max(1, min(self.num_splits, tiles))
+        if not self.resident_slots or self.row_blocks > 1:
+            return 1
+        return split_count(query.shape[0] * self.kv_heads * self.row_blocks, tiles, self.resident_slots)
+
+    def launches(
+        self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sinks: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[Launch]]:
+        splits = self.splits(query, view)
+        out, part_acc, part_stats = self._buffers(query, splits)
+        launches = self._attention(query, view, mask, sinks, splits, out, part_acc, part_stats)
+        return out, launches
+
+    def _attention(self, query, view, mask, sinks, splits, out, part_acc, part_stats) -> list[Launch]:
+        batch, q_heads, q_len, head_dim = query.shape
+        if view.static:  # positions are read on the device
+            start, end, fp_start, mask_start = view.start, 0, 0, 0
+        else:
+            start, end, fp_start = view.start, view.end, view.fp_start
+            mask_start = view.mask_start if view.mask_start is not None else end - mask.shape[-1] if mask is not None else 0
+        if mask is not None:
+            mask = _expand_mask(mask, batch, q_heads, q_len)
+        channel = view.key_channel_scale
+        launches = [Launch(_attention_kernel, (self.row_blocks, batch * self.kv_heads, splits), (
+            query, *_codes(view, self.hw_convert), view.scales[0], view.scales[1], *_pair(view.recent, query),
+            *_pair(view.sinks, query), _or(view.sink_start, query), _or(view.sink_count, query),
+            _or(view.positions, query), _or(mask, query), _or(sinks, query), _or(channel, query),
+            out, part_acc, part_stats,
+            *query.stride(), *view.codes.stride()[1:], *_scale_strides(view), *_fp_strides(view.recent),
+            *_fp_strides(view.sinks), *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
+            self.kv_heads, q_len, head_dim, splits, view.slots, view.offset, _slots(view.recent),
+            _slots(view.sinks), start, end, fp_start, mask_start, *self.scalars,
+        ), {**self.constexprs, "SPLIT": splits > 1})]  # fmt: skip
+        if splits > 1:
+            out_rows = batch * q_heads * q_len
+            launches.append(Launch(_reduce_kernel, (cdiv(out_rows, REDUCE_ROWS),), (
+                part_acc, part_stats, _or(sinks, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
+                splits,
+            ), dict(
+                BLOCK_R=REDUCE_ROWS, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_D=self.block_d,
+                HAS_SINKS=sinks is not None, num_warps=4,
+            )))  # fmt: skip
+        return launches
+
+
+def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a placeholder pointer for an argument the kernel's constexprs leave unread."""
+    return tensor if tensor is not None else placeholder
+
+
+def _pair(buffer: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (buffer[0], buffer[1]) if buffer is not None else (placeholder, placeholder)
+
+
+def _slots(buffer: torch.Tensor | None) -> int:
+    return buffer.shape[3] if buffer is not None else 0
+
+
+def _fp_strides(buffer: torch.Tensor | None) -> tuple[int, ...]:
+    return buffer.stride()[1:] if buffer is not None else (0, 0, 0, 0)
+
+
+def _codes(view: KVView, hw_convert: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value codes as the kernel reads them: fp8 for the hardware conversion, else int8 bits."""
+    codes = view.codes if hw_convert else view.codes.view(torch.int8)
+    return codes[0], codes[1]
+
+
+def _scale_strides(view: KVView) -> tuple[int, int, int]:
+    """Batch, head and token strides of the scales (0 where a static scale broadcasts)."""
+    _, batch, heads, slots = view.scales.shape
+    return view.scales[0].expand(view.codes.shape[1], heads, slots).stride()
+
+
+def _expand_mask(mask: torch.Tensor, batch: int, q_heads: int, q_len: int) -> torch.Tensor:
+    """The bool mask as a `[batch, q_heads, q_len, columns]` uint8 view (broadcast dims at stride 0)."""
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be bool (True = attend), got {mask.dtype}")
     try:
-        return mask.expand(batch, q_heads, q_len, length).view(torch.uint8)
+        return mask.expand(batch, q_heads, q_len, mask.shape[-1]).view(torch.uint8)
     except RuntimeError:
         raise ValueError(
-            f"mask {tuple(mask.shape)} does not broadcast to [batch, heads, q_len, length] = "
-            f"{[batch, q_heads, q_len, length]}"
+            f"mask {tuple(mask.shape)} does not broadcast to [batch, heads, q_len, columns] = "
+            f"{[batch, q_heads, q_len, mask.shape[-1]]}"
         ) from None
 
 
-def _check_attention(query, key_codes, value_codes, key_scale, value_scale, length, fmt, sinks, key_channel_scale):
+def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
     batch, q_heads, q_len, head_dim = query.shape
-    kv_heads = key_codes.shape[1]
+    _, cache_batch, kv_heads, _, cache_dim = view.codes.shape
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"query dtype {query.dtype} is not fp16, bf16 or fp32")
     if q_heads % kv_heads:
         raise ValueError(f"query has {q_heads} heads, not a multiple of the cache's {kv_heads} KV heads")
-    check_codes(key_codes, value_codes, fmt)
-    if key_codes.shape[0] != batch or key_codes.shape[3] != head_dim:
-        raise ValueError(f"query {tuple(query.shape)} does not match the cache's codes {tuple(key_codes.shape)}")
-    if not q_len <= length <= key_codes.shape[2]:
-        raise ValueError(f"length {length} must cover the {q_len} query tokens and fit {key_codes.shape[2]} cached")
-    for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
-        if scale.dtype != torch.float32 or scale.dim() != 3 or scale.shape[1] != kv_heads:
-            raise ValueError(f"{name} must be fp32 [1 or batch, {kv_heads}, 1 or tokens], got {tuple(scale.shape)}")
+    if cache_batch != batch or cache_dim != head_dim:
+        raise ValueError(f"query {tuple(query.shape)} does not match the cache's codes {tuple(view.codes.shape)}")
+    if view.codes.dtype != view.fmt.dtype:
+        raise ValueError(f"codes have dtype {view.codes.dtype}, format {view.fmt.name} stores {view.fmt.dtype}")
+    if view.scales.dtype != torch.float32 or view.scales.dim() != 4 or view.scales.shape[2] != kv_heads:
+        raise ValueError(f"scales must be fp32 [2, 1 or batch, {kv_heads}, 1 or slots], got {tuple(view.scales.shape)}")
+    if not view.static and not q_len <= view.end - view.start:
+        raise ValueError(f"the {q_len} query tokens are not among the cache's {view.end - view.start} visible tokens")
+    if mask is not None and not view.static and view.mask_start is None and mask.shape[-1] < view.end - view.start:
+        raise ValueError(
+            f"mask has {mask.shape[-1]} columns, fewer than the {view.end - view.start} tokens the queries see"
+        )
     if sinks is not None and sinks.shape != (q_heads,):
         raise ValueError(f"sinks must have one logit per query head ({q_heads}), got {tuple(sinks.shape)}")
-    if key_channel_scale is not None and key_channel_scale.shape != (kv_heads, head_dim):
-        raise ValueError(f"key_channel_scale must be [{kv_heads}, {head_dim}], got {tuple(key_channel_scale.shape)}")
+    if view.key_channel_scale is not None and view.key_channel_scale.shape != (kv_heads, head_dim):
+        raise ValueError(
+            f"key_channel_scale must be [{kv_heads}, {head_dim}], got {tuple(view.key_channel_scale.shape)}"
+        )

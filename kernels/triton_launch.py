@@ -1,10 +1,16 @@
-"""A prepared Triton launch: what the launchers run and what `benchmarks/gpu_static.py` compiles for sm_90."""
+"""Prepared Triton launches: what the launchers run and what `benchmarks/gpu_static.py` compiles for sm_90."""
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
+import torch
 from torch.library import wrap_triton
+
+# sm_90 (H100 / H200) per-SM limits, for occupancy
+SM90 = dict(registers=65536, shared=233472, shared_per_block_reserved=1024, warps=64, blocks=32)
 
 
 @dataclass
@@ -18,4 +24,53 @@ class Launch:
     kwargs: dict
 
     def run(self) -> None:
-        wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
+        if torch.compiler.is_compiling():  # traced into the graph as a user-defined Triton kernel
+            wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
+        else:  # no custom-op dispatch outside a compiled graph
+            self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def launch_all(launches: list[Launch], device: torch.device) -> None:
+    """Run `launches` on `device`'s current stream (Triton launches on the current device: with a model spread
+    over several GPUs the tensors' device must be made current first)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            for launch in launches:
+                launch.run()
+        return
+    for launch in launches:
+        launch.run()
+
+
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` without its constexpr-function wrapper (a few microseconds per call on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def blocks_per_sm(registers: int, shared: int, num_warps: int, limits: dict = SM90) -> int:
+    """Resident blocks per SM of a kernel using `registers` per thread and `shared` bytes per block."""
+    threads = num_warps * 32
+    by_registers = limits["registers"] // max(1, registers * threads)
+    by_shared = limits["shared"] // (shared + limits["shared_per_block_reserved"])
+    return max(1, min(by_registers, by_shared, limits["warps"] // num_warps, limits["blocks"]))
+
+
+def compiled_occupancy(launch: Launch, device: torch.device) -> int:
+    """Resident blocks per SM of `launch`'s kernel as compiled for `device` (registers and shared memory read
+    off the compiled kernel; compiling it now if needed)."""
+    with torch.cuda.device(device):
+        compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
+    return blocks_per_sm(compiled.n_regs, compiled.metadata.shared, launch.kwargs["num_warps"])

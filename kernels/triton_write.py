@@ -1,4 +1,8 @@
-"""Triton write kernel: quantize the new keys and values into the cache's code buffers, both in one launch.
+"""Triton write kernel: store a layer's new keys and values (`KVView` buffers), both in one launch.
+
+Without a full-precision recent window every new token is quantized into the codes. With one (R slots), a
+decode step's launch moves the token leaving the window from its slot into the codes and puts the new token in
+that slot; a longer update first quantizes the window's leaving tokens (one launch), then stores the new ones.
 
 The codes are produced by integer arithmetic on the fp32 bits, not by a float -> fp8 cast: Triton 3.9's
 interpreter mis-rounds that cast (carries into the exponent, ties, no saturation) and the GPU's plain fp32
@@ -16,17 +20,19 @@ import triton
 import triton.language as tl
 
 from .formats import StorageFormat
-from .triton_launch import Launch
+from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
+from .view import KVView
 
 FP32_ONE_BITS = 0x3F800000
 MAX_TILE = 4096  # elements of one program's [tokens, head_dim] tile
+NEW, LEAVING = 0, 1  # what a launch stores: the new tokens, or the window's leaving tokens
 
 
 @functools.cache
 def encoding(fmt: StorageFormat) -> dict:
     """The constexprs of `encode` for `fmt`, read off torch's own description of the dtype."""
     if not fmt.is_float:
-        return dict(IS_FLOAT=False, MAX=fmt.max, ROUND_SHIFT=1, NORMAL_OFFSET=0, MIN_NORMAL=0.0, SUB_MAGIC=0.0,
+        return dict(IS_FLOAT=False, MAX=fmt.max, ROW_MAX=fmt.row_max, ROUND_SHIFT=1, NORMAL_OFFSET=0, MIN_NORMAL=0.0, SUB_MAGIC=0.0,
                     SUB_MAGIC_BITS=0, NAN_CODE=0, SIGNED_ZERO=True)
     info = torch.finfo(fmt.dtype)
     mantissa = round(-math.log2(info.eps))
@@ -36,6 +42,7 @@ def encoding(fmt: StorageFormat) -> dict:
     return dict(
         IS_FLOAT=True,
         MAX=fmt.max,
+        ROW_MAX=fmt.row_max,
         ROUND_SHIFT=23 - mantissa,
         NORMAL_OFFSET=(127 - bias) << mantissa,
         MIN_NORMAL=info.smallest_normal,
@@ -79,123 +86,184 @@ def encode(
 
 
 @triton.jit
+def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st, d,
+                   DYNAMIC: tl.constexpr, CLIP: tl.constexpr, IS_FLOAT: tl.constexpr, MAX: tl.constexpr,
+                   ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
+                   MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
+                   NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr):  # fmt: skip
+    """Quantize rows `x` `[T, D]` (fp32) into codes at `slot` `[T]`; `rows_ok` `[T]`, `valid` `[T, D]`;
+    `stats_ptr` at this program's (keys or values) counters: clipped, then non-finite."""
+    if DYNAMIC:
+        magnitude = tl.abs(x)
+        amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
+        scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), 1.1754943508222875e-38)
+        tl.store(scale_ptr + slot * s_st, scale, mask=rows_ok)
+        y = tl.math.div_rn(x, scale[:, None])
+    else:
+        y = tl.math.div_rn(x, tl.load(scale_ptr))
+    n_clipped = tl.sum(tl.where(valid & (tl.abs(y) > CLIP), 1, 0))
+    tl.atomic_add(stats_ptr, n_clipped.to(tl.int64), mask=n_clipped > 0)
+    n_nonfinite = tl.sum(tl.where(valid & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0))
+    tl.atomic_add(stats_ptr + 1, n_nonfinite.to(tl.int64), mask=n_nonfinite > 0)
+    code = encode(y, IS_FLOAT, MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
+                  SIGNED_ZERO)  # fmt: skip
+    tl.store(codes_ptr + slot[:, None] * c_st + d[None, :] * c_sd, code.to(tl.uint8), mask=valid)
+
+
+@triton.jit
 def _write_kernel(
-    key_ptr, value_ptr, key_codes_ptr, value_codes_ptr, key_scale_ptr, value_scale_ptr, clipped_ptr,
+    key_ptr, value_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr,
+    stats_ptr, positions_ptr,
     k_sb, k_sh, k_st, k_sd,
     v_sb, v_sh, v_st, v_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
-    heads, new_tokens, start, head_dim,
+    r_sb, r_sh, r_st, r_sd,
+    heads, new_tokens, head_dim, end, fp_start, offset, slots, recent_slots,
+    MODE: tl.constexpr, EVICT: tl.constexpr, WINDOW: tl.constexpr, STATIC: tl.constexpr, RING: tl.constexpr,
     DYNAMIC: tl.constexpr, CLIP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
-    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
-    SIGNED_ZERO: tl.constexpr,
+    IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
+    NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
+    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
 ):  # fmt: skip
     """Program (token block, batch * head, 0 = keys / 1 = values)."""
-    pid_t = tl.program_id(0)
     b = (tl.program_id(1) // heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     h = (tl.program_id(1) % heads).to(tl.int64)
     which = tl.program_id(2)
+    if STATIC:  # positions on the device (CUDA graphs)
+        end = tl.load(positions_ptr)
+        fp_start = tl.load(positions_ptr + 1)
     if which == 0:
-        src, codes_ptr, scale_ptr, sb, sh, st, sd = key_ptr, key_codes_ptr, key_scale_ptr, k_sb, k_sh, k_st, k_sd
+        src, codes_ptr, scale_ptr, recent_ptr, sb, sh, st, sd = (
+            key_ptr, k_codes_ptr, k_scale_ptr, recent_k_ptr, k_sb, k_sh, k_st, k_sd
+        )
     else:
-        src, codes_ptr, scale_ptr, sb, sh, st, sd = value_ptr, value_codes_ptr, value_scale_ptr, v_sb, v_sh, v_st, v_sd
-    src += b * sb + h * sh
+        src, codes_ptr, scale_ptr, recent_ptr, sb, sh, st, sd = (
+            value_ptr, v_codes_ptr, v_scale_ptr, recent_v_ptr, v_sb, v_sh, v_st, v_sd
+        )
     codes_ptr += b * c_sb + h * c_sh
     scale_ptr += b * s_sb + h * s_sh
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    recent_ptr += b * r_sb + h * r_sh
+    stats_ptr += which * 2
+    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
-    row_ok = t < new_tokens
-    valid = row_ok[:, None] & (d < head_dim)[None, :]
-    x = tl.load(src + t[:, None] * st + d[None, :] * sd, mask=valid, other=0.0).to(tl.float32)
-    if DYNAMIC:
-        magnitude = tl.abs(x)
-        amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, MAX), 1.0)
-        tl.store(scale_ptr + (start + t) * s_st, scale, mask=row_ok)
-        y = tl.math.div_rn(x, scale[:, None])
+    d_ok = d < head_dim
+    new_fp_start = tl.maximum(fp_start, end + new_tokens - recent_slots)
+    if MODE == 1:  # the window's tokens that leave it: [fp_start, new_fp_start) of those it holds
+        t = end - recent_slots + i
+        ok = (i < recent_slots) & (t >= fp_start) & (t >= 0) & (t < new_fp_start) & (t < end)
+        r_slot = (t % recent_slots).to(tl.int64)
+        x = tl.load(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd, mask=ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        slot = (t % slots if RING else t - offset).to(tl.int64)
+        _quantize_rows(x, ok, ok[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st,
+                       d, DYNAMIC, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC,
+                       SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
     else:
-        scale = tl.load(scale_ptr)
-        y = tl.math.div_rn(x, scale)
-    n_clipped = tl.sum(tl.where(valid & (tl.abs(y) > CLIP), 1, 0))
-    tl.atomic_add(clipped_ptr + which, n_clipped.to(tl.int64), mask=n_clipped > 0)
-    code = encode(y, IS_FLOAT, MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
-                  SIGNED_ZERO)
-    offsets = (start + t)[:, None] * c_st + d[None, :] * c_sd
-    tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=valid)
+        t = end + i
+        row_ok = i < new_tokens
+        if WINDOW:
+            r_slot = (t % recent_slots).to(tl.int64)
+            if EVICT:  # the token this one replaces in its slot leaves the window now (n <= R: slots distinct)
+                old = t - recent_slots
+                leaving = row_ok & (old >= fp_start) & (old >= 0)
+                x_old = tl.load(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
+                                mask=leaving[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                slot_old = (old % slots if RING else old - offset).to(tl.int64)
+                _quantize_rows(x_old, leaving, leaving[:, None] & d_ok[None, :], slot_old, codes_ptr, scale_ptr,
+                               stats_ptr, c_st, c_sd, s_st, d, DYNAMIC, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
+                               NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+        x_raw = tl.load(src + b * sb + h * sh + i[:, None] * st + d[None, :] * sd,
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        direct = row_ok & (t < new_fp_start)
+        slot = (t % slots if RING else t - offset).to(tl.int64)
+        _quantize_rows(x_raw.to(tl.float32), direct, direct[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr,
+                       stats_ptr, c_st, c_sd, s_st, d, DYNAMIC, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
+                       NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+        if WINDOW:
+            kept = row_ok & (t >= new_fp_start)
+            tl.store(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
+                     x_raw.to(recent_ptr.dtype.element_ty), mask=kept[:, None] & d_ok[None, :])  # fmt: skip
 
 
 def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    start: int,
-    fmt: StorageFormat,
-    dynamic: bool,
-    clipped: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor, plans: dict | None = None
 ) -> None:
-    """Quantize `key`/`value` `[batch, kv_heads, new, head_dim]` into the code buffers at `start` (see `ops.write`)."""
-    launch = plan_write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt, dynamic, clipped)
-    if launch is not None:
-        launch.run()
+    """Store the new tokens `key`/`value` `[batch, kv_heads, n, head_dim]` in `view`'s buffers (see
+    `reference.write`). `plans` (a dict the caller keeps) memoizes the validated plan of each kind of call."""
+    if plans is None:
+        plan = WritePlan(key, value, view, dynamic, stats)
+    else:
+        shape = (key.shape, key.dtype, key.device, view.codes.shape[:3], view.static, view.ring, dynamic)
+        plan = plans.get(shape)
+        if plan is None:
+            plan = plans[shape] = WritePlan(key, value, view, dynamic, stats)
+    launch_all(plan.launches(key, value, view, stats), key.device)
 
 
-def plan_write(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    start: int,
-    fmt: StorageFormat,
-    dynamic: bool,
-    clipped: torch.Tensor,
-) -> Launch | None:
-    """The launch of `write_kv` (None when there is nothing to write)."""
-    _check_write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt, dynamic, clipped)
-    batch, heads, new_tokens, head_dim = key.shape
-    if new_tokens == 0:
-        return None
-    block_d = triton.next_power_of_2(head_dim)
-    block_t = min(triton.next_power_of_2(new_tokens), max(1, MAX_TILE // block_d))
-    # a static [1, kv_heads, 1] scale is read at batch stride 0
-    scale_strides = key_scale.expand(batch, heads, key_scale.shape[-1]).stride()
-    grid = (triton.cdiv(new_tokens, block_t), batch * heads, 2)
-    return Launch(_write_kernel, grid, (
-        key, value, key_codes.view(torch.uint8), value_codes.view(torch.uint8), key_scale, value_scale, clipped,
-        *key.stride(), *value.stride(), *key_codes.stride(), *scale_strides,
-        heads, new_tokens, start, head_dim,
-    ), dict(DYNAMIC=dynamic, CLIP=fmt.clip_bound, BLOCK_T=block_t, BLOCK_D=block_d, **encoding(fmt)))  # fmt: skip
+def plan_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor) -> list[Launch]:
+    """The launches of `write_kv`: the window's leaving tokens first when more than a window arrives at once,
+    then the new tokens."""
+    return WritePlan(key, value, view, dynamic, stats).launches(key, value, view, stats)
 
 
-def _check_write(key, value, key_codes, value_codes, key_scale, value_scale, start, fmt, dynamic, clipped) -> None:
+class WritePlan:
+    """What stays the same from one write to the next of one kind: validation, tile sizes and constexprs."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor):
+        _check_write(key, value, view, dynamic, stats)
+        new_tokens, head_dim = key.shape[2], key.shape[3]
+        self.window = view.recent.shape[3] if view.recent is not None else 0
+        self.block_d = next_power_of_2(head_dim)
+        common = dict(
+            EVICT=0 < new_tokens <= self.window, WINDOW=self.window > 0, STATIC=view.static, RING=view.ring,
+            DYNAMIC=dynamic, CLIP=view.fmt.clip_bound, BLOCK_D=self.block_d, **encoding(view.fmt),
+        )  # fmt: skip
+        self.modes = [(LEAVING, self.window)] if new_tokens > self.window > 0 else []
+        self.modes.append((NEW, new_tokens))
+        self.constexprs = [
+            dict(MODE=mode, BLOCK_T=min(next_power_of_2(tokens), max(1, MAX_TILE // self.block_d)), **common)
+            for mode, tokens in self.modes
+        ]
+
+    def launches(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> list[Launch]:
+        batch, heads, new_tokens, head_dim = key.shape
+        if new_tokens == 0:
+            return []
+        codes = view.codes.view(torch.uint8)
+        recent = view.recent
+        recent_args = (recent[0], recent[1], *recent.stride()[1:]) if recent is not None else (key, key, 0, 0, 0, 0)
+        end, fp_start = (0, 0) if view.static else (view.end, view.fp_start)
+        args = (
+            key, value, codes[0], codes[1], view.scales[0], view.scales[1], *recent_args[:2], stats,
+            view.positions if view.positions is not None else stats,
+            *key.stride(), *value.stride(), *codes.stride()[1:], *view.scales[0].expand(batch, heads, -1).stride(),
+            *recent_args[2:], heads, new_tokens, head_dim, end, fp_start, view.offset, view.slots, self.window,
+        )  # fmt: skip
+        return [
+            Launch(_write_kernel, (cdiv(tokens, constexprs["BLOCK_T"]), batch * heads, 2), args, constexprs)
+            for (_, tokens), constexprs in zip(self.modes, self.constexprs)
+        ]
+
+
+def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor) -> None:
     if key.shape != value.shape or key.dtype != value.dtype:
         raise ValueError(f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} differ")
-    check_codes(key_codes, value_codes, fmt)
     batch, heads, new_tokens, head_dim = key.shape
-    if key_codes.shape[:2] != (batch, heads) or key_codes.shape[3] != head_dim:
-        raise ValueError(f"new keys {tuple(key.shape)} do not fit the code buffers {tuple(key_codes.shape)}")
-    if not 0 <= start <= key_codes.shape[2] - new_tokens:
-        raise ValueError(f"{new_tokens} new tokens at {start} overflow the buffers' capacity {key_codes.shape[2]}")
-    expected = (batch, heads, key_codes.shape[2]) if dynamic else (1, heads, 1)
-    for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
-        if scale.dtype != torch.float32 or tuple(scale.shape) != expected or scale.stride() != key_scale.stride():
-            raise ValueError(f"{name} must be fp32 {expected} like key_scale, got {scale.dtype} {tuple(scale.shape)}")
-    if clipped.dtype != torch.int64 or clipped.shape != (2,):
-        raise ValueError(f"clipped must be an int64 [2] counter, got {clipped.dtype} {tuple(clipped.shape)}")
-    devices = {t.device for t in (key, value, key_codes, value_codes, key_scale, value_scale, clipped)}
+    _, cache_batch, cache_heads, _, cache_dim = view.codes.shape
+    if view.codes.dtype != view.fmt.dtype:
+        raise ValueError(f"codes have dtype {view.codes.dtype}, format {view.fmt.name} stores {view.fmt.dtype}")
+    if (cache_batch, cache_heads, cache_dim) != (batch, heads, head_dim):
+        raise ValueError(f"new keys {tuple(key.shape)} do not fit the code buffers {tuple(view.codes.shape)}")
+    if not view.static and not view.ring and view.end + new_tokens - view.offset > view.slots:
+        raise ValueError(
+            f"{new_tokens} new tokens at {view.end} overflow the buffers' {view.slots} slots from {view.offset}"
+        )
+    expected = (2, batch, heads, view.codes.shape[3]) if dynamic else (2, 1, heads, 1)
+    if view.scales.dtype != torch.float32 or tuple(view.scales.shape) != expected:
+        raise ValueError(f"scales must be fp32 {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}")
+    if stats.dtype != torch.int64 or stats.shape != (2, 2):
+        raise ValueError(f"stats must be an int64 [2, 2] counter, got {stats.dtype} {tuple(stats.shape)}")
+    devices = {t.device for t in (key, value, view.codes, view.scales, stats)}
     if len(devices) > 1:
         raise ValueError(f"write tensors are on several devices: {sorted(map(str, devices))}")
-
-
-def check_codes(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: StorageFormat) -> None:
-    """Both code buffers hold `fmt` codes in one layout (the kernels share their strides)."""
-    for name, codes in (("key_codes", key_codes), ("value_codes", value_codes)):
-        if codes.dtype != fmt.dtype:
-            raise ValueError(f"{name} has dtype {codes.dtype}, format {fmt.name} stores {fmt.dtype}")
-        if codes.shape != key_codes.shape or codes.stride() != key_codes.stride():
-            raise ValueError(f"{name} {tuple(codes.shape)} does not have the layout of key_codes")

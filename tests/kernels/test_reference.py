@@ -1,32 +1,46 @@
-"""The torch reference against plain torch: exact decoding, saturating quantization, attention math."""
+"""The torch reference against plain torch: exact decoding, saturating quantization, the CPU path's few-op
+write and decode, the window's buffers, and attention math."""
 
 import math
 
 import pytest
 import torch
 
+from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import FORMATS, get_format
-from hf_fp8kv.kernels.reference import attention, codes_to_float, dynamic_scale, quantize
+from hf_fp8kv.kernels.reference import (
+    attention,
+    decode,
+    dequantize_stacked,
+    dynamic_scale,
+    quantize,
+    write_stacked,
+)
+from streams import Stream, expected_kv, fill
 
 FLOAT_FORMATS = [f for f in FORMATS.values() if f.is_float]
 
 
-@pytest.mark.parametrize("fmt", FLOAT_FORMATS, ids=lambda f: f.name)
-def test_codes_to_float_is_exact_for_every_code(fmt):
-    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype)
-    expected = codes.float()
-    finite = torch.isfinite(expected)
-    assert torch.equal(codes_to_float(codes, fmt)[finite], expected[finite])
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_cpu_decode_is_exact_for_every_code_nan_included(fmt):
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype) if fmt.is_float else torch.arange(-128, 128).to(torch.int8)
+    scale = torch.tensor(0.75)
+    got = dequantize_stacked(codes, scale, fmt, has_nan=True)
+    expected = decode(codes, fmt) * scale
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite], expected[finite])
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
 def test_quantize_saturates_and_counts_only_beyond_rounding(fmt):
     x = torch.tensor([0.0, -0.0, 1.0, fmt.max, fmt.clip_bound, fmt.clip_bound * 1.01, 1e30, -1e30, math.inf, -math.inf])
-    codes, clipped = quantize(x, torch.tensor(1.0), fmt)
+    codes, clipped, nonfinite = quantize(x, torch.tensor(1.0), fmt)
     values = codes.float()
     assert torch.isfinite(values).all()
     assert values[3] == fmt.max and values[5] == fmt.max and values[-1] == -fmt.max
     assert clipped.item() == 5  # 1.01 * bound, +-1e30, +-inf; max and the bound itself are rounding
+    assert nonfinite.item() == 2
 
 
 @pytest.mark.parametrize("fmt", FLOAT_FORMATS, ids=lambda f: f.name)
@@ -34,27 +48,96 @@ def test_quantize_matches_torch_cast_with_scale(fmt):
     torch.manual_seed(0)
     x = torch.randn(4, 3, 5, 16) * 30
     scale = torch.rand(1, 3, 1, 1) + 0.1
-    codes, _ = quantize(x, scale, fmt)
+    codes, _, _ = quantize(x, scale, fmt)
     assert torch.equal(codes.view(torch.uint8), (x / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8))
 
 
-def test_nan_policy():
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_nan_is_written_as_nan_and_read_back_as_nan(fmt):
     x = torch.tensor([math.nan, 1.0])
-    codes, clipped = quantize(x, torch.tensor(1.0), get_format("fp8"))
-    assert codes.float()[0].isnan() and clipped.item() == 0
-    codes, _ = quantize(x, torch.tensor(1.0), get_format("int8_per_token_head"))
-    assert codes.tolist() == [0, 1]
+    codes, clipped, nonfinite = quantize(x, torch.tensor(1.0), fmt)
+    assert clipped.item() == 0 and nonfinite.item() == 1
+    values = dequantize_stacked(codes, torch.tensor(1.0), fmt, has_nan=True)
+    if fmt.is_float:
+        assert values[0].isnan() and values[1] == 1.0
+    else:  # int8 has no NaN code: 0
+        assert values.tolist() == [0.0, 1.0]
 
 
 def test_int8_rounds_half_to_even():
-    codes, _ = quantize(torch.tensor([0.5, 1.5, 2.5, -0.5, 126.5]), torch.tensor(1.0), get_format("int8_per_token_head"))
+    codes, _, _ = quantize(torch.tensor([0.5, 1.5, 2.5, -0.5, 126.5]), torch.tensor(1.0), get_format("int8_per_token_head"))
     assert codes.tolist() == [0, 2, 2, 0, 126]
 
 
 def test_dynamic_scale_ignores_non_finite_and_zero_rows():
     fmt = get_format("fp8")
     x = torch.tensor([[1.0, -896.0, 3.0], [0.0, 0.0, 0.0], [math.inf, 44.8, -1.0]])
-    assert dynamic_scale(x, fmt).tolist() == pytest.approx([2.0, 1.0, 0.1])
+    assert dynamic_scale(x, fmt).tolist() == pytest.approx([2.0, reference.TINY_SCALE, 0.1])
+
+
+def test_e4m3fnuz_dynamic_scales_map_amax_to_224_as_vllm():
+    fmt = get_format("fp8_e4m3fnuz")
+    assert dynamic_scale(torch.tensor([[448.0, 1.0]]), fmt).item() == 2.0
+    assert fmt.max == 240.0  # static scales keep saturating at 240
+
+
+WRITE_VALUES = [0.0, 1e-30, 1.0, 447.0, 449.0, 465.0, 1e30, -1e30, math.inf, -math.inf, math.nan, 57344.0, 61441.0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("special", [False, True])
+def test_cpu_write_is_the_oracle_bit_for_bit(fmt, dynamic, special):
+    if fmt.per_token_only and not dynamic:
+        pytest.skip("per-token format")
+    torch.manual_seed(1)
+    states = torch.randn(2, 2, 3, 4, 16) * fmt.max / 8
+    if special:
+        states[0, 0, 0, 0, : len(WRITE_VALUES)] = torch.tensor(WRITE_VALUES)
+        states[1, 1, 2, 3, :3] = torch.tensor([math.nan, -math.inf, 2.0])
+    codes = torch.zeros(states.shape, dtype=torch.uint8).view(fmt.dtype)
+    stats = torch.zeros(2, 2, dtype=torch.int64)
+    if dynamic:
+        scale = torch.zeros(*states.shape[:-1], 1)
+        expected_scale = dynamic_scale(states, fmt)[..., None]
+    else:
+        scale = expected_scale = torch.tensor([0.5, 2.0]).reshape(2, 1, 1, 1, 1)
+    nonfinite = write_stacked(states, codes, scale, fmt, dynamic, stats)
+    expected, clipped, bad = quantize(states, expected_scale, fmt, count_per_row=True)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
+    assert stats[:, 0].tolist() == clipped.tolist() and stats[:, 1].tolist() == bad.tolist()
+    assert nonfinite == special
+
+
+STREAMS = [
+    Stream(),
+    Stream(scales="per-head", updates=[30, 1, 1]),
+    Stream(recent=8, updates=[20, 1, 1, 3, 1, 1]),  # decode steps and a chunk shorter than the window
+    Stream(recent=4, updates=[3, 1, 9, 1]),  # prefill shorter than the window, then a chunk longer
+    Stream(recent=6, sinks=3, sink_rows=[0, 5], scales="per-tensor", fmt="fp8_e5m2"),
+    Stream(recent=5, fmt="int8_per_token_head", dtype=torch.bfloat16),
+    Stream(static=64, recent=4, sinks=2, sink_rows=[2, 0], updates=[20, 1, 1, 6, 1]),
+    Stream(static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]),  # wraps twice
+]
+
+
+@pytest.mark.parametrize("stream", STREAMS, ids=str)
+def test_buffers_serve_each_token_quantized_once(stream):
+    view, kv, _ = fill(stream, _torch_write, torch.Generator().manual_seed(0))
+    keys, values = reference.materialize(view)
+    expected = expected_kv(stream, kv, view)
+    if view.static:
+        positions, held = reference._static_positions(view)
+        assert held.sum() == min(stream.length, view.slots)
+        expected = expected[:, :, :, positions[held]]
+        keys, values = keys[:, :, held], values[:, :, held]
+    assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+
+
+def _torch_write(key, value, view, dynamic, stats):
+    reference.write(key, value, view.codes, view.scales, view.recent, view.end, view.fp_start, view.offset, view.fmt,
+                    dynamic, stats, view.ring)  # fmt: skip
 
 
 def naive_attention(q, k, v, mask, scaling, softcap=None, sinks=None):
@@ -71,56 +154,57 @@ def naive_attention(q, k, v, mask, scaling, softcap=None, sinks=None):
     return probs @ v
 
 
-@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("q_len", [1, 5])
-def test_attention_equals_naive_over_dequantized_cache(q_heads, kv_heads, dynamic, q_len):
-    torch.manual_seed(q_heads + q_len)
-    fmt = get_format("fp8")
-    batch, kv_len, dim = 2, 11, 16
-    q = torch.randn(batch, q_heads, q_len, dim)
-    k, v = torch.randn(2, batch, kv_heads, kv_len, dim) * 3
-    if dynamic:
-        k_scale, v_scale = dynamic_scale(k, fmt), dynamic_scale(v, fmt)
-    else:
-        k_scale, v_scale = torch.rand(2, 1, kv_heads, 1) + 0.01
-    k_codes, _ = quantize(k, k_scale[..., None], fmt)
-    v_codes, _ = quantize(v, v_scale[..., None], fmt)
-    k_deq, v_deq = k_codes.float() * k_scale[..., None], v_codes.float() * v_scale[..., None]
-    padding = torch.ones(batch, kv_len, dtype=torch.bool)
-    padding[1, :3] = False  # left padding on the second row
-    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
-    mask = padding[:, None, None, :] & causal
-    out = attention(q, k_codes, v_codes, k_scale, v_scale, fmt, scaling=0.3, mask=mask)
-    torch.testing.assert_close(out, naive_attention(q, k_deq, v_deq, mask, 0.3), rtol=1e-5, atol=1e-5)
-    # without a mask: bottom-right causal
-    out = attention(q, k_codes, v_codes, k_scale, v_scale, fmt, scaling=0.3)
-    torch.testing.assert_close(out, naive_attention(q, k_deq, v_deq, causal.expand(batch, 1, -1, -1), 0.3))
+@pytest.mark.parametrize("stream", STREAMS[:7], ids=str)
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_attend_is_naive_attention_over_the_served_tokens(stream, q_len):
+    generator = torch.Generator().manual_seed(2)
+    view, kv, _ = fill(stream, _torch_write, generator)
+    expected_k, expected_v = expected_kv(stream, kv, view)
+    query = torch.randn(stream.batch, 3 * stream.kv_heads, q_len, stream.head_dim, generator=generator)
+    length = stream.length
+    causal = reference.causal_mask(q_len, length)
+    padding = torch.ones(stream.batch, 1, 1, length, dtype=torch.bool)
+    padding[1, ..., :3] = False
+    mask = padding & causal
+    if view.static:  # the mask of a static cache covers every slot
+        mask = torch.cat([mask, torch.zeros(*mask.shape[:3], view.slots - length, dtype=torch.bool)], -1)
+    got = reference.attend(query.to(stream.dtype), view, scaling=0.3, mask=mask)
+    want = naive_attention(query.to(stream.dtype).float(), expected_k, expected_v, padding & causal, 0.3)
+    tolerance = 1e-5 if stream.dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    got = reference.attend(query, view, scaling=0.3)  # no mask: bottom-right causal
+    want = naive_attention(query, expected_k, expected_v, causal.expand(stream.batch, 1, -1, -1), 0.3)
+    if stream.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_window_softcap_sinks_and_channel_scale():
+def test_attention_window_softcap_and_sink_logits():
     torch.manual_seed(1)
-    fmt = get_format("fp8_e5m2")
     q = torch.randn(1, 4, 3, 8)
     k, v = torch.randn(2, 1, 2, 9, 8)
-    scale = torch.ones(1, 2, 1)
-    channel = torch.rand(2, 8) + 0.5
-    k_codes, _ = quantize(k / channel[None, :, None, :], scale[..., None], fmt)
-    v_codes, _ = quantize(v, scale[..., None], fmt)
     sinks = torch.randn(4)
-    out = attention(
-        q, k_codes, v_codes, scale, scale, fmt, scaling=0.5, window=4, softcap=2.0, sinks=sinks, key_channel_scale=channel
-    )
+    out = attention(q, k, v, scaling=0.5, window=4, softcap=2.0, sinks=sinks)
     window_mask = torch.ones(3, 9, dtype=torch.bool).tril(6) & torch.ones(3, 9, dtype=torch.bool).triu(3)
-    k_deq = k_codes.float() * channel[None, :, None, :]
-    expected = naive_attention(q, k_deq, v_codes.float(), window_mask.expand(1, 1, -1, -1), 0.5, 2.0, sinks)
+    expected = naive_attention(q, k, v, window_mask.expand(1, 1, -1, -1), 0.5, 2.0, sinks)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_fully_masked_row_outputs_zero():
-    fmt = get_format("fp8")
     q = torch.randn(1, 2, 1, 8)
-    codes = torch.randn(1, 2, 4, 8).to(fmt.dtype)
+    k = torch.randn(1, 2, 4, 8)
     mask = torch.zeros(1, 1, 1, 4, dtype=torch.bool)
-    out = attention(q, codes, codes, torch.ones(1, 2, 1), torch.ones(1, 2, 1), fmt, scaling=1.0, mask=mask)
-    assert torch.equal(out, torch.zeros_like(out))
+    for softcap in (None, 5.0):
+        out = attention(q, k, k, scaling=1.0, mask=mask, softcap=softcap)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_explicit_softmax_path_stays_linear_in_memory():
+    """The blocked path (softcap) holds one block of queries' scores: a 2k-token prefill allocates far less than
+    its full score matrix."""
+    q = torch.randn(1, 2, 2048, 16)
+    k = torch.randn(1, 1, 2048, 16)
+    full_scores = 2 * 2048 * 2048 * 4
+    with torch.profiler.profile(profile_memory=True) as prof:
+        attention(q, k, k, scaling=0.25, softcap=30.0)
+    peak = max(e.cpu_memory_usage for e in prof.events())
+    assert peak < full_scores / 4

@@ -1,124 +1,118 @@
-"""The Triton attention kernels (decode and prefill, split-KV + reduce) against the torch reference."""
+"""The Triton attention kernels (decode and prefill, split-KV + reduce) against the torch reference, over layer
+buffers written from token streams: pure FP8, the full-precision recent window and sink tokens, static
+(device-position) buffers and rings."""
 
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from hf_fp8kv.kernels import ops, reference
-from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.triton_attention import attention
+from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels.triton_attention import attention, plan_attention, split_count
+from streams import Stream, fill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRACE_CHECKS = ("test_faketensor", "test_aot_dispatch_dynamic")  # what torch.compile needs of a custom op
-# error relative to the largest output of the fp32 oracle, by query dtype
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# error relative to the largest output of the fp32 oracle, by query dtype (fp16 dots: the query's rounding)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @dataclass
 class Case:
-    fmt: str = "fp8_e4m3"
-    batch: int = 2
-    kv_heads: int = 2
+    stream: Stream = field(default_factory=Stream)
     group: int = 3
     q_len: int = 1
-    length: int = 70  # not a multiple of the 64-token block
-    head_dim: int = 80
-    scales: str = "dynamic"  # or "per-tensor", "per-head"
     dtype: torch.dtype = torch.float32
     splits: int | None = None
-    mask: str | None = None  # "padding" ([batch, 1, 1|q, length], a row fully masked), "per-head", "2d"
+    mask: str | None = None  # "padding" ([batch, 1, 1|q, columns], a row fully masked), "per-head", "2d"
     options: dict = field(default_factory=dict)  # window, softcap, sinks=True, channel=True
 
     def __str__(self) -> str:
-        fields = [f"{k}={v}" for k, v in vars(self).items() if v != getattr(Case, k, None) and k != "options"]
-        return ",".join(fields + [f"{k}={v}" for k, v in self.options.items()]) or "default"
+        fields = [f"{k}={v}" for k, v in vars(self).items() if k not in ("stream", "options") and v != getattr(Case, k, None)]
+        return ",".join([str(self.stream), *fields, *(f"{k}={v}" for k, v in self.options.items())])
 
 
 CASES = [
-    Case(),  # decode, GQA 3
+    Case(),  # decode, GQA 3, dynamic scales
     Case(splits=3),
-    Case(splits=2, group=8, head_dim=128, length=130),
-    Case(group=1, head_dim=64, splits=2, fmt="fp8_e5m2"),
-    Case(head_dim=256, length=20, fmt="fp8_e4m3fnuz", scales="per-head"),
-    Case(head_dim=96, fmt="int8_per_token_head", group=8, splits=2),
-    Case(scales="per-tensor", q_len=5),  # continuation
-    Case(q_len=9, group=1, length=9, head_dim=64),  # prefill with no past
-    Case(q_len=40, length=100, group=3, scales="per-head", fmt="fp8_e5m2"),  # several row blocks
+    Case(Stream(updates=[129, 1], head_dim=128), group=8, splits=2),
+    Case(Stream(fmt="fp8_e5m2", head_dim=64, scales="per-tensor"), group=1, splits=2),
+    Case(Stream(fmt="fp8_e4m3fnuz", head_dim=256, scales="per-head", updates=[19, 1])),
+    Case(Stream(fmt="int8_per_token_head", head_dim=96), group=8, splits=2),
+    Case(Stream(scales="per-tensor", updates=[55, 5]), q_len=5),  # continuation
+    Case(Stream(updates=[9], head_dim=64), q_len=9, group=1),  # prefill with no past
+    Case(Stream(fmt="fp8_e5m2", scales="per-head", updates=[60, 40]), q_len=40),  # several row blocks
+    Case(Stream(updates=[150, 130]), q_len=130, group=1),  # 128-row prefill tiles
     Case(q_len=4, options=dict(window=10, sinks=True)),
     Case(q_len=4, splits=2, options=dict(window=10, sinks=True)),
     Case(mask="padding", splits=2, options=dict(sinks=True)),
     Case(mask="padding", q_len=3),
     Case(mask="per-head", q_len=2, splits=2),
-    Case(mask="2d", q_len=3, length=30),
-    Case(options=dict(softcap=5.0), fmt="int8_per_token_head", q_len=3, splits=2),
-    Case(options=dict(channel=True), scales="per-head"),
+    Case(Stream(updates=[27, 3]), mask="2d", q_len=3),
+    Case(Stream(fmt="int8_per_token_head"), options=dict(softcap=5.0), q_len=3, splits=2),
+    Case(Stream(scales="per-head"), options=dict(channel=True)),
     Case(dtype=torch.float16, splits=2),
-    Case(dtype=torch.float16, q_len=6, scales="per-head", options=dict(channel=True, softcap=20.0)),
-    Case(dtype=torch.float16, fmt="fp8_e5m2", mask="padding", group=8, head_dim=128),
+    Case(Stream(scales="per-head"), dtype=torch.float16, q_len=6, options=dict(channel=True, softcap=20.0)),
+    Case(Stream(fmt="fp8_e5m2", head_dim=128), dtype=torch.float16, mask="padding", group=8),
+    Case(dtype=torch.bfloat16, splits=2),  # fp16 dots: the interpreter runs bf16 queries right
+    # the full-precision recent window and sink tokens
+    Case(Stream(recent=8), splits=3),
+    Case(Stream(recent=8, updates=[5, 1]), splits=2),  # everything in the window
+    Case(Stream(recent=70, updates=[60, 1, 9]), q_len=9),  # a window wider than a tile
+    Case(Stream(recent=6, sinks=3, sink_rows=[0, 4], scales="per-head"), mask="padding", splits=2),
+    Case(Stream(recent=6, sinks=4, sink_rows=[3, 0], fmt="fp8_e5m2", scales="per-tensor"), q_len=7),
+    Case(Stream(recent=5, sinks=2, updates=[40, 8]), q_len=8, options=dict(softcap=8.0, sinks=True, channel=True)),
+    Case(Stream(recent=4, sinks=2, dtype=torch.float16), dtype=torch.float16, splits=2, mask="padding"),
+    # static buffers: positions on the device, the mask over every slot, a fixed grid
+    Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1]), splits=2, mask="padding"),
+    Case(Stream(static=80, updates=[30, 5]), q_len=5),
+    Case(Stream(static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]), mask="padding"),
+    Case(Stream(static=16, ring=True, updates=[12, 1, 1, 1, 1, 1, 1]), options=dict(window=16)),
 ]
-BF16_CASES = [
-    Case(dtype=torch.bfloat16, splits=2),
-    Case(dtype=torch.bfloat16, q_len=33, length=100, group=8, head_dim=128, options=dict(sinks=True)),
-]
 
 
-def make_cache(case: Case, generator: torch.Generator):
-    """Codes and scales of `case.length` random tokens (with outlier channels), written by the reference."""
-    fmt = FORMATS[case.fmt]
-    shape = (case.batch, case.kv_heads, case.length, case.head_dim)
-    key = torch.randn(shape, generator=generator) * 2
-    key[..., :3] *= 20  # outlier channels
-    value = torch.randn(shape, generator=generator)
-    capacity = case.length + 5
-    codes = [torch.zeros(*shape[:2], capacity, shape[3], dtype=fmt.dtype) for _ in range(2)]
-    if case.scales == "dynamic":
-        scales = [torch.zeros(*shape[:2], capacity) for _ in range(2)]
-    else:
-        heads = case.kv_heads if case.scales == "per-head" else 1
-        scales = [(torch.rand(heads, generator=generator) * 0.5 + 0.5).expand(case.kv_heads).reshape(1, -1, 1) * s
-                  for s in (60.0 / fmt.max, 4.0 / fmt.max)]  # fmt: skip
-    ops.write(key, value, *codes, *scales, 0, fmt, case.scales == "dynamic", torch.zeros(2, dtype=torch.int64))
-    return [t.to(DEVICE) for t in (*codes, *scales)]
-
-
-def make_mask(case: Case, generator: torch.Generator) -> torch.Tensor | None:
-    q_heads = case.kv_heads * case.group
-    causal = reference.causal_mask(case.q_len, case.length)
+def make_mask(case: Case, view, generator: torch.Generator) -> torch.Tensor | None:
+    stream = case.stream
+    # a static mask covers [0, max_cache_len) (a ring's max_cache_len is longer than the ring)
+    columns = stream.length + 4 if view.ring else view.slots if view.static else stream.length
+    q_heads = stream.kv_heads * case.group
+    causal = reference.causal_mask(case.q_len, columns, q_end=stream.length)
     if case.mask == "padding":  # left padding: batch 0 starts late, batch 1 sees nothing
-        padding = torch.ones(case.batch, 1, 1, case.length, dtype=torch.bool)
-        padding[0, ..., :17] = False
+        padding = torch.ones(stream.batch, 1, 1, columns, dtype=torch.bool)
+        padding[0, ..., :4] = False
         padding[1] = False
         return padding & causal
     if case.mask == "per-head":
-        return torch.rand(case.batch, q_heads, case.q_len, case.length, generator=generator) > 0.3
+        return (torch.rand(stream.batch, q_heads, case.q_len, columns, generator=generator) > 0.3) & causal
     if case.mask == "2d":
-        return causal & (torch.arange(case.length) % 3 != 0)
+        return causal & (torch.arange(columns) % 3 != 0)
     return None
 
 
 def run(case: Case):
     generator = torch.Generator().manual_seed(0)
-    fmt = FORMATS[case.fmt]
-    key_codes, value_codes, key_scale, value_scale = make_cache(case, generator)
-    q_heads = case.kv_heads * case.group
-    query = torch.randn(case.batch, q_heads, case.q_len, case.head_dim, generator=generator)
-    mask = make_mask(case, generator)
+    stream = case.stream
+    view, _, _ = fill(stream, _torch_write, generator, DEVICE)
+    q_heads = stream.kv_heads * case.group
+    query = torch.randn(stream.batch, q_heads, case.q_len, stream.head_dim, generator=generator)
+    mask = make_mask(case, view, generator)
+    if case.options.get("channel"):
+        view.key_channel_scale = (torch.rand(stream.kv_heads, stream.head_dim, generator=generator) + 0.5).to(DEVICE)
     kwargs = dict(
-        scaling=case.head_dim**-0.5,
+        scaling=stream.head_dim**-0.5,
         mask=None if mask is None else mask.to(DEVICE),
         window=case.options.get("window"),
         softcap=case.options.get("softcap"),
         sinks=torch.randn(q_heads, generator=generator).to(DEVICE) if case.options.get("sinks") else None,
-        key_channel_scale=(torch.rand(case.kv_heads, case.head_dim, generator=generator) + 0.5).to(DEVICE)
-        if case.options.get("channel")
-        else None,
     )
     query = query.to(DEVICE, case.dtype)
-    expected = ops.attend(query.float(), key_codes, value_codes, key_scale, value_scale, case.length, fmt, **kwargs)
-    got = attention(query, key_codes, value_codes, key_scale, value_scale, case.length, fmt,
-                    num_splits=case.splits, **kwargs)  # fmt: skip
+    expected = reference.attend(query.float(), view, **kwargs)
+    got = attention(query, view, num_splits=case.splits, **kwargs)
     return got, expected
+
+
+def _torch_write(key, value, view, dynamic, stats):
+    reference.write(key, value, view.codes, view.scales, view.recent, view.end, view.fp_start, view.offset, view.fmt,
+                    dynamic, stats, view.ring)  # fmt: skip
 
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -135,53 +129,56 @@ def test_attention_matches_reference(case):
         assert torch.equal(got[1], torch.zeros_like(got[1]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's bf16 tl.dot is broken: GPU only")
-@pytest.mark.parametrize("case", BF16_CASES, ids=str)
-def test_attention_bf16_on_gpu(case):
-    got, expected = run(case)
-    assert_close(got, expected, case.dtype)
-
-
 def test_splits_agree_with_one_split():
-    case = Case(length=200, group=8, splits=1)
+    case = Case(Stream(updates=[200, 1], recent=5), group=8, splits=1)
     one, _ = run(case)
     for splits in (2, 4):
         case.splits = splits
         assert_close(run(case)[0], one, torch.float32)
 
 
-def test_registered_op_is_the_launcher():
-    case = Case(q_len=2, options=dict(softcap=10.0))
-    fmt = FORMATS[case.fmt]
-    key_codes, value_codes, key_scale, value_scale = make_cache(case, torch.Generator().manual_seed(1))
-    query = torch.randn(case.batch, case.kv_heads * case.group, case.q_len, case.head_dim, device=DEVICE)
-    args = (query, key_codes, value_codes, key_scale, value_scale, case.length)
-    direct = attention(*args, fmt, scaling=0.1, softcap=10.0)
-    registered = ops.triton_ops().attend(*args, fmt.name, 0.1, None, None, 10.0, None, None)
-    assert torch.equal(registered, direct)
+def test_nan_codes_read_as_nan_on_every_path():
+    stream = Stream(updates=[20, 1])
+    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(3), DEVICE)
+    view.codes.view(torch.uint8)[1, 0, 0, 5] = 0x7F  # a NaN value code in row 0
+    query = torch.randn(2, 6, 1, 80, device=DEVICE)
+    got = attention(query, view, scaling=0.1)
+    expected = reference.attend(query, view, scaling=0.1)
+    assert got[0, :3].isnan().all() and expected[0, :3].isnan().all()  # the query heads of KV head 0
+    assert not got[0, 3:].isnan().any() and not got[1].isnan().any() and not expected[1].isnan().any()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing needs compiled kernels (GPU)")
-def test_registered_op_traces_for_torch_compile():
-    case = Case(q_len=3, scales="per-head", mask="padding")
-    key_codes, value_codes, key_scale, value_scale = make_cache(case, torch.Generator().manual_seed(1))
-    query = torch.randn(case.batch, case.kv_heads * case.group, case.q_len, case.head_dim, device=DEVICE)
-    mask = make_mask(case, torch.Generator()).to(DEVICE)
-    args = (query, key_codes, value_codes, key_scale, value_scale, case.length, case.fmt, 0.1, mask, None, 30.0,
-            None, None)  # fmt: skip
-    torch.library.opcheck(ops.triton_ops().attend.default, args, test_utils=TRACE_CHECKS)
+def test_split_count_fills_the_last_wave():
+    for programs in (8, 16, 32, 64, 128, 256, 512):
+        for tiles in (64, 512, 2048):
+            slots = 132 * 2
+            splits = split_count(programs, tiles, slots)
+            blocks = programs * splits
+            efficiency = blocks / (-(-blocks // slots) * slots)
+            assert efficiency >= 0.85, (programs, tiles, splits, efficiency)
+
+
+def test_static_grid_is_fixed():
+    """A static view's launches do not depend on how many tokens it holds (CUDA graphs replay them)."""
+    grids = []
+    for updates in ([5], [40, 1]):
+        stream = Stream(static=640, recent=4, updates=updates)
+        view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(0), DEVICE)
+        query = torch.randn(2, 6, 1, 80, device=DEVICE)
+        _, launches = plan_attention(query, view, scaling=0.1, resident_slots=264)
+        grids.append([launch.grid for launch in launches])
+    assert grids[0] == grids[1] and len(grids[0]) == 2  # split, then reduced
 
 
 def test_bad_inputs_are_named():
-    case = Case()
-    fmt = FORMATS[case.fmt]
-    key_codes, value_codes, key_scale, value_scale = make_cache(case, torch.Generator().manual_seed(0))
+    stream = Stream(updates=[70])
+    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(0), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     with pytest.raises(ValueError, match="not a multiple of the cache's 2 KV heads"):
-        attention(query[:, :5], key_codes, value_codes, key_scale, value_scale, 70, fmt, scaling=1.0)
+        attention(query[:, :5], view, scaling=1.0)
     with pytest.raises(ValueError, match="mask .* does not broadcast"):
-        mask = torch.ones(2, 1, 1, 69, dtype=torch.bool, device=DEVICE)
-        attention(query, key_codes, value_codes, key_scale, value_scale, 70, fmt, scaling=1.0, mask=mask)
+        attention(query, view, scaling=1.0, mask=torch.ones(3, 1, 1, 70, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="sinks must have one logit per query head"):
-        sinks = torch.zeros(2, device=DEVICE)
-        attention(query, key_codes, value_codes, key_scale, value_scale, 70, fmt, scaling=1.0, sinks=sinks)
+        attention(query, view, scaling=1.0, sinks=torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match="mask has 60 columns"):
+        attention(query, view, scaling=1.0, mask=torch.ones(2, 1, 1, 60, dtype=torch.bool, device=DEVICE))

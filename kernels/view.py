@@ -1,0 +1,56 @@
+"""What one layer's attention reads: FP8 codes over a timeline, plus full-precision recent and sink tokens.
+
+Tokens are numbered by their position in the sequence (the timeline, shared by every batch row, padding
+included). A layer stores:
+
+- codes `[2, batch, kv_heads, slots, head_dim]` (keys, values) of the storage format, token t at slot
+  `(t - offset) % slots` (a linear buffer when the tokens fit, a ring for static sliding-window layers),
+  with scales `[2, 1 | batch, kv_heads, 1 | slots]` (static per head, or per token and head);
+- `recent` `[2, batch, kv_heads, R, head_dim]` in the model's dtype: tokens `[fp_start, end)` at slot `t % R`;
+- `sinks` `[2, batch, kv_heads, S, head_dim]` in the model's dtype: row b's tokens
+  `[sink_start[b], sink_start[b] + sink_count[b])` (its first real tokens) at slot `t - sink_start[b]`.
+
+The attention sees tokens `[start, end)`: sink tokens from `sinks`, tokens at or after `fp_start` from `recent`,
+every other one from the codes (so each token is read from exactly one place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import StorageFormat
+
+Position = int | torch.Tensor  # a Python int, or a 0-dim int64 device tensor (static caches, CUDA graphs)
+
+
+@dataclass
+class KVView:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fmt: StorageFormat
+    start: Position
+    end: Position
+    fp_start: Position
+    offset: int = 0
+    recent: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    sink_start: torch.Tensor | None = None
+    sink_count: torch.Tensor | None = None
+    sink_spans: dict | None = None  # dynamic buffers: {(first token, count): [rows]} of the held sinks, on the host
+    key_channel_scale: torch.Tensor | None = None
+    has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
+    static: bool = False  # a static cache: positions are device tensors and the mask covers [0, max_len)
+    ring: bool = False  # the codes are a ring (static sliding layers); else token t is at slot t - offset
+    positions: torch.Tensor | None = None  # static: int64 [2] holding `end`, `fp_start` (which are views of it)
+    mask_start: int | None = None  # the position of the mask's first column (None: the mask ends at `end`)
+
+    @property
+    def slots(self) -> int:
+        """Slots that hold tokens (static buffers have one more at the end, where writes with nowhere to go land)."""
+        return self.codes.shape[3] - self.static
+
+    @property
+    def dynamic(self) -> bool:
+        return self.scales.shape[3] > 1

@@ -1,0 +1,151 @@
+"""Layer buffers filled from a token stream by the reference write path, and what they must hold.
+
+A stream is written in updates (a prefill, then decode steps or chunks) as a cache layer would; the expected
+keys and values of token t are its full-precision value if it is still in the recent window (or a sink), else
+its value quantized once, when it left the window: `expected_kv` computes that independently of the buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels.formats import FORMATS
+from hf_fp8kv.kernels.view import KVView
+
+
+@dataclass
+class Stream:
+    fmt: str = "fp8_e4m3"
+    batch: int = 2
+    kv_heads: int = 2
+    head_dim: int = 80
+    updates: list[int] = field(default_factory=lambda: [50, 1, 1, 7, 1])  # tokens per update
+    scales: str = "dynamic"  # or "per-tensor", "per-head"
+    recent: int = 0
+    sinks: int = 0
+    sink_rows: list[int] | None = None  # each row's first real token (default 0)
+    static: int = 0  # max_cache_len of a static (device-positions) layer; 0: dynamic
+    ring: bool = False  # static: codes in a ring of `static` slots
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def length(self) -> int:
+        return sum(self.updates)
+
+    def __str__(self) -> str:
+        fields = [f"{k}={v}" for k, v in vars(self).items() if v != getattr(Stream, k, None)]
+        return ",".join(fields) or "default"
+
+
+def tokens(stream: Stream, generator: torch.Generator) -> torch.Tensor:
+    """`[2, batch, kv_heads, length, head_dim]` keys (with outlier channels) and values."""
+    fmt = FORMATS[stream.fmt]
+    shape = (stream.batch, stream.kv_heads, stream.length, stream.head_dim)
+    keys = torch.randn(shape, generator=generator) * 2
+    keys[..., :3] *= 20
+    values = torch.randn(shape, generator=generator) * (4.0 if fmt.max < 1000 else 40.0)
+    return torch.stack([keys, values]).to(stream.dtype)
+
+
+def static_scales(stream: Stream, generator: torch.Generator) -> torch.Tensor:
+    fmt = FORMATS[stream.fmt]
+    heads = stream.kv_heads if stream.scales == "per-head" else 1
+    per_head = (torch.rand(heads, generator=generator) * 0.5 + 0.5).expand(stream.kv_heads)
+    return torch.stack([per_head * 60.0 / fmt.max, per_head * 12.0 / fmt.max]).reshape(2, 1, stream.kv_heads, 1)
+
+
+def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVView:
+    fmt = FORMATS[stream.fmt]
+    slots = stream.static + 1 if stream.static else stream.length + 3  # static: + the spare slot
+    shape = (2, stream.batch, stream.kv_heads, slots, stream.head_dim)
+    codes = torch.full(shape, 0x55, dtype=torch.uint8).view(fmt.dtype)
+    if stream.scales == "dynamic":
+        scales = torch.full(shape[:4], -1.0)
+    else:
+        scales = static_scales(stream, generator)
+    recent = torch.zeros(*shape[:3], stream.recent, stream.head_dim, dtype=stream.dtype) if stream.recent else None
+    positions = torch.zeros(2, dtype=torch.int64) if stream.static else None
+    view = KVView(
+        codes.to(device), scales.to(device), fmt, 0, positions[0] if stream.static else 0,
+        positions[1] if stream.static else 0, 0, None if recent is None else recent.to(device),
+        static=bool(stream.static), ring=stream.ring, positions=None if positions is None else positions.to(device),
+    )  # fmt: skip
+    if stream.static:
+        view.end, view.fp_start = view.positions[0], view.positions[1]
+    return view
+
+
+def advance(view: KVView, stream: Stream, new_tokens: int) -> None:
+    """Positions after an update of `new_tokens`, as the layers keep them."""
+    if view.static:
+        view.positions[0] += new_tokens
+        torch.maximum(view.positions[1], view.positions[0] - stream.recent, out=view.positions[1])
+    else:
+        view.end += new_tokens
+        view.fp_start = max(view.fp_start, view.end - stream.recent)
+
+
+def attach_sinks(view: KVView, stream: Stream, kv: torch.Tensor) -> None:
+    """The sink tokens of each row (its first `stream.sinks` real tokens), as a layer captures them."""
+    if not stream.sinks:
+        return
+    end = int(view.end)
+    rows = stream.sink_rows or [0] * stream.batch
+    view.sinks = torch.zeros(2, stream.batch, stream.kv_heads, stream.sinks, stream.head_dim, dtype=stream.dtype)
+    counts = [max(0, min(stream.sinks, end - r)) for r in rows]
+    for row, (first, count) in enumerate(zip(rows, counts)):
+        view.sinks[:, row, :, :count] = kv[:, row, :, first : first + count]
+    device = view.codes.device
+    view.sinks = view.sinks.to(device)
+    view.sink_start = torch.tensor(rows, device=device)
+    view.sink_count = torch.tensor(counts, device=device)
+    spans: dict = {}
+    for row, (first, count) in enumerate(zip(rows, counts)):
+        if count:
+            spans.setdefault((first, count), []).append(row)
+    view.sink_spans = spans
+
+
+def fill(stream: Stream, write, generator: torch.Generator, device="cpu", edges=None):
+    """Write the stream's tokens update by update with `write(key, value, view, dynamic, stats)` (`edges`: a
+    function that edits the tokens first); returns the view after the last update, the tokens and the clipped /
+    non-finite counts."""
+    kv = tokens(stream, generator)
+    if edges is not None:
+        kv = edges(kv)
+    view = empty_view(stream, generator, device)
+    stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
+    first = 0
+    for new in stream.updates:
+        chunk = kv[:, :, :, first : first + new].to(device)
+        write(chunk[0], chunk[1], view, stream.scales == "dynamic", stats)
+        advance(view, stream, new)
+        first += new
+    attach_sinks(view, stream, kv)
+    if stream.ring:  # a ring shows the last `static` tokens
+        view.start = 0
+    return view, kv, stats
+
+
+def expected_kv(stream: Stream, kv: torch.Tensor, view: KVView) -> torch.Tensor:
+    """Each token's keys and values as the cache must serve them: quantized once (with the scale it had when it
+    left the window) unless it is among the newest `recent` or a row's sinks. `[2, batch, heads, length, D]`."""
+    fmt = FORMATS[stream.fmt]
+    x = kv.float()
+    if stream.scales == "dynamic":
+        scale = reference.dynamic_scale(x, fmt)[..., None]
+    else:
+        scale = view.scales.cpu()[..., None]
+    codes, _, _ = reference.quantize(x, scale, fmt)
+    out = reference.dequantize(codes, scale, fmt)
+    end = stream.length
+    if stream.recent:
+        out[:, :, :, max(end - stream.recent, 0) :] = x[:, :, :, max(end - stream.recent, 0) :]
+    if stream.sinks:
+        rows = stream.sink_rows or [0] * stream.batch
+        for row, first in enumerate(rows):
+            out[:, row, :, first : first + stream.sinks] = x[:, row, :, first : first + stream.sinks]
+    return out
