@@ -43,7 +43,7 @@ def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dro
     out = key.attend(
         query,
         scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
-        mask=_boolean_mask(attention_mask, key.length),
+        mask=_boolean_mask(attention_mask),
         window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
@@ -51,13 +51,11 @@ def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2).contiguous(), None
 
 
-def _boolean_mask(attention_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-    """The sdpa (bool) or eager (0 / min float) 4D mask, which carries the causal and window rules, as a bool
-    mask over `[batch, 1, q_len, kv_len]`."""
+def _boolean_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The sdpa (bool) or eager (0 / min float) 4D mask, which carries the causal and window rules, as bool."""
     if attention_mask is None:
         return None
-    mask = attention_mask[..., -kv_len:]
-    return mask if mask.dtype == torch.bool else mask == 0
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
 
 
 def fp8kv_mask(*args, config=None, **kwargs):

@@ -11,6 +11,7 @@ from transformers.cache_utils import (
     DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    StaticLayer,
     get_layer_types_and_kwargs,
 )
 
@@ -19,6 +20,7 @@ from hf_fp8kv.guard import TokenHistory, install_generation_guard
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.layer import FP8CacheLayer
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from hf_fp8kv.static import StaticFP8Layer, StaticFP8SlidingLayer
 from hf_fp8kv.scales import CALIBRATION_WARNING, ScalesArg, UncalibratedScalesWarning, resolve_scales
 from hf_fp8kv.table import format_table
 
@@ -34,6 +36,11 @@ LAYERS = {
     "full_attention": (FP8CacheLayer, DynamicLayer),
     "sliding_attention": (FP8SlidingWindowLayer, DynamicSlidingWindowLayer),
     "chunked_attention": (FP8SlidingWindowLayer, DynamicSlidingWindowLayer),
+}
+STATIC_LAYERS = {
+    "full_attention": StaticFP8Layer,
+    "sliding_attention": StaticFP8SlidingLayer,
+    "chunked_attention": StaticFP8SlidingLayer,
 }
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 # Models whose attention reshapes or post-processes K/V after `update`: they need real tensors.
@@ -59,6 +66,13 @@ class QuantizedFP8Cache(Cache):
             `["sliding_window", 0]` or "sliding_window,0".
         backend: "auto", "triton" or "torch" (default: env HF_FP8KV_BACKEND, else "auto").
         block_size: tokens added per buffer growth.
+        recent_tokens: the newest tokens of each sequence kept in the model's dtype; a token is quantized once,
+            when it leaves this window (sliding-window layers: inside their window).
+        sink_tokens: the first real tokens of each sequence (attention sinks) kept in the model's dtype
+            (full-attention layers). `recent_tokens=0, sink_tokens=0` is pure FP8, what vLLM serves.
+        max_cache_len: makes the cache static (for `torch.compile` and CUDA graphs): buffers for this many
+            tokens, allocated at the first update, positions kept on the device, `is_compileable` True.
+        max_batch_size: with `max_cache_len`, the largest batch the cache accepts (default: the first batch's).
     """
 
     def __init__(
@@ -71,11 +85,19 @@ class QuantizedFP8Cache(Cache):
         skip_layers: str | Iterable[int | str] = (),
         backend: str | None = None,
         block_size: int = 64,
+        recent_tokens: int = 0,
+        sink_tokens: int = 0,
+        max_cache_len: int | None = None,
+        max_batch_size: int | None = None,
         offloading: bool = False,
     ):
         if model is None and config is None:
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
         config = config if config is not None else model.config
+        for name, count in (("recent_tokens", recent_tokens), ("sink_tokens", sink_tokens)):
+            _check_count(name, count)
+        if max_cache_len is not None:
+            _check_count("max_cache_len", max_cache_len, minimum=1)
         text_config = config.get_text_config(decoder=True)
         self.fmt = get_format(platform_dtype(kv_cache_dtype))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -93,12 +115,22 @@ class QuantizedFP8Cache(Cache):
         for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind not in LAYERS:
                 layers.append(DummyLayer())
+            elif i in skip and max_cache_len is not None:
+                # every slot in full precision (sliding layers too): the masks of a static cache cover
+                # [0, max_cache_len) for every layer type
+                layers.append(StaticLayer(max_cache_len=max_cache_len))
             elif i in skip:
                 layers.append(LAYERS[kind][1](**kwargs))
             else:
-                fp8_layer = LAYERS[kind][0]
+                fp8_layer, static = LAYERS[kind][0], {}
+                if max_cache_len is not None:
+                    fp8_layer = STATIC_LAYERS[kind]
+                    static = dict(max_cache_len=max_cache_len, max_batch_size=max_batch_size)
                 layers.append(
-                    fp8_layer(self.fmt, layer_scales[i], block_size, backend, self._uses_fp8_attention, i, **kwargs)
+                    fp8_layer(
+                        self.fmt, layer_scales[i], block_size, backend, self._uses_fp8_attention, i,
+                        recent_tokens=recent_tokens, sink_tokens=sink_tokens, **static, **kwargs,
+                    )  # fmt: skip
                 )
         super().__init__(layers=layers, offloading=offloading)
         self.attention_config = text_config
@@ -165,13 +197,16 @@ class QuantizedFP8Cache(Cache):
                         "source": scales.source,
                         "k_scale": scales.describe("key") if static else "per token",
                         "v_scale": scales.describe("value") if static else "per token",
+                        "window": f"{layer.recent_tokens}+{layer.sink_tokens}",
                         "bytes": layer.nbytes,
                         "clipped": int(layer.clipped.sum().item()),
+                        "non-finite": int(layer.nonfinite.sum().item()),
                     }
                 )
             else:
                 rows.append({"layer": i, "storage": "skipped", "granularity": "-", "source": "-", "k_scale": "-",
-                             "v_scale": "-", "bytes": _layer_nbytes(layer), "clipped": 0})
+                             "v_scale": "-", "window": "-", "bytes": _layer_nbytes(layer), "clipped": 0,
+                             "non-finite": 0})
         return rows
 
     def __str__(self) -> str:
@@ -192,6 +227,11 @@ def _layer_nbytes(layer) -> int:
     if isinstance(layer, FP8CacheLayer):
         return layer.nbytes
     return sum(t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def _check_count(name: str, value, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
 def _validate_skip_layers(skip_layers: str | Iterable[int | str], layer_types: list[str]) -> set[int]:

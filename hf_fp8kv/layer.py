@@ -1,9 +1,14 @@
-"""One decoder layer's FP8 cache: code buffers grown one block at a time, scales beside them."""
+"""One decoder layer's FP8 cache: code buffers grown one block at a time, scales beside them, and the newest
+(and first) tokens in the model's dtype.
+
+The buffers and which tokens they hold are described in `hf_fp8kv.kernels.view`: codes for every token that
+left the full-precision window (each quantized once, when it leaves), `recent_tokens` newest tokens and
+`sink_tokens` first real tokens of each row in the model's dtype. `recent_tokens=0, sink_tokens=0` is pure FP8.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -11,74 +16,47 @@ from transformers.cache_utils import CacheLayerMixin
 
 from hf_fp8kv.kernels import ops
 from hf_fp8kv.kernels.formats import StorageFormat
-from hf_fp8kv.kernels.reference import dequantize
+from hf_fp8kv.kernels.reference import materialize
+from hf_fp8kv.kernels.view import KVView
 from hf_fp8kv.scales import DynamicScales, LayerScales
 
 
-@dataclass
 class QuantizedKV:
-    """What `update` hands to the FP8 attention function instead of full-precision tensors: the layer's
-    buffers and which tokens the attention sees (`length` of them from buffer index `start`). No copy is made."""
+    """What `update` hands to the FP8 attention function instead of full-precision tensors: the layer, the
+    tokens its attention sees and this update's new (full-precision) states. No copy is made."""
 
-    layer: "FP8CacheLayer"
-    length: int
-    start: int = 0
-
-    def buffer(self, name: str) -> torch.Tensor:
-        """The visible tokens of one of the layer's buffers (a view; a static scale is returned whole)."""
-        tensor = getattr(self.layer, name)
-        if name.endswith("_scale") and not self.layer.dynamic:
-            return tensor
-        return tensor[:, :, self.start : self.start + self.length] if self.start else tensor
+    def __init__(self, layer: "FP8CacheLayer", view: KVView, new_key: torch.Tensor, new_value: torch.Tensor):
+        self.layer, self.view, self.new_key, self.new_value = layer, view, new_key, new_value
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        batch, heads, _, head_dim = self.layer.key_codes.shape
-        return (batch, heads, self.length, head_dim)
+        _, batch, heads, _, head_dim = self.view.codes.shape
+        return (batch, heads, self.layer.visible_length(self.view), head_dim)
 
     def attend(self, query: torch.Tensor, *, scaling: float, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """`[batch, q_heads, q_len, head_dim]` attention output of `query` over the cached tokens."""
         layer = self.layer
-        return ops.attend(
-            query,
-            self.buffer("key_codes"),
-            self.buffer("value_codes"),
-            self.buffer("key_scale"),
-            self.buffer("value_scale"),
-            self.length,
-            layer.fmt,
-            scaling=scaling,
-            mask=mask,
-            key_channel_scale=layer.key_channel_scale,
-            backend=layer.backend,
-            **kwargs,
-        )
+        layer.capture_sinks(self, mask)
+        return ops.attend(query, self.view, scaling=scaling, mask=mask, backend=layer.backend, plans=layer.plans, **kwargs)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the visible tokens (the slow path: a full copy)."""
-        layer = self.layer
-
-        def one(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            row_scale = scale[:, :, : self.length, None] if layer.dynamic else scale[..., None]
-            return dequantize(codes[:, :, : self.length], row_scale, layer.fmt).to(layer.dtype)
-
-        keys = one(self.buffer("key_codes"), self.buffer("key_scale"))
-        if layer.key_channel_scale is not None:
-            keys = (keys * layer.key_channel_scale[:, None, :]).to(layer.dtype)
-        return keys, one(self.buffer("value_codes"), self.buffer("value_scale"))
+        keys, values = materialize(self.view)
+        return keys.to(self.layer.dtype), values.to(self.layer.dtype)
 
 
 class FP8CacheLayer(CacheLayerMixin):
-    """Stores one layer's keys and values as codes of `fmt`, `[batch, kv_heads, capacity, head_dim]`.
+    """Stores one layer's keys and values as codes of `fmt`, `[2, batch, kv_heads, capacity, head_dim]`.
 
-    Capacity grows `block_size` tokens at a time (the buffer is reallocated and the valid part copied), so the
-    bytes held stay within one block of the bytes used; no per-step `torch.cat`. The stored tokens are buffer
-    indices `[start, start + length)`; `start` is 0 here and moves in the sliding-window subclass.
+    Capacity grows `block_size` tokens at a time (the buffer is reallocated and the valid part copied) and
+    shrinks after a crop, so the bytes held stay within one block of the bytes used; no per-step `torch.cat`.
+    Token t is at slot `t - offset`; the stored tokens are `[first, end)`.
     """
 
     is_sliding = False
     is_croppable = True
     is_compileable = False
+    static = False
 
     def __init__(
         self,
@@ -88,6 +66,8 @@ class FP8CacheLayer(CacheLayerMixin):
         backend: str | None,
         fast_path: Callable[[], bool],
         layer_idx: int,
+        recent_tokens: int = 0,
+        sink_tokens: int = 0,
     ):
         super().__init__()
         self.fmt = fmt
@@ -96,13 +76,52 @@ class FP8CacheLayer(CacheLayerMixin):
         self.requested_backend = backend
         self.fast_path = fast_path
         self.layer_idx = layer_idx
-        self.start = 0
-        self.length = 0
-        self.clipped = torch.zeros(2, dtype=torch.int64)
+        self.recent_tokens = recent_tokens
+        self.sink_tokens = sink_tokens
+        self._forget()
+
+    def _forget(self) -> None:
+        self.first = self.end = self.fp_start = self.offset = 0
+        self.stats = torch.zeros(2, 2, dtype=torch.int64)  # keys / values x clipped / non-finite
+        self.has_nan = False
+        self.sink_rows: list[int] | None = None  # each row's first real token, once known (-1: not yet)
+        self.plans: dict = {}  # the Triton launch plans of this layer's kinds of calls
+        self.is_initialized = False
 
     @property
     def dynamic(self) -> bool:
         return isinstance(self.scales, DynamicScales)
+
+    @property
+    def key_codes(self) -> torch.Tensor:
+        return self.codes[0]
+
+    @property
+    def value_codes(self) -> torch.Tensor:
+        return self.codes[1]
+
+    @property
+    def key_scale(self) -> torch.Tensor:
+        return self.scale[0]
+
+    @property
+    def value_scale(self) -> torch.Tensor:
+        return self.scale[1]
+
+    @property
+    def length(self) -> int:
+        """Tokens stored (the sliding layers drop the oldest)."""
+        return self._host_end() - self.first
+
+    @property
+    def clipped(self) -> torch.Tensor:
+        """Values saturated at the format's max, `[keys, values]`."""
+        return self.stats[:, 0]
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        """NaN or infinite inputs, `[keys, values]`."""
+        return self.stats[:, 1]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, kv_heads, _, head_dim = key_states.shape
@@ -113,56 +132,125 @@ class FP8CacheLayer(CacheLayerMixin):
             )
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.backend = ops.resolve_backend(self.requested_backend, self.device)
-        self.clipped = self.clipped.to(self.device)
-        self.key_codes = torch.empty(batch, kv_heads, 0, head_dim, dtype=self.fmt.dtype, device=self.device)
-        self.value_codes = torch.empty_like(self.key_codes)
+        self.backend = ops.resolve_backend(self.requested_backend, self.device, self.dtype)
+        self.stats = self.stats.to(self.device)
         channel = getattr(self.scales, "key_channel", None)
         if channel is not None and tuple(channel.shape) != (kv_heads, head_dim):
             raise ValueError(
                 f"layer {self.layer_idx}: key channel scales have shape {tuple(channel.shape)}, keys have "
                 f"{kv_heads} KV heads x {head_dim} channels"
             )
-        self.key_channel_scale = None if channel is None else channel.to(self.device)
-        if self.dynamic:
-            self.key_scale = torch.empty(batch, kv_heads, 0, dtype=torch.float32, device=self.device)
-            self.value_scale = torch.empty_like(self.key_scale)
-        else:
-            if self.scales.key.numel() != kv_heads:
-                raise ValueError(
-                    f"layer {self.layer_idx}: scales are for {self.scales.key.numel()} KV heads, keys have {kv_heads}"
-                )
-            self.key_scale = self.scales.key.reshape(1, kv_heads, 1).to(self.device)
-            self.value_scale = self.scales.value.reshape(1, kv_heads, 1).to(self.device)
+        self.key_channel_scale = None if channel is None else channel.to(self.device, torch.float32).contiguous()
+        if not self.dynamic and self.scales.key.numel() != kv_heads:
+            raise ValueError(
+                f"layer {self.layer_idx}: scales are for {self.scales.key.numel()} KV heads, keys have {kv_heads}"
+            )
+        self._allocate(batch, kv_heads, head_dim)
         self.is_initialized = True
+
+    def _allocate(self, batch: int, kv_heads: int, head_dim: int, slots: int = 0) -> None:
+        """The buffers, empty (`slots` code slots)."""
+        self.codes = torch.empty(2, batch, kv_heads, slots, head_dim, dtype=self.fmt.dtype, device=self.device)
+        if self.dynamic:
+            self.scale = torch.empty(2, batch, kv_heads, slots, dtype=torch.float32, device=self.device)
+        else:
+            self.scale = torch.stack([self.scales.key, self.scales.value]).reshape(2, 1, kv_heads, 1).to(self.device)
+        shape = (2, batch, kv_heads)
+        self.recent = self._fp_buffer(*shape, self.recent_tokens, head_dim) if self.recent_tokens else None
+        self.sinks = self._fp_buffer(*shape, self.sink_tokens, head_dim) if self.sink_tokens else None
+        self.sink_start = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.sink_count = torch.zeros(batch, dtype=torch.int64, device=self.device)
+
+    def _fp_buffer(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    # --- what the attention reads --------------------------------------------------------------------------
+    def view(self, start=None) -> KVView:
+        """The stored tokens from `start` (default: all of them)."""
+        return KVView(
+            self.codes, self.scale, self.fmt, self.first if start is None else start, self.end, self.fp_start,
+            self.offset, self.recent, self.sinks if self.sink_rows else None, self.sink_start, self.sink_count,
+            self._sink_spans(), self.key_channel_scale, self.has_nan, self.static,
+        )  # fmt: skip
+
+    def visible_length(self, view: KVView) -> int:
+        return view.end - view.start
+
+    def _sink_spans(self) -> dict | None:
+        if not self.sink_rows:
+            return None
+        spans: dict[tuple[int, int], list[int]] = {}
+        for row, first in enumerate(self.sink_rows):
+            count = min(max(self.end - first, 0), self.sink_tokens) if first >= 0 else 0
+            if count:
+                spans.setdefault((first, count), []).append(row)
+        return spans
+
+    def capture_sinks(self, kv: QuantizedKV, mask: torch.Tensor | None) -> None:
+        """Keep each row's first `sink_tokens` real tokens in full precision, found from the attention mask (the
+        first key the last query may see; 0 without a mask) and taken from this update's new states."""
+        if not self.sink_tokens or torch.compiler.is_compiling():
+            return
+        new = kv.new_key.shape[2]
+        end = self._host_end()
+        arrived = end - new
+        if self.sink_rows is None or -1 in self.sink_rows:
+            self._find_sink_rows(mask)
+        if all(first >= 0 and first + self.sink_tokens <= arrived for first in self.sink_rows):
+            return  # every row's sinks are held already
+        for row, first in enumerate(self.sink_rows):
+            lo, hi = max(first, arrived), min(first + self.sink_tokens, end)
+            if first >= 0 and lo < hi:
+                self.sinks[0, row, :, lo - first : hi - first] = kv.new_key[row, :, lo - arrived : hi - arrived]
+                self.sinks[1, row, :, lo - first : hi - first] = kv.new_value[row, :, lo - arrived : hi - arrived]
+        self._sync_sink_tensors()
+        kv.view = self.view(kv.view.start)
+
+    def _find_sink_rows(self, mask: torch.Tensor | None) -> None:
+        batch = self.codes.shape[1]
+        if mask is None:
+            rows = [0] * batch
+        else:
+            last_query = mask[:, 0, -1, :]  # [batch, columns], the columns ending at `end` (or [0, max_len))
+            seen = last_query.any(dim=-1)
+            first_column = last_query.int().argmax(dim=-1)
+            column_start = 0 if self.static else self._host_end() - mask.shape[-1]
+            rows = [c + column_start if s else -1 for c, s in zip(first_column.tolist(), seen.tolist())]
+        old = self.sink_rows or [-1] * batch
+        self.sink_rows = [o if o >= 0 else r for o, r in zip(old, rows)]
+
+    def _sync_sink_tensors(self) -> None:
+        rows = torch.tensor(self.sink_rows, dtype=torch.int64)
+        counts = (self._host_end() - rows).clamp(0, self.sink_tokens) * (rows >= 0)
+        self.sink_start.copy_(rows.clamp_min(0))
+        self.sink_count.copy_(counts)
 
     # --- storage -----------------------------------------------------------------------------------------
     def _buffers(self) -> list[str]:
-        return ["key_codes", "value_codes"] + (["key_scale", "value_scale"] if self.dynamic else [])
+        """The per-row buffers (batch operations map them)."""
+        names = ["codes"] + (["scale"] if self.dynamic else [])
+        return names + [n for n in ("recent", "sinks") if getattr(self, n) is not None]
 
     @property
     def capacity(self) -> int:
-        return self.key_codes.shape[2] if self.is_initialized else 0
+        return self.codes.shape[3] if self.is_initialized else 0
 
     def _make_room(self, new_tokens: int) -> None:
-        """Make sure `new_tokens` fit after the stored ones."""
-        needed = self.start + self.length + new_tokens
-        if needed > self.capacity:
-            self._reallocate(math.ceil(needed / self.block_size) * self.block_size)
+        """Make sure tokens up to `end + new_tokens` have a slot; release a block after a crop."""
+        needed = self.end + new_tokens - self.offset
+        used = self.end - self.first
+        if needed > self.capacity or self.capacity - (used + new_tokens) > self.block_size:
+            self._reallocate(math.ceil((used + new_tokens) / self.block_size) * self.block_size)
 
     def _reallocate(self, capacity: int) -> None:
-        """Move the stored tokens to the front of new buffers of `capacity` tokens."""
-        stored = slice(self.start, self.start + self.length)
-        for name in self._buffers():
+        """Move the stored tokens `[first, end)` to the front of new buffers of `capacity` slots."""
+        stored = slice(self.first - self.offset, self.end - self.offset)
+        for name in ("codes", "scale") if self.dynamic else ("codes",):
             old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], capacity, *old.shape[3:])
-            new[:, :, : self.length] = old[:, :, stored]
+            new = old.new_empty(*old.shape[:3], capacity, *old.shape[4:])
+            new[:, :, :, : self.end - self.first] = old[:, :, :, stored]
             setattr(self, name, new)
-        self.start = 0
-
-    def _visible(self, new_tokens: int) -> QuantizedKV:
-        """The tokens the queries of this update attend to (all of them here)."""
-        return QuantizedKV(self, self.length, self.start)
+        self.offset = self.first
 
     def _map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._buffers():
@@ -170,7 +258,7 @@ class FP8CacheLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by this layer's buffers (codes and per-token scales, capacity included)."""
+        """Bytes held by this layer's buffers (codes, per-token scales, full-precision tokens)."""
         if not self.is_initialized:
             return 0
         return sum(getattr(self, name).nbytes for name in self._buffers())
@@ -179,79 +267,99 @@ class FP8CacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[0] != self.key_codes.shape[0] or key_states.shape[1] != self.key_codes.shape[1]:
+        elif key_states.shape[0] != self.codes.shape[1] or key_states.shape[1] != self.codes.shape[2]:
             raise ValueError(
                 f"layer {self.layer_idx}: new key states {tuple(key_states.shape)} do not fit the cache's batch "
-                f"{self.key_codes.shape[0]} x {self.key_codes.shape[1]} KV heads; use a fresh cache per batch"
+                f"{self.codes.shape[1]} x {self.codes.shape[2]} KV heads; use a fresh cache per batch"
             )
+        kv = self._store(key_states, value_states)
+        if self.fast_path():
+            return kv, kv
+        return kv.dequantized()
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> QuantizedKV:
+        """Write the new tokens; the tokens this update's queries attend to."""
         new_tokens = key_states.shape[2]
         self._make_room(new_tokens)
-        end = self.start + self.length
-        if self.key_channel_scale is not None:  # static per-channel key scale: attention folds it into the query
-            key_states = key_states / self.key_channel_scale[:, None, :]
-        ops.write(
-            key_states,
-            value_states,
-            self.key_codes,
-            self.value_codes,
-            self.key_scale,
-            self.value_scale,
-            end,
-            self.fmt,
-            self.dynamic,
-            self.clipped,
-            backend=self.backend,
-        )
-        self.length += new_tokens
-        view = self._visible(new_tokens)
-        if self.fast_path():
-            return view, view
-        return view.dequantized()
+        stored_key = key_states if self.key_channel_scale is None else key_states / self.key_channel_scale[:, None, :]
+        with torch.no_grad():  # codes are not differentiable; scales must not hold the model's graph
+            nan = ops.write(stored_key, value_states, self.view(), self.dynamic, self.stats, self.backend, self.plans)
+        self.has_nan |= nan
+        self._advance(new_tokens)
+        return QuantizedKV(self, self._visible(new_tokens), stored_key, value_states)
+
+    def _host_end(self) -> int:
+        """The tokens seen, as a Python int (eager code only)."""
+        return self.end
+
+    def _advance(self, new_tokens: int) -> None:
+        self.end += new_tokens
+        self.fp_start = max(self.fp_start, self.end - self.recent_tokens)
+
+    def _visible(self, new_tokens: int) -> KVView:
+        """The tokens the queries of this update attend to (all of them here)."""
+        return self.view()
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the stored tokens (a full copy)."""
-        return QuantizedKV(self, self.length, self.start).dequantized()
+        keys, values = materialize(self.view())
+        return keys.to(self.dtype), values.to(self.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.end + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.end
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        """Forget every token and release the buffers; the scales and the clipped count start over."""
-        for name in ("key_codes", "value_codes", "key_scale", "value_scale"):
+        """Forget every token and release the buffers; the counts start over."""
+        for name in ("codes", "scale", "recent", "sinks", "sink_start", "sink_count"):
             if hasattr(self, name):
                 delattr(self, name)
-        self.start = self.length = 0
-        self.clipped = torch.zeros(2, dtype=torch.int64)
-        self.is_initialized = False
+        self._forget()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
-        self.length = max(self.length + tokens_to_remove, 0)
+        self._crop_to(max(self.end + tokens_to_remove, self.first))
+
+    def _crop_to(self, end: int) -> None:
+        """Forget the tokens from `end` on (those in the full-precision window stay full precision)."""
+        self.end = end
+        self.fp_start = min(self.fp_start, end)
+        if self.is_initialized:
+            self._make_room(0)
+            if self.sink_rows:
+                self._sync_sink_tensors()
+
+    def _select_rows(self, rows: list[int]) -> None:
+        """Keep batch rows `rows` (in that order, repeats allowed): beam reordering and batch operations."""
+        if not self.is_initialized:
+            return
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        self._map_buffers(lambda t: t.index_select(1, index))
+        self.sink_start, self.sink_count = self.sink_start[index], self.sink_count[index]
+        if self.sink_rows is not None:
+            self.sink_rows = [self.sink_rows[r] for r in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            index = beam_idx.to(self.device)
-            self._map_buffers(lambda t: t.index_select(0, index))
+        self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._map_buffers(lambda t: t.repeat_interleave(repeats, dim=0))
+            self._select_rows([r for r in range(self.codes.shape[1]) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._map_buffers(lambda t: t[indices])
+            self._select_rows(torch.arange(self.codes.shape[1])[indices.cpu()].tolist())
 
     def offload(self) -> None:
         if self.is_initialized:
             self._map_buffers(lambda t: t.to("cpu", non_blocking=True))
 
     def prefetch(self) -> None:
-        if self.is_initialized and self.key_codes.device != self.device:
+        if self.is_initialized and self.codes.device != self.device:
             self._map_buffers(lambda t: t.to(self.device, non_blocking=True))

@@ -4,8 +4,9 @@ Same contract as transformers' `DynamicSlidingWindowLayer`: an update attends ov
 tokens plus the new ones (a prefill longer than the window sees all of its tokens, the mask encodes the window),
 then only the last `window - 1` are kept; `get_seq_length` counts every token seen; `get_mask_sizes` gives the
 mask's `(kv_length, kv_offset)`; `activate_past_recording` keeps the old tokens until `crop` (assisted decoding).
+A full-precision recent window lies inside the sliding window; sink tokens do not apply (the window drops them).
 
-Dropping old tokens only moves `start`: the kept tokens are moved to the front of the buffers when new ones do
+Dropping old tokens only moves `first`: the kept tokens are moved to the front of the buffers when new ones do
 not fit, so a decode step copies nothing and a compaction (one window of codes) happens once per block.
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import math
 
-from hf_fp8kv.layer import FP8CacheLayer, QuantizedKV
+from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.layer import FP8CacheLayer
 
 
 class FP8SlidingWindowLayer(FP8CacheLayer):
@@ -22,11 +24,10 @@ class FP8SlidingWindowLayer(FP8CacheLayer):
     is_sliding = True
 
     def __init__(self, *args, sliding_window: int, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{**kwargs, "sink_tokens": 0})
         if sliding_window < 2:
             raise ValueError(f"layer {self.layer_idx}: sliding_window={sliding_window} must be at least 2")
         self.sliding_window = sliding_window
-        self.cumulative_length = 0
         self.record_past = False
 
     def activate_past_recording(self) -> None:
@@ -34,45 +35,35 @@ class FP8SlidingWindowLayer(FP8CacheLayer):
         self.record_past = True
 
     def _make_room(self, new_tokens: int) -> None:
-        self.cumulative_length += new_tokens
         # One spare block beyond what the window needs, so that a compaction happens once per block of steps.
-        target = (math.ceil((self.length + new_tokens) / self.block_size) + 1) * self.block_size
-        if self.start + self.length + new_tokens > self.capacity or self.capacity > target:
+        used = self.end - self.first + new_tokens
+        target = (math.ceil(used / self.block_size) + 1) * self.block_size
+        if self.end + new_tokens - self.offset > self.capacity or self.capacity > target:
             self._reallocate(target)
 
     def _keep_last(self, tokens: int) -> None:
-        dropped = max(self.length - tokens, 0)
-        self.start += dropped
-        self.length -= dropped
+        self.first = max(self.first, self.end - tokens)
 
-    def _visible(self, new_tokens: int) -> QuantizedKV:
-        visible = min(self.length, self.sliding_window - 1 + new_tokens)
-        view = QuantizedKV(self, visible, self.start + self.length - visible)
+    def _visible(self, new_tokens: int) -> KVView:
+        view = self.view(max(self.first, self.end - (self.sliding_window - 1 + new_tokens)))
         if not self.record_past:
             self._keep_last(self.sliding_window - 1)  # the dropped codes stay in the buffers until the next write
         return view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
-        if self.cumulative_length >= self.sliding_window:
+        kv_offset = max(self.end - self.sliding_window + 1, 0)
+        if self.end >= self.sliding_window:
             return self.sliding_window - 1 + query_length, kv_offset
-        return self.cumulative_length + query_length, kv_offset
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
+        return self.end + query_length, kv_offset
 
     def get_max_length(self) -> int:
         return self.sliding_window
 
-    def reset(self) -> None:
-        super().reset()
-        self.cumulative_length = 0
-
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove `-tokens_to_remove` tokens and keep at most `sliding_window - 1` (so `crop(0)` may trim)."""
-        if self.cumulative_length < self.sliding_window:
+        """Remove `-tokens_to_remove` tokens and keep at most `sliding_window - 1` (so `crop(0)` may trim), as
+        transformers' `DynamicSlidingWindowLayer` does (its count of tokens seen drops by the tokens removed)."""
+        if self.end < self.sliding_window:
             super().crop(tokens_to_remove)
-            self.cumulative_length = self.length
             return
         if not self.record_past:
             raise RuntimeError(
@@ -84,7 +75,6 @@ class FP8SlidingWindowLayer(FP8CacheLayer):
                 f"layer {self.layer_idx}: once the sliding window is reached, crop() takes a negative number of "
                 f"tokens to remove, not {tokens_to_remove}"
             )
-        removed = min(-tokens_to_remove, self.length)
-        self.length -= removed
-        self.cumulative_length -= removed
-        self._keep_last(self.sliding_window - 1)
+        end = self.end + tokens_to_remove
+        self.first = min(max(self.first, end - (self.sliding_window - 1)), end)
+        self._crop_to(end)

@@ -1,0 +1,119 @@
+"""The full-precision window: the newest `recent_tokens` and the first `sink_tokens` real tokens of each row in
+the model's dtype, every other token quantized once, when it leaves the window."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.kernels import reference
+from tests.models import tiny_model
+
+PROMPTS = torch.tensor([[0, 0, 0, 5, 17, 42, 8, 99, 3, 14], [23, 64, 11, 3, 7, 120, 1, 9, 51, 4]])
+PADDING = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
+
+
+def generate(model, cache, **kwargs):
+    out = model.generate(input_ids=PROMPTS, attention_mask=PADDING, max_new_tokens=6, do_sample=False, cache=cache,
+                         output_logits=True, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    return out.sequences, torch.stack(out.logits) if out.logits else None
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_window_over_every_token_is_the_full_precision_cache(model_type, static):
+    """Nothing leaves a window wider than the whole generation: greedy tokens and logits are DynamicCache's,
+    through padding, sinks, sliding layers and static buffers alike."""
+    extra = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"]) if model_type != "llama" else {}
+    model = tiny_model(model_type, **extra)
+    tokens, logits = generate(model, DynamicCache(config=model.config))
+    window = dict(recent_tokens=32, sink_tokens=2, max_cache_len=24 if static else None)
+    cache = QuantizedFP8Cache(model, scales="dynamic", **window)
+    ours, our_logits = generate(model, cache)
+    assert torch.equal(ours, tokens)
+    torch.testing.assert_close(our_logits, logits, rtol=1e-5, atol=1e-5)
+    assert all(int(layer.stats.sum()) == 0 for layer in cache.layers)  # nothing was quantized
+
+
+@pytest.mark.parametrize("method", [dict(num_beams=2), dict(prompt_lookup_num_tokens=2)], ids=["beams", "assisted"])
+def test_beams_and_assisted_decoding_keep_the_window_in_step(method):
+    model = tiny_model()
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 5, 17, 42, 8, 3]])
+    generated = {}
+    for name, cache in [("dynamic", DynamicCache(config=model.config)),
+                        ("window", QuantizedFP8Cache(model, scales="dynamic", recent_tokens=40, sink_tokens=2))]:  # fmt: skip
+        out = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, cache=cache, **method)
+        generated[name] = out
+    assert torch.equal(generated["window"], generated["dynamic"])
+
+
+def test_sinks_are_each_rows_first_real_tokens():
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=2, sink_tokens=3)
+    layer = cache.layers[0]
+    model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
+    assert layer.sink_rows == [3, 0]  # row 0 is padded by 3
+    assert layer.sink_count.tolist() == [3, 3] and layer.sink_start.tolist() == [3, 0]
+    # the sinks hold the same values as the recent window held for them: compare through a fresh full window
+    full = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=64)
+    model(input_ids=PROMPTS, attention_mask=PADDING, cache=full)
+    recent = full.layers[0].recent
+    assert torch.equal(layer.sinks[:, 0], recent[:, 0, :, 3:6]) and torch.equal(layer.sinks[:, 1], recent[:, 1, :, :3])
+
+
+def test_each_token_is_quantized_once_when_it_leaves_and_crop_keeps_full_precision():
+    torch.manual_seed(0)
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=4)
+    layer = cache.layers[0]
+    kv = torch.randn(2, 1, 2, 20, 16)
+    layer.update(kv[0, :, :, :10], kv[1, :, :, :10])
+    layer.update(kv[0, :, :, 10:11], kv[1, :, :, 10:11])
+    assert layer.fp_start == 7 and int(layer.stats.sum()) == 0
+    keys, _ = layer.dequantized()
+    expected = reference.dequantize(*_quantized(kv[0, :, :, :7]))
+    assert torch.equal(keys[:, :, :7], expected) and torch.equal(keys[:, :, 7:11], kv[0, :, :, 7:11])
+    layer.crop(-2)  # into the window: tokens 7, 8 stay full precision
+    keys, _ = layer.dequantized()
+    assert layer.get_seq_length() == 9 and layer.fp_start == 7 and torch.equal(keys[:, :, 7:9], kv[0, :, :, 7:9])
+    layer.crop(-5)  # beyond it: the cache holds quantized tokens 0..3 only
+    assert layer.get_seq_length() == 4 and layer.fp_start == 4
+    layer.update(kv[0, :, :, 4:6], kv[1, :, :, 4:6])  # they come back in full precision
+    keys, _ = layer.dequantized()
+    assert torch.equal(keys[:, :, :4], expected[:, :, :4]) and torch.equal(keys[:, :, 4:6], kv[0, :, :, 4:6])
+
+
+def _quantized(x):
+    fmt = QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt
+    scale = reference.dynamic_scale(x, fmt)[..., None]
+    codes, _, _ = reference.quantize(x, scale, fmt)
+    return codes, scale, fmt
+
+
+def test_window_shows_in_summary_and_bytes():
+    model = tiny_model(num_hidden_layers=2)
+    pure = QuantizedFP8Cache(model, scales="dynamic")
+    window = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=8, sink_tokens=2)
+    for cache in (pure, window):
+        model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
+    extra = sum(layer.recent.nbytes + layer.sinks.nbytes for layer in window.layers)
+    assert extra == 2 * (2 * 2 * 2 * (8 + 2) * 16 * 4) and window.nbytes == pure.nbytes + extra  # 2 layers
+    assert all(row["window"] == "8+2" for row in window.summary())
+    assert "8+2" in str(window)
+
+
+def test_zero_window_is_pure_fp8():
+    """`recent_tokens=0, sink_tokens=0` (the default) stores every token as codes at once."""
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic")
+    model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
+    layer = cache.layers[0]
+    assert layer.recent is None and layer.sinks is None and layer.fp_start == layer.end == 10
+
+
+def test_bad_window_arguments_are_named():
+    model = tiny_model()
+    for name in ("recent_tokens", "sink_tokens"):
+        for bad in (-1, 2.5, "4"):
+            with pytest.raises(ValueError, match=name):
+                QuantizedFP8Cache(model, **{name: bad})
