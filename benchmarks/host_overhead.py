@@ -1,0 +1,118 @@
+"""Host (Python) cost of the cache's fast path per layer per decode step, and of the torch (CPU) path.
+
+(1) Triton path with every kernel launch replaced by a no-op: `layer.update` (the write) plus the attention
+function (the attend), per layer per decode step, dynamic and static caches. The launch itself (Triton's own
+launcher) is not counted; on a GPU it adds its C++ launch cost per kernel.
+(2) Torch path: a decode step of a 30-layer tiny Llama (hidden 64) at 32 tokens of context, against
+DynamicCache, pure FP8 (static and dynamic scales) and with the full-precision window.
+
+    python benchmarks/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # plans are built for the CPU; no kernel runs (launches are no-ops)
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from models import tiny_model  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from hf_fp8kv import QuantizedFP8Cache  # noqa: E402
+from hf_fp8kv.attention import fp8kv_attention  # noqa: E402
+from hf_fp8kv.kernels import triton_launch  # noqa: E402
+
+
+def median_us(fn, repeats: int, rounds: int = 5) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        times.append((time.perf_counter() - start) / repeats * 1e6)
+    return statistics.median(times)
+
+
+def triton_host_cost(cache_kwargs: dict, repeats: int) -> float:
+    """Microseconds of Python per layer per decode step on the Triton path, launches stubbed out."""
+    model = tiny_model("llama", num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, hidden_size=256)
+    cache = QuantizedFP8Cache(model, backend="triton", **cache_kwargs)
+    attention = model.model.layers[0].self_attn
+    key = torch.randn(1, 2, 64, 32)
+    cache.update(key, key, 0)  # prefill (runs for real, on the interpreter)
+    triton_launch.Launch.run = lambda self: None
+    step_key = torch.randn(1, 2, 1, 32)
+    query = torch.randn(1, 8, 1, 32)
+    mask = torch.ones(1, 1, 1, 80, dtype=torch.bool) if cache_kwargs.get("max_cache_len") else None
+
+    def step():
+        keys, values = cache.update(step_key, step_key, 0)
+        fp8kv_attention(attention, query, keys, values, mask, scaling=0.1)
+        cache.layers[0].crop(-1)  # keep the context fixed (not counted: a few us)
+
+    with torch.inference_mode():
+        return median_us(step, repeats)
+
+
+def torch_step_ratio(steps: int) -> dict[str, float]:
+    """Decode step time of the 30-layer tiny Llama, relative to DynamicCache (torch path)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=30)
+    ids = torch.randint(3, 120, (1, 32))
+    variants = {
+        "DynamicCache": lambda: DynamicCache(config=model.config),
+        "fp8 static scales": lambda: QuantizedFP8Cache(model, scales=1.0),
+        "fp8 dynamic scales": lambda: QuantizedFP8Cache(model, scales="dynamic"),
+        "fp8 dynamic + window 64+4": lambda: QuantizedFP8Cache(model, scales="dynamic", recent_tokens=64, sink_tokens=4),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.inference_mode():
+        for _ in range(5):  # interleaved rounds: machine noise hits every variant alike
+            for name, make in variants.items():
+                cache = make()
+                model(input_ids=ids, cache=cache)
+                token = ids[:, -1:]
+                for _ in range(3):
+                    model(input_ids=token, cache=cache)
+                step_times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    model(input_ids=token, cache=cache)
+                    step_times.append(time.perf_counter() - start)
+                times[name].append(statistics.median(step_times))
+    base = statistics.median(times["DynamicCache"])
+    return {name: statistics.median(t) / base for name, t in times.items()} | {"DynamicCache ms": base * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print("(1) Triton path, Python per layer per decode step (write + attend, launches stubbed):")
+    for name, kwargs in {
+        "dynamic cache, per-token scales": dict(scales="dynamic"),
+        "dynamic cache, static scale": dict(scales=1.0),
+        "dynamic cache, window 64+4": dict(scales="dynamic", recent_tokens=64, sink_tokens=4),
+        "static cache (max_cache_len=80)": dict(scales="dynamic", max_cache_len=80),
+    }.items():
+        print(f"  {name:34s} {triton_host_cost(kwargs, args.repeats):7.1f} us")
+    torch.set_num_threads(os.cpu_count() or 1)
+    print("(2) torch path, 30-layer tiny Llama decode step at 32 tokens, vs DynamicCache:")
+    for name, value in torch_step_ratio(args.steps).items():
+        print(f"  {name:34s} {value:7.2f}" + ("" if name.endswith("ms") else "x"))
+
+
+if __name__ == "__main__":
+    main()

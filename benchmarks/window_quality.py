@@ -1,0 +1,97 @@
+"""Quality and bytes of the full-precision window (newest `recent_tokens` + first `sink_tokens` in the model's
+dtype over an FP8 past) on the bundled real models: the table of docs/window.md.
+
+Decode mode: `--prefix` tokens of the bundled text are prefilled, then every later token is fed one at a time
+(`--tokens` in all), through each variant's cache and through DynamicCache (the reference): perplexity delta,
+mean and p99 KL of the next-token distributions, top-1 agreement, and the decode time relative to
+DynamicCache (same run). Bytes: each cache filled with 2k and 8k random tokens in a bf16 model, against a bf16
+DynamicCache.
+
+    python benchmarks/window_quality.py                    # SmolLM2-135M
+    python benchmarks/window_quality.py --model gemma3
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from importlib.resources import files
+
+import torch
+from transformers import DynamicCache
+
+from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.bundled import load_gemma3, load_smollm2
+from hf_fp8kv.evaluate import decode_mode_logits, quality
+from hf_fp8kv.table import format_table
+
+MODELS = {"smollm2": ("SmolLM2-135M", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
+VARIANTS = {
+    "fp8 e4m3 per-token-head (window 0+0)": dict(scales="dynamic"),
+    "window 0+4 (sinks only)": dict(scales="dynamic", sink_tokens=4),
+    "window 16+0": dict(scales="dynamic", recent_tokens=16),
+    "window 16+4": dict(scales="dynamic", recent_tokens=16, sink_tokens=4),
+    "window 32+4": dict(scales="dynamic", recent_tokens=32, sink_tokens=4),
+    "window 48+4": dict(scales="dynamic", recent_tokens=48, sink_tokens=4),
+    "window 64+0": dict(scales="dynamic", recent_tokens=64),
+    "window 64+4": dict(scales="dynamic", recent_tokens=64, sink_tokens=4),
+    "int8 per-token-head (window 0+0)": dict(kv_cache_dtype="int8_per_token_head", scales="dynamic"),
+}
+
+
+def kv_bytes(model, tokens: int, **cache_kwargs) -> int:
+    """Bytes a cache holds after `tokens` random tokens in every layer, the model in bf16."""
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    cache = QuantizedFP8Cache(config=config, **cache_kwargs) if cache_kwargs else DynamicCache(config=config)
+    for layer in range(text.num_hidden_layers):
+        kv = torch.randn(2, 1, text.num_key_value_heads, tokens, head_dim, dtype=torch.bfloat16)
+        cache.update(kv[0], kv[1], layer)
+    if isinstance(cache, QuantizedFP8Cache):
+        return cache.nbytes
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--tokens", type=int, default=1152, help="text tokens: prefix + decoded")
+    parser.add_argument("--prefix", type=int, default=128)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    name, load = MODELS[args.model]
+    model, tokenizer = load(dtype=torch.float32)
+    text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
+    with torch.inference_mode():
+        started = time.perf_counter()
+        reference = decode_mode_logits(model, ids, args.prefix, DynamicCache(config=model.config))
+        reference_seconds = time.perf_counter() - started
+    targets = ids[0, args.prefix :]
+    bf16 = {tokens: kv_bytes(model, tokens) for tokens in (2048, 8192)}
+    rows = []
+    for variant in args.variants:
+        kwargs = VARIANTS[variant]
+        with torch.inference_mode():
+            started = time.perf_counter()
+            logits = decode_mode_logits(model, ids, args.prefix, QuantizedFP8Cache(model, **kwargs))
+            seconds = time.perf_counter() - started
+        q = quality(reference, logits, targets)
+        rows.append({
+            "variant": variant, "ppl delta %": f"{q.ppl_delta_pct:+.2f}", "mean KL": f"{q.kl_mean:.2e}",
+            "p99 KL": f"{q.kl_p99:.2e}", "top-1 %": f"{100 * q.top1_agreement:.1f}",
+            "bytes vs bf16 @2k": f"{kv_bytes(model, 2048, **kwargs) / bf16[2048]:.3f}",
+            "@8k": f"{kv_bytes(model, 8192, **kwargs) / bf16[8192]:.3f}",
+            "decode time vs DynamicCache": f"{seconds / reference_seconds:.2f}",
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    print(f"{name}, fp32, decode mode: {args.prefix}-token prefix then {ids.shape[1] - args.prefix} tokens one at a "
+          "time, against DynamicCache; bytes: bf16 model, against a bf16 DynamicCache")  # fmt: skip
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
