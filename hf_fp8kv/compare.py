@@ -189,8 +189,8 @@ class RaisedWarning:
 
 class _WarningLog:
     """Records the warnings each variant raises, each distinct one once with the variants that raised it: a
-    comparison provokes some on purpose (scale 1.0 without calibration is a variant), and printed they would
-    interrupt the progress bars every time a cache is built."""
+    comparison provokes some on purpose (scale 1.0 without calibration is a variant), and printed they would land
+    in the middle of the progress bars."""
 
     def __init__(self) -> None:
         self.raised: dict[tuple[str, str], RaisedWarning] = {}
@@ -539,6 +539,9 @@ def compare(
         top_k: k of vLLM's rule at the first divergent token.
         memory_budget_gib: budget for the largest batch (default: the GPU's memory, else the machine's RAM).
         chat_template: wrap prompts in the tokenizer's chat template (default: when it has one).
+
+    Warnings the variants raise while they run are recorded in `warnings_raised` and listed once in the report
+    instead of printed.
     """
     variant_list = resolve_variants(variants)
     prompt_list = _non_empty_strings(prompts if prompts is not None else builtin_prompts(), "prompts")
