@@ -37,7 +37,12 @@ class QuantizedKV:
         """`[batch, q_heads, q_len, head_dim]` attention output of `query` over the cached tokens."""
         layer = self.layer
         layer.capture_sinks(self, mask)
-        return ops.attend(query, self.view, scaling=scaling, mask=mask, backend=layer.backend, plans=layer.plans, **kwargs)
+        if layer.static and layer.decode_splits is None and not torch.compiler.is_compiling():
+            layer.decode_splits = ops.decode_splits(query, self.view, layer.backend)
+        return ops.attend(
+            query, self.view, scaling=scaling, mask=mask, backend=layer.backend, plans=layer.plans,
+            num_splits=layer.decode_splits if torch.compiler.is_compiling() else None, **kwargs,
+        )  # fmt: skip
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the visible tokens (the slow path: a full copy)."""
@@ -86,6 +91,7 @@ class FP8CacheLayer(CacheLayerMixin):
         self.has_nan = False
         self.sink_rows: list[int] | None = None  # each row's first real token, once known (-1: not yet)
         self.plans: dict = {}  # the Triton launch plans of this layer's kinds of calls
+        self.decode_splits: int | None = None  # static layers: the KV splits of a compiled decode step
         self.is_initialized = False
 
     @property
@@ -132,7 +138,7 @@ class FP8CacheLayer(CacheLayerMixin):
             )
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.backend = ops.resolve_backend(self.requested_backend, self.device, self.dtype)
+        self.backend = ops.resolve_backend(self.requested_backend, self.device)
         self.stats = self.stats.to(self.device)
         channel = getattr(self.scales, "key_channel", None)
         if channel is not None and tuple(channel.shape) != (kv_heads, head_dim):

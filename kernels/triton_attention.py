@@ -61,8 +61,14 @@ def _as_dot(x, DOT: tl.constexpr):
     """Full-precision K/V as dot operands (clamped into fp16's range when the dot runs in fp16)."""
     x = x.to(tl.float32)
     if DOT == tl.float16:
-        x = tl.minimum(tl.maximum(x, -FP16_MAX), FP16_MAX)
+        x = _clamp_fp16(x)
     return x.to(DOT)
+
+
+@triton.jit
+def _clamp_fp16(x):
+    """`x` clamped into fp16's finite range, NaN kept (the GPU's min/max would replace it)."""
+    return tl.where(x > FP16_MAX, FP16_MAX, tl.where(x < -FP16_MAX, -FP16_MAX, x))
 
 
 @triton.jit
@@ -118,7 +124,7 @@ def _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, 
     return visible
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start", "end", "fp_start", "mask_start"])  # they move every step: one compile
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sinks_ptr, channel_ptr,
@@ -180,7 +186,7 @@ def _attention_kernel(
     if HAS_CHANNEL_SCALE:
         q = q * tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)[None, :]
     if DOT == tl.float16:  # the scaled query fits fp16 for any sane model; never let it become inf
-        q = tl.minimum(tl.maximum(q, -FP16_MAX), FP16_MAX)
+        q = _clamp_fp16(q)
     q = q.to(DOT)
     if HAS_SINK_TOKENS:
         sink_lo = tl.load(sink_start_ptr + b)
@@ -301,10 +307,11 @@ def _finalize(acc, m, l, head, row_ok, sinks_ptr, HAS_SINKS: tl.constexpr):
         l = l * alpha + tl.exp2(sink - m_new)
         acc = acc * alpha[:, None]
     l_safe = tl.where(l > 0, l, 1.0)
-    return tl.where((l > 0)[:, None], acc / l_safe[:, None], 0.0)
+    attended = (l > 0) | (l != l)  # NaN scores propagate as in the reference; rows that see nothing give 0
+    return tl.where(attended[:, None], acc / l_safe[:, None], 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     part_acc_ptr, part_stats_ptr, sinks_ptr, out_ptr,
     o_sb, o_sh, o_sl, o_sd,

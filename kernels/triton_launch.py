@@ -23,10 +23,11 @@ class Launch:
     args: tuple
     kwargs: dict
 
-    def run(self) -> None:
-        if torch.compiler.is_compiling():  # traced into the graph as a user-defined Triton kernel
+    def run(self, traced: bool = False) -> None:
+        """Launch; `traced` inside a `triton_op` (its kernels must go through `wrap_triton`)."""
+        if traced:
             wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
-        else:  # no custom-op dispatch outside a compiled graph
+        else:  # no custom-op machinery outside a compiled graph
             self.kernel[self.grid](*self.args, **self.kwargs)
 
 

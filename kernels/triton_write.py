@@ -110,7 +110,7 @@ def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_s
     tl.store(codes_ptr + slot[:, None] * c_st + d[None, :] * c_sd, code.to(tl.uint8), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["end", "fp_start"])  # they move every step: one compile
 def _write_kernel(
     key_ptr, value_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr,
     stats_ptr, positions_ptr,

@@ -182,3 +182,32 @@ def test_bad_inputs_are_named():
         attention(query, view, scaling=1.0, sinks=torch.zeros(2, device=DEVICE))
     with pytest.raises(ValueError, match="mask has 60 columns"):
         attention(query, view, scaling=1.0, mask=torch.ones(2, 1, 1, 60, dtype=torch.bool, device=DEVICE))
+
+
+def _op_args(view, query, mask, num_splits):
+    return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
+            mask, None, None, view.fmt.name, view.ring, 0.1, 0, 0.0, num_splits)  # fmt: skip
+
+
+def test_registered_op_is_the_launcher_on_a_static_view():
+    """`torch.ops.hf_fp8kv.attend`, what a compiled graph calls, computes what the launcher does."""
+    from hf_fp8kv.kernels import ops
+
+    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1])
+    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(4), DEVICE)
+    query = torch.randn(2, 6, 1, 80, device=DEVICE)
+    mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
+    direct = attention(query, view, scaling=0.1, mask=mask, num_splits=2)
+    assert torch.equal(ops.triton_ops().attend(*_op_args(view, query, mask, 2)), direct)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing of Triton kernels needs a GPU")
+def test_registered_op_traces_for_torch_compile():
+    from hf_fp8kv.kernels import ops
+
+    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1])
+    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(4), DEVICE)
+    query = torch.randn(2, 6, 1, 80, device=DEVICE)
+    mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
+    args = _op_args(view, query, mask, 2)
+    torch.library.opcheck(ops.triton_ops().attend.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

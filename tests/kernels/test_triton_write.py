@@ -118,3 +118,36 @@ def test_bad_buffers_are_named():
         write_kv(key, key, view, True, stats)
     with pytest.raises(ValueError, match="stats must be an int64"):
         write_kv(key, key, view, False, stats.int())
+
+
+def _static_stream_view():
+    stream = Stream(static=24, recent=4, updates=[7, 1])
+    return stream, *fill(stream, torch_write, torch.Generator().manual_seed(0), DEVICE)
+
+
+def test_registered_op_is_the_launcher_on_a_static_view():
+    """`torch.ops.hf_fp8kv.write`, what a compiled graph calls, writes what the launcher writes."""
+    from hf_fp8kv.kernels import ops
+
+    buffers = []
+    for use_op in (False, True):
+        stream, view, _, stats = _static_stream_view()
+        key = torch.randn(2, 2, 1, 80, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        if use_op:
+            ops.triton_ops().write(key, -key, view.codes, view.scales, view.recent, stats, view.positions,
+                                   view.fmt.name, True, False)  # fmt: skip
+        else:
+            write_kv(key, -key, view, True, stats)
+        buffers.append((view.codes.view(torch.uint8)[:, :, :, :8], view.scales[..., :8], view.recent, stats))
+    for a, b in zip(*buffers):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing of Triton kernels needs a GPU")
+def test_registered_op_traces_for_torch_compile():
+    from hf_fp8kv.kernels import ops
+
+    _, view, _, stats = _static_stream_view()
+    key = torch.randn(2, 2, 1, 80, device=DEVICE)
+    args = (key, -key, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name, True, False)
+    torch.library.opcheck(ops.triton_ops().write.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

@@ -1,0 +1,123 @@
+"""Defects a hostile user found in the cache's storage and kernels (issue: reliability), each with the test that
+would have caught it: no state shared between caches, prefill memory linear in the prompt, bf16 on the Triton
+interpreter, buffers that shrink after a crop, NaN inputs alike on both backends and counted, sliding crops as
+transformers counts them."""
+
+import math
+import threading
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.compare import _LiveTensorBytes
+from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from hf_fp8kv.scales import DynamicScales
+from tests.models import tiny_model
+
+PROMPT = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7, 120, 1]])
+
+
+def test_two_threads_with_two_caches_get_the_sequential_logits():
+    """Each cache owns its buffers (no process-wide scratch): concurrent CPU decodes equal sequential ones."""
+    models = [tiny_model(seed=seed, num_hidden_layers=2) for seed in (0, 1)]
+
+    def run(model) -> torch.Tensor:
+        cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=2)
+        with torch.no_grad():
+            logits = [model(input_ids=PROMPT, cache=cache).logits[:, -1]]
+            for step in range(30):
+                logits.append(model(input_ids=PROMPT[:, step % 12 : step % 12 + 1], cache=cache).logits[:, -1])
+        return torch.cat(logits)
+
+    sequential = [run(model) for model in models]
+    results = [None, None]
+
+    def worker(i: int) -> None:
+        results[i] = run(models[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for got, expected in zip(results, sequential):
+        assert torch.equal(got, expected)
+
+
+def _peak_prefill_bytes(model, tokens: int, cache) -> int:
+    ids = torch.randint(3, 120, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad(), _LiveTensorBytes([]) as live:
+        model(input_ids=ids, cache=cache, logits_to_keep=1)
+    return live.peak
+
+
+def test_prefill_memory_is_linear_in_the_prompt():
+    from transformers import DynamicCache
+
+    model = tiny_model(num_hidden_layers=2, max_position_embeddings=8192)
+    ours = {n: _peak_prefill_bytes(model, n, QuantizedFP8Cache(model, scales="dynamic")) for n in (1024, 4096)}
+    native = _peak_prefill_bytes(model, 4096, DynamicCache(config=model.config))
+    assert ours[4096] < 5 * ours[1024]  # linear: ~4x (a quadratic score matrix would be 16x)
+    assert ours[4096] < 3 * native
+
+
+def test_bf16_on_the_triton_interpreter_generates_what_torch_does():
+    """The interpreter's bf16 dot is broken; the kernels' dots run in fp16, so bf16 models work there too."""
+    model = tiny_model().to(torch.bfloat16)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        cache = QuantizedFP8Cache(model, scales="dynamic", backend=backend, recent_tokens=3)
+        out = model.generate(input_ids=PROMPT, max_new_tokens=5, do_sample=False, cache=cache,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        outputs[backend] = (out.sequences, torch.stack(out.logits).float())
+    assert torch.equal(outputs["triton"][0], outputs["torch"][0])
+    torch.testing.assert_close(outputs["triton"][1], outputs["torch"][1], rtol=0.05, atol=0.05)
+
+
+def test_crop_releases_buffers():
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic", block_size=16)
+    layer = cache.layers[0]
+    kv = torch.randn(2, 1, 2, 400, 16)
+    layer.update(kv[0], kv[1])
+    layer.crop(-370)
+    assert layer.get_seq_length() == 30 and layer.capacity <= 30 + 16  # within one block of the tokens held
+    assert layer.nbytes == 2 * layer.capacity * 2 * (16 + 4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head"])
+def test_nan_keys_read_alike_on_both_backends_and_are_counted(fmt):
+    model = tiny_model(num_hidden_layers=1)
+    kv = torch.randn(2, 1, 2, 6, 16, generator=torch.Generator().manual_seed(0))
+    kv[0, 0, 1, 2, 5] = math.nan
+    kv[1, 0, 0, 4, 0] = math.inf
+    query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for backend in ("torch", "triton"):
+        cache = QuantizedFP8Cache(model, kv_cache_dtype=fmt, scales="dynamic", backend=backend)
+        layer = cache.layers[0]
+        layer.update(kv[0], kv[1])
+        keys, _ = layer.update(kv[0, :, :, :1], kv[1, :, :, :1])
+        outputs[backend] = keys.attend(query, scaling=0.25)
+        assert layer.nonfinite.tolist() == [1, 1]
+        assert cache.summary()[0]["non-finite"] == 2
+    nan = {b: out.isnan() for b, out in outputs.items()}
+    assert torch.equal(nan["torch"], nan["triton"])
+    assert nan["torch"][0, 2:].all() == get_format(fmt).is_float  # KV head 1 read a NaN key (int8: read as 0)
+    finite = ~nan["torch"]
+    torch.testing.assert_close(outputs["triton"][finite], outputs["torch"][finite], rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_crop_beyond_the_kept_tokens_counts_like_transformers():
+    theirs = DynamicSlidingWindowLayer(sliding_window=8)
+    ours = FP8SlidingWindowLayer(get_format("fp8"), DynamicScales(), 4, "torch", lambda: True, 0, sliding_window=8)
+    for layer in (theirs, ours):
+        layer.activate_past_recording()
+        kv = torch.randn(2, 1, 2, 12, 16, generator=torch.Generator().manual_seed(0))
+        layer.update(kv[0], kv[1])
+        layer.crop(-2)
+        layer.crop(-11)
+    assert ours.get_seq_length() == theirs.get_seq_length()

@@ -1,0 +1,75 @@
+"""Compiled decode with the static FP8 cache (`max_cache_len`), on the CPU path (inductor): `torch.compile`
+by hand and generate's own compilation give no graph break, no recompilation per token, and the tokens of the
+eager static cache."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from hf_fp8kv import QuantizedFP8Cache
+from tests.models import tiny_model
+
+STEPS = 24
+WINDOW = dict(recent_tokens=4, sink_tokens=2)
+
+
+def model_of(model_type: str):
+    if model_type == "gemma3_text":  # one sliding (a ring of 8 slots, wrapped) and one full layer
+        return tiny_model(model_type, num_hidden_layers=2, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    return tiny_model(model_type, num_hidden_layers=1)
+
+
+def decode(model, forward, prompt: torch.Tensor) -> list[int]:
+    """Eager prefill, then STEPS greedy steps through `forward`."""
+    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, **WINDOW)
+    tokens = []
+    with torch.no_grad():
+        out = model(input_ids=prompt, cache=cache)
+        position = prompt.shape[1]
+        for _ in range(STEPS):
+            token = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+            out = forward(input_ids=token, cache=cache, position_ids=torch.tensor([[position]]))
+            position += 1
+    return tokens
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_compiled_forward_by_hand(model_type):
+    torch._dynamo.reset()
+    model = model_of(model_type)
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
+    eager = decode(model, model.forward, prompt)
+    counters.clear()
+    compiled = decode(model, torch.compile(model.forward, fullgraph=True), prompt)
+    assert compiled == eager
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 2  # no recompilation per token
+
+
+def test_generate_compiles_the_decode_step_itself():
+    torch._dynamo.reset()
+    model = model_of("llama")
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
+
+    def generate(**kwargs):
+        cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=40, **WINDOW)
+        return model.generate(input_ids=prompt, max_new_tokens=STEPS, do_sample=False, cache=cache, **kwargs)
+
+    eager = generate(disable_compile=True)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True  # generate compiles on CUDA by itself; on the CPU only when asked
+    counters.clear()
+    compiled = generate(compile_config=config)
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # it did compile, whole
+
+
+def test_prompt_longer_than_the_static_cache_is_refused_before_the_model_runs():
+    model = model_of("llama")
+    cache = QuantizedFP8Cache(model, max_cache_len=8)
+    with pytest.raises(ValueError, match="max_cache_len=8"):
+        model.generate(input_ids=torch.arange(3, 13)[None], max_new_tokens=2, cache=cache)
+    assert cache.get_seq_length() == 0
