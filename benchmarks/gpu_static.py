@@ -1,0 +1,475 @@
+"""Compiled-code report of the Triton kernels for sm_90 (H100/H200), no GPU needed.
+
+Each case below (decode, prefill, write) builds CPU tensors of a real call's shapes, dtypes and layouts and asks
+the kernel modules' `plan_*` functions for the `Launch` records the launcher would run. Every record is compiled
+for sm_90 with the specialization a real launch gets: Triton's own launcher binder is applied to the arguments
+(16-byte aligned pointers and ints divisible by 16 marked, ints equal to 1 as constexprs). From the result:
+registers and spills (the log of Triton's own `ptxas -v` run), shared memory, blocks per SM, and from the SASS
+the main KV loop: instructions per KV byte, tiles in flight; for decode, the split-KV grid's last-wave efficiency
+over batch x context and the issue-bound bandwidth ceiling. Exits 1 when a budget is missed: any spill; a decode
+loop above 0.18 SASS instructions per KV byte, with fewer than 2 tiles in flight, or a last wave below 85% full.
+
+    python benchmarks/gpu_static.py                 # every case (a few minutes on 2 cores)
+    python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce) and one write
+    python benchmarks/gpu_static.py --no-budget --json report.json
+
+How the loop is read (see `main_loop`, `unroll_factor`, `tiles_in_flight`): the loops are the backward branches of
+the SASS; the main one holds the most tensor-core instructions (HMMA/HGMMA/...), the innermost on a tie. Its
+instruction count, times the warps of a block, divided by the KV bytes of one tile (`BLOCK_N` tokens of K and V
+codes plus per-token scales), is the instructions per KV byte; ptxas unrolling is undone by comparing the
+loop's dot count with the PTX loop's. Tiles in flight: with cp.async (LDGSTS), 1 + the groups its loop wait
+(`DEPBAR.LE SB0, N`) leaves outstanding, in tiles; with TMA (UTMALDG/UBLKCP and mbarrier waits), the tiles the
+prologue issues before the loop; with plain loads only, 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from types import SimpleNamespace
+from unittest import mock
+
+if __name__ == "__main__" and os.environ.pop("TRITON_INTERPRET", None):  # before the kernels are decorated
+    print("gpu_static: ignoring TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from hf_fp8kv.kernels import triton_attention, triton_write  # noqa: E402
+from hf_fp8kv.kernels.formats import FORMATS  # noqa: E402
+from hf_fp8kv.kernels.triton_launch import Launch  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+# What the launcher's split rule reads off the device (torch.cuda.get_device_properties of an H200 SXM)
+H200 = SimpleNamespace(
+    name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, warp_size=32, regs_per_multiprocessor=65536,
+    max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=233472, shared_memory_per_block=49152,
+    shared_memory_per_block_optin=232448, L2_cache_size=50 * 2**20, total_memory=143771877376,
+)  # fmt: skip
+SMS = H200.multi_processor_count
+REG_UNIT = 256  # registers are allocated per warp in units of 256, from 4 sub-partitions of 16384
+SMEM_RESERVED, SMEM_UNIT = 1024, 128  # shared memory reserved per block by CUDA; allocation unit
+MAX_WARPS, MAX_BLOCKS = 64, 32  # per SM
+ISSUE_RATE = 4 * 1.98e9 * SMS  # warp-instructions per second: 4 per clock per SM at 1.98 GHz boost
+H200_TBPS = 4.8  # HBM3e, datasheet
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+MAX_INSTR_PER_BYTE, MIN_TILES_IN_FLIGHT, MIN_LAST_WAVE = 0.18, 2, 0.85  # decode budgets
+CACHE_BLOCK = 64  # QuantizedFP8Cache's default block_size: code buffers grow 64 tokens at a time
+DOTS = ("HMMA", "HGMMA", "QGMMA", "IMMA", "IGMMA", "DMMA")  # tensor-core instructions
+ASYNC_COPIES = ("LDGSTS", "UTMALDG", "UBLKCP")  # cp.async, TMA tensor and bulk copies into shared memory
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call the launchers meet, described by the tensors it passes: a decode step (`q_len` 1) or a prefill
+    over `context` cached tokens, or the write of `q_len` new tokens ending at `context`."""
+
+    kind: str  # "decode", "prefill" or "write"
+    batch: int = 1
+    kv_heads: int = 8
+    group: int = 8  # query heads per KV head
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    per_token: bool = False  # per-token-head (dynamic) scales, else one static scale per KV head
+    q_len: int = 1
+    context: int = 8195  # a decode step at an arbitrary length (not a multiple of 16)
+    mask: bool = False  # a padding mask (bool [batch, 1, q_len, context]) instead of the causal rule
+    fmt: str = "fp8_e4m3"
+    waves: bool = True  # decode: judge the last wave over the batch x context grid
+
+    @property
+    def name(self) -> str:
+        dtype = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+        scales = "per-token" if self.per_token else "static"
+        if self.kind == "write":
+            return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
+        rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
+        shape = f"b{self.batch} kvh{self.kv_heads}" + (f" q{self.q_len}" if self.q_len > 1 else "")
+        return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{rule} {shape} ctx{self.context}"
+
+
+def cases(quick: bool = False) -> list[Case]:
+    """The report's cases: every decode variant, hundreds of splits (few KV heads), prefill, writes."""
+    if quick:
+        return [Case("decode"), Case("write")]
+    decode = [
+        Case("decode", group=group, head_dim=head_dim, dtype=dtype, per_token=per_token)
+        for per_token in (False, True)
+        for dtype in ("float16", "bfloat16")
+        for group in (1, 4, 8)
+        for head_dim in (64, 128, 256)
+    ]
+    no_split = [Case("decode", batch=64, context=1027)]  # 512 programs: one split, no split epilogue
+    # one KV head at batch 1: hundreds of splits, the reduce's worst case; no wave budget (at 4k context the
+    # 64 KV tiles cannot fill 264 slots)
+    few_heads = [Case("decode", kv_heads=1, head_dim=d, context=32771, waves=False) for d in (128, 256)]
+    prefill = [
+        Case("prefill", q_len=500, context=500),
+        Case("prefill", batch=2, q_len=500, context=500, mask=True),
+        Case("prefill", q_len=256, context=4096),  # a prompt after a past: splits, then the reduce
+    ]
+    write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
+    return decode + no_split + few_heads + prefill + write
+
+
+def launcher_splits(query: torch.Tensor, key_codes: torch.Tensor, length: int) -> int:
+    """The split count the launcher picks on an H200: `default_splits` itself, handed the H200's properties."""
+    with mock.patch.object(torch.cuda, "get_device_properties", return_value=H200):
+        return triton_attention.default_splits(query, key_codes, length, torch.device("cuda"))
+
+
+def plan(case: Case, device: str = "cpu") -> list[Launch]:
+    """The launches the kernel modules plan for `case` (tensors on `device`: "cpu" to compile, "meta" to count)."""
+    fmt = FORMATS[case.fmt]
+    dtype = getattr(torch, case.dtype)
+    capacity = -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
+    key_codes = torch.empty(case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
+    codes = [key_codes, torch.empty_like(key_codes)]
+    if case.per_token:
+        scales = [torch.empty(case.batch, case.kv_heads, capacity, device=device) for _ in range(2)]
+    else:
+        scales = [torch.ones(1, case.kv_heads, 1, device=device) for _ in range(2)]
+    # model layout: [batch, tokens, heads, head_dim] projections viewed as [batch, heads, tokens, head_dim]
+    heads = case.kv_heads if case.kind == "write" else case.kv_heads * case.group
+    shape = (case.batch, case.q_len, heads, case.head_dim)
+    if case.kind == "write":
+        key, value = (torch.empty(shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
+        clipped = torch.zeros(2, dtype=torch.int64, device=device)
+        start = case.context - case.q_len
+        return [triton_write.plan_write(key, value, *codes, *scales, start, fmt, case.per_token, clipped)]
+    query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
+    mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
+    splits = launcher_splits(query, codes[0], case.context)
+    _, launches = triton_attention.plan_attention(
+        query, *codes, *scales, case.context, fmt, scaling=case.head_dim**-0.5, mask=mask, num_splits=splits
+    )
+    return launches
+
+
+# --- compiling --------------------------------------------------------------------------------------------------
+@dataclass
+class Compiled:
+    """What one launch compiles to for sm_90."""
+
+    name: str
+    registers: int
+    spill_stores: int  # bytes per thread
+    spill_loads: int
+    stack: int  # stack frame bytes per thread
+    shared: int  # dynamic shared memory bytes per block (Triton's request)
+    warps: int
+    sass: str
+    ptx: str
+    constexpr_args: list[str]  # runtime arguments the launch turned into constexprs (ints equal to 1)
+    aligned_args: list[str]  # arguments marked divisible by 16 (pointers and ints)
+
+
+def compile_launch(launch: Launch) -> Compiled:
+    """Compile `launch` for sm_90 as `JITFunction.run` would on an H100/H200: the same binder (argument
+    specialization), option parsing and `triton.compile` call, with the target fixed instead of read off a
+    driver."""
+    kernel = launch.kernel
+    backend = make_backend(TARGET)
+    kwargs = dict(launch.kwargs)  # the three options `JITFunction.run` adds before binding
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # prints the log of the `ptxas -v` run Triton makes anyway
+        knobs.compilation.always_compile = True  # a cache hit would skip ptxas, and its log
+        source = ASTSource(kernel, signature, constexprs, attrs)
+        compiled = triton.compile(source, target=TARGET, options=options.__dict__)
+    used = re.search(r"Used (\d+) registers", log.getvalue())
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+    if not used or not frame:
+        raise RuntimeError(f"{kernel.__name__}: no `ptxas -v` figures in Triton's ptxas log:\n{log.getvalue()}")
+    names = kernel.arg_names
+    params = [p for p in kernel.params if not p.is_constexpr]
+    return Compiled(
+        name=kernel.__name__,
+        registers=int(used[1]),
+        stack=int(frame[1]),
+        spill_stores=int(frame[2]),
+        spill_loads=int(frame[3]),
+        shared=compiled.metadata.shared,
+        warps=compiled.metadata.num_warps,
+        sass=disassemble(compiled.asm["cubin"]),
+        ptx=compiled.asm["ptx"],
+        constexpr_args=[p.name for p in params if signature[p.name] == "constexpr"],
+        aligned_args=[names[i] for (i,), a in attrs.items() if ["tt.divisibility", 16] in a],
+    )
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin (`cuobjdump -sass`, shipped with Triton)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", f.name], check=True, capture_output=True, text=True
+        ).stdout
+
+
+# --- reading the SASS -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Instr:
+    address: int
+    opcode: str  # with its modifiers: "DEPBAR.LE", "HMMA.16816.F32.BF16"
+    operands: str
+
+    def is_(self, *names: str) -> bool:
+        return self.opcode.split(".")[0] in names
+
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P(?:T|\d+)\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def parse_sass(sass: str) -> list[Instr]:
+    """The instructions of `cuobjdump -sass` output, in address order (one kernel per cubin)."""
+    return [Instr(int(m[1], 16), m[2], m[3].strip()) for m in SASS_LINE.finditer(sass)]
+
+
+def loops(instrs: list[Instr]) -> list[list[Instr]]:
+    """The bodies of the loops: each backward branch with the instructions from its target to itself."""
+    bodies = []
+    for branch in instrs:
+        target = re.search(r"0x([0-9a-f]+)", branch.operands) if branch.is_("BRA") else None
+        if target and int(target[1], 16) < branch.address:
+            bodies.append([i for i in instrs if int(target[1], 16) <= i.address <= branch.address])
+    return bodies
+
+
+def main_loop(instrs: list[Instr]) -> list[Instr] | None:
+    """The hot loop of a matrix kernel: the loop with the most tensor-core instructions, the innermost
+    (fewest instructions) on a tie; None when no loop holds any."""
+    with_dots = [body for body in loops(instrs) if any(i.is_(*DOTS) for i in body)]
+    return max(with_dots, key=lambda body: (sum(i.is_(*DOTS) for i in body), -len(body)), default=None)
+
+
+PTX_LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.M)
+PTX_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+PTX_DOT = re.compile(r"\b(?:mma\.sync|wgmma\.mma_async)\.")
+
+
+def unroll_factor(loop: list[Instr], ptx: str) -> int:
+    """Tiles one iteration of the SASS `loop` processes: its dots over those of the PTX loop with the most (each
+    PTX mma is one SASS instruction, so a ratio above 1 is ptxas unrolling)."""
+    labels = {m[1]: m.start() for m in PTX_LABEL.finditer(ptx)}
+    ptx_dots = [
+        len(PTX_DOT.findall(ptx, labels[m[1]], m.end()))
+        for m in PTX_BRANCH.finditer(ptx)
+        if labels.get(m[1], math.inf) < m.start()
+    ]
+    sass_dots = sum(i.is_(*DOTS) for i in loop)
+    return max(1, round(sass_dots / max(ptx_dots))) if ptx_dots and max(ptx_dots) else 1
+
+
+def tiles_in_flight(instrs: list[Instr], loop: list[Instr], unroll: int) -> tuple[int, str]:
+    """Tiles whose loads are in flight when the loop waits for the oldest, and the evidence read for it."""
+    copies = [i for i in loop if i.is_(*ASYNC_COPIES)]
+    if not copies:
+        loads = sum(i.is_("LDG") for i in loop)
+        return 1, f"no asynchronous copies in the loop ({loads} plain global loads, waited for in the iteration)"
+    dots = [i.address for i in loop if i.is_(*DOTS)]
+    issued = f"the loop's first copy follows {sum(a < copies[0].address for a in dots)} of its {len(dots)} dots"
+    commits = sum(i.opcode == "LDGDEPBAR" for i in loop)
+    waits = [re.match(r"SB0, 0x([0-9a-f]+)", i.operands) for i in loop if i.opcode == "DEPBAR.LE"]
+    waits = [int(m[1], 16) for m in waits if m]
+    if copies[0].is_("LDGSTS") and commits and waits:  # cp.async: DEPBAR.LE SB0, N leaves N commit groups pending
+        wait = min(waits)
+        return 1 + wait * unroll // commits, (
+            f"cp.async: the loop waits with DEPBAR.LE SB0, {wait} ({'partial' if wait else 'all loads'}), "
+            f"{commits} commit groups per {unroll} tile(s); {issued}"
+        )
+    prologue = sum(i.is_(*ASYNC_COPIES) for i in instrs if i.address < loop[0].address)
+    per_tile = len(copies) / unroll
+    evidence = f"{prologue} copies issued before the loop, {per_tile:g} per tile; {issued}"
+    return max(1, int(prologue // per_tile)), evidence
+
+
+def blocks_per_sm(registers: int, warps: int, shared: int) -> int:
+    """Blocks of `warps` warps resident on one H100/H200 SM (CUDA's occupancy rules: registers allocated per warp
+    in units of 256 from 4 sub-partitions of 16384; shared memory plus 1 KB reserved per block, in 128 B units,
+    from 228 KB; at most 64 warps and 32 blocks)."""
+    warp_registers = -(-registers * 32 // REG_UNIT) * REG_UNIT
+    by_registers = 4 * (H200.regs_per_multiprocessor // 4 // warp_registers) // warps
+    block_shared = -(-(shared + SMEM_RESERVED) // SMEM_UNIT) * SMEM_UNIT
+    return min(by_registers, H200.shared_memory_per_multiprocessor // block_shared, MAX_WARPS // warps, MAX_BLOCKS)
+
+
+def wave_efficiency(blocks: int, slots: int) -> float:
+    """Mean fullness of the waves of `blocks` blocks on `slots` resident slots (the last wave's emptiness)."""
+    return blocks / (-(-blocks // slots) * slots)
+
+
+def last_waves(case: Case, kernel, slots: int) -> list[dict]:
+    """Blocks of `kernel`'s launches and their wave efficiency over the batch x context grid of `case`."""
+    grid = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            launches = plan(dataclasses.replace(case, batch=batch, context=context), device="meta")
+            blocks = sum(math.prod(launch.grid) for launch in launches if launch.kernel is kernel)
+            grid.append(dict(batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots)))
+    return grid
+
+
+def loop_report(compiled: Compiled, tile_bytes: int) -> dict | None:
+    """The main loop's figures, for a loop that loads `tile_bytes` of KV per tile; None without such a loop."""
+    instrs = parse_sass(compiled.sass)
+    loop = main_loop(instrs)
+    if loop is None:
+        return None
+    unroll = unroll_factor(loop, compiled.ptx)
+    in_flight, evidence = tiles_in_flight(instrs, loop, unroll)
+    per_byte = len(loop) * compiled.warps / (unroll * tile_bytes)
+    return dict(
+        start=loop[0].address, end=loop[-1].address, instructions=len(loop), unroll=unroll,
+        dots=sum(i.is_(*DOTS) for i in loop), tile_bytes=tile_bytes, instr_per_byte=per_byte,
+        tiles_in_flight=in_flight, evidence=evidence, ceiling_tbps=ISSUE_RATE / per_byte / 1e12,
+    )  # fmt: skip
+
+
+# --- the report ----------------------------------------------------------------------------------------------------
+def analyze_case(case: Case) -> list[dict]:
+    """One row per launch of `case`: the compiled figures and the budgets it misses."""
+    launches = plan(case)
+    code_bytes = FORMATS[case.fmt].dtype.itemsize
+    rows = []
+    for launch in launches:
+        compiled = compile_launch(launch)
+        fits = blocks_per_sm(compiled.registers, compiled.warps, compiled.shared)
+        tile_tokens = launch.kwargs.get("BLOCK_N")  # tokens of K and V one iteration of the KV loop loads
+        tile_bytes = tile_tokens and tile_tokens * (2 * case.head_dim * code_bytes + (8 if case.per_token else 0))
+        row = dict(
+            kind=case.kind, case=dataclasses.asdict(case), kernel=compiled.name, grid=list(launch.grid),
+            variant=f"{case.name} grid {'x'.join(map(str, launch.grid))}",
+            registers=compiled.registers, spill_stores=compiled.spill_stores, spill_loads=compiled.spill_loads,
+            stack=compiled.stack, shared=compiled.shared, warps=compiled.warps, blocks_per_sm=fits,
+            constexpr_args=compiled.constexpr_args, aligned_args=compiled.aligned_args,
+            loop=loop_report(compiled, tile_bytes) if tile_bytes else None, failures=[],
+        )  # fmt: skip
+        if row["loop"] is not None and case.kind == "decode" and case.waves and fits:
+            grid = last_waves(case, launch.kernel, SMS * fits)
+            row["waves"] = dict(slots=SMS * fits, worst=min(grid, key=lambda g: g["efficiency"]), grid=grid)
+        row["failures"] = budget_failures(row)
+        rows.append(row)
+    if case.kind == "decode" and not any(row["loop"] for row in rows):
+        rows[0]["failures"].append(
+            "no KV loop found: no launch has both a BLOCK_N constexpr (tokens per KV tile) and a SASS loop with "
+            "tensor-core instructions"
+        )
+    return rows
+
+
+def budget_failures(row: dict) -> list[str]:
+    """The budgets `row` misses, each with its reason."""
+    failures = []
+    if not row["blocks_per_sm"]:
+        failures.append(f"no block fits: {row['registers']} registers x {row['warps']} warps, {row['shared']} B shared")
+    if row["spill_stores"] or row["spill_loads"]:
+        failures.append(f"spills {row['spill_stores']} B stores / {row['spill_loads']} B loads per thread")
+    loop = row["loop"]
+    if row["kind"] != "decode" or loop is None:
+        return failures
+    if loop["instr_per_byte"] > MAX_INSTR_PER_BYTE:
+        failures.append(
+            f"decode loop {loop['instr_per_byte']:.3f} SASS instructions per KV byte > {MAX_INSTR_PER_BYTE} "
+            f"({loop['instructions']} instructions x {row['warps']} warps / {loop['unroll']} x {loop['tile_bytes']} B)"
+        )
+    if loop["tiles_in_flight"] < MIN_TILES_IN_FLIGHT:
+        failures.append(f"decode not pipelined, {loop['tiles_in_flight']} tile in flight: {loop['evidence']}")
+    worst = row["waves"]["worst"] if "waves" in row else None
+    if worst and worst["efficiency"] < MIN_LAST_WAVE:
+        low = [g for g in row["waves"]["grid"] if g["efficiency"] < MIN_LAST_WAVE]
+        failures.append(
+            f"last wave {worst['efficiency']:.0%} < {MIN_LAST_WAVE:.0%} at batch {worst['batch']} context "
+            f"{worst['context']} ({worst['blocks']} blocks on {row['waves']['slots']} slots); "
+            f"{len(low)} of {len(row['waves']['grid'])} grid points below"
+        )
+    return failures
+
+
+COLUMNS = ("kernel", "variant", "regs", "spill B", "smem KB", "blk/SM", "instr/KV B", "in flight", "last wave",
+           "ceiling TB/s")  # fmt: skip
+
+
+def table_row(row: dict) -> tuple[str, ...]:
+    loop, waves = row["loop"], row.get("waves")
+    worst = waves["worst"] if waves else None
+    return (
+        row["kernel"],
+        row["variant"],
+        str(row["registers"]),
+        str(max(row["spill_stores"], row["spill_loads"])),
+        f"{row['shared'] / 1024:.1f}",
+        str(row["blocks_per_sm"]),
+        f"{loop['instr_per_byte']:.3f}" if loop else "-",
+        str(loop["tiles_in_flight"]) if loop else "-",
+        f"{worst['efficiency']:.0%} b{worst['batch']} {worst['context'] // 1024}k" if worst else "-",
+        f"{loop['ceiling_tbps']:.2f}" if loop else "-",
+    )
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = [COLUMNS] + [table_row(row) for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run(selected: list[Case], jobs: int) -> list[dict]:
+    """The rows of every case, compiled `jobs` cases at a time."""
+    if jobs <= 1 or len(selected) == 1:
+        return [row for case in selected for row in analyze_case(case)]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [row for rows in pool.map(analyze_case, selected) for row in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one decode case (attention + reduce) and one write")
+    parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure (and the loop evidence) as JSON")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compiles")
+    args = parser.parse_args(argv)
+
+    rows = run(cases(args.quick), args.jobs)
+    print(f"sm_90 (H100/H200: {SMS} SMs), Triton {triton.__version__}; ceiling = issue-bound decode bandwidth "
+          f"(4 warp-instructions/clock/SM at 1.98 GHz) against the H200's {H200_TBPS} TB/s; last wave = worst over "
+          f"batch {'/'.join(map(str, BATCHES))} x context {'/'.join(f'{c // 1024}k' for c in CONTEXTS)}")  # fmt: skip
+    print(format_table(rows))
+    failures = [f"{row['kernel']} [{row['variant']}]: {why}" for row in rows for why in row["failures"]]
+    print(f"\nbudgets missed: {len(failures)}" if failures else "\nbudgets: all met")
+    for failure in failures:
+        print(f"  FAIL {failure}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(target="sm_90", sms=SMS, triton=triton.__version__, rows=rows, failures=failures), f)
+    return 1 if failures and not args.no_budget else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""benchmarks/gpu_static.py: the compiled-code report at reduced scope, and its SASS reading checked on small loop
+kernels whose loops are known. The compiles run in a subprocess without the interpreter (run as a script, this
+file writes the report and the known loops' readings to the folder it is given)."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_static.py"
+BLOCK = 64  # the known kernels: a [64, 64] fp16 tile times each [64, 64] tile of b, 4 dot k-steps of 16 per tile
+
+
+@triton.jit
+def pointer_loop(a_ptr, b_ptr, out_ptr, n, col_stride, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + r[:, None] * BLOCK + r[None, :])
+    acc = tl.zeros([BLOCK, BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        acc += tl.dot(a, tl.load(b_ptr + (start + r)[:, None] * BLOCK + r[None, :] * col_stride))
+    tl.store(out_ptr + r[:, None] * BLOCK + r[None, :], acc)
+
+
+@triton.jit
+def descriptor_loop(a_ptr, b_desc, out_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + r[:, None] * BLOCK + r[None, :])
+    acc = tl.zeros([BLOCK, BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        acc += tl.dot(a, b_desc.load([start, 0]))
+    tl.store(out_ptr + r[:, None] * BLOCK + r[None, :], acc)
+
+
+def gpu_static():
+    """The report's module (benchmarks/ is not a package)."""
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
+    return importlib.import_module("gpu_static")
+
+
+def known_loops() -> dict:
+    """The report's reading of the known kernels' loops, by kernel and `num_stages`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from hf_fp8kv.kernels.triton_launch import Launch
+
+    report = gpu_static()
+    a = torch.empty(BLOCK * BLOCK + 1, dtype=torch.float16)[1:]  # 2 bytes past an allocation: not 16-aligned
+    b = torch.empty(4096, BLOCK, dtype=torch.float16)
+    out = torch.empty(BLOCK, BLOCK)
+    launches = {
+        f"pointer stages={s}": Launch(pointer_loop, (1,), (a, b, out, 4096, 1), dict(BLOCK=BLOCK, num_stages=s))
+        for s in (1, 2, 3)
+    }
+    descriptor = TensorDescriptor.from_tensor(b, [BLOCK, BLOCK])
+    launches["descriptor stages=3"] = Launch(
+        descriptor_loop, (1,), (a, descriptor, out, 4096), dict(BLOCK=BLOCK, num_stages=3)
+    )
+    readings = {}
+    for name, launch in launches.items():
+        compiled = report.compile_launch(launch)
+        loop = report.loop_report(compiled, BLOCK * BLOCK * 2)
+        readings[name] = dict(loop=loop, constexpr_args=compiled.constexpr_args, aligned_args=compiled.aligned_args)
+    return readings
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    try:
+        knobs.nvidia.ptxas_blackwell.path, knobs.nvidia.cuobjdump.path
+    except RuntimeError:
+        pytest.skip("no ptxas / cuobjdump in this Triton install")
+    out = tmp_path_factory.mktemp("gpu_static")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    known = json.loads((out / "known.json").read_text())
+    return result.stdout, json.loads((out / "report.json").read_text()), known
+
+
+def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
+    stdout, report, known = compiled
+    header = gpu_static().COLUMNS
+    assert all(column in stdout for column in header)
+    rows = {row["kernel"]: row for row in report["rows"]}
+    assert set(rows) == {"_attention_kernel", "_reduce_kernel", "_write_kernel"}
+    assert all(f"\n{kernel} " in stdout for kernel in rows)
+    # exit status 1 exactly when a budget is missed, and every miss is printed
+    assert known["exit_status"] == (1 if report["failures"] else 0)
+    assert all(f"FAIL {failure}" in stdout for failure in report["failures"])
+
+    attention = rows["_attention_kernel"]
+    loop = attention["loop"]
+    assert loop["instructions"] == (loop["end"] - loop["start"]) // 16 + 1  # every SASS line of the loop parsed
+    assert loop["dots"] > 0 and loop["tiles_in_flight"] >= 1 and 0 < loop["instr_per_byte"] < 10
+    assert 1 <= attention["blocks_per_sm"] <= 32 and attention["registers"] > 0
+    assert len(attention["waves"]["grid"]) == 7 * 6 and attention["waves"]["slots"] == 132 * attention["blocks_per_sm"]
+    # launch-like specialization: unit strides became constexprs, pointers and the 8195-token length did not
+    assert {"q_sd", "c_sd"} <= set(attention["constexpr_args"])
+    assert {"q_ptr", "k_ptr", "v_ptr", "out_ptr"} <= set(attention["aligned_args"])
+    assert "length" not in attention["aligned_args"] + attention["constexpr_args"]
+    assert rows["_write_kernel"]["loop"] is None and rows["_reduce_kernel"]["loop"] is None
+
+
+def test_known_loops_are_read_right(compiled):
+    readings = compiled[2]["loops"]
+    for name, reading in readings.items():
+        loop = reading["loop"]
+        assert loop["dots"] / loop["unroll"] == 4, name  # 4 HGMMA k-steps per tile, whatever ptxas unrolls
+        assert loop["instructions"] == (loop["end"] - loop["start"]) // 16 + 1, name
+    # num_stages=1: plain loads; 2: one cp.async buffer, waited for in full; 3: one tile ahead (cp.async or TMA)
+    assert readings["pointer stages=1"]["loop"]["tiles_in_flight"] == 1
+    assert "no asynchronous copies" in readings["pointer stages=1"]["loop"]["evidence"]
+    assert readings["pointer stages=2"]["loop"]["tiles_in_flight"] == 1
+    assert "DEPBAR.LE SB0, 0 (all loads)" in readings["pointer stages=2"]["loop"]["evidence"]
+    assert readings["pointer stages=3"]["loop"]["tiles_in_flight"] == 2
+    assert readings["descriptor stages=3"]["loop"]["tiles_in_flight"] == 2
+    assert "copies issued before the loop" in readings["descriptor stages=3"]["loop"]["evidence"]
+    # the launcher's specialization: col_stride=1 a constexpr; b, out and n=4096 divisible by 16, a (offset) not
+    pointer = readings["pointer stages=3"]
+    assert pointer["constexpr_args"] == ["col_stride"]
+    assert {"b_ptr", "out_ptr", "n"} <= set(pointer["aligned_args"]) and "a_ptr" not in pointer["aligned_args"]
+
+
+def test_occupancy_and_waves():
+    report = gpu_static()
+    assert report.blocks_per_sm(98, 8, 22528) == 2  # 104 x 32 registers per warp: 4 warps per sub-partition
+    assert report.blocks_per_sm(150, 8, 0) == 1  # 152 x 32: 3 warps per sub-partition, 12 per SM
+    assert report.blocks_per_sm(16, 1, 0) == 32  # the block limit
+    assert report.blocks_per_sm(32, 2, 0) == 32 and report.blocks_per_sm(32, 4, 0) == 16  # the warp limit
+    assert report.blocks_per_sm(32, 4, 100 * 1024) == 2  # 101 KB per block with the reserved 1 KB, of 228 KB
+    assert report.wave_efficiency(272, 264) == pytest.approx(272 / 528)
+    assert report.wave_efficiency(264, 264) == 1.0 and report.wave_efficiency(1, 264) == pytest.approx(1 / 264)
+
+
+def test_cp_async_wait_rule_on_written_sass():
+    """Two commit groups per tile and a wait leaving two pending: one tile ahead; the wgmma wait is not a load
+    wait; predicated and uniform-predicated instructions parse."""
+    report = gpu_static()
+    sass = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+        /*0110*/                   LDGSTS.E.BYPASS.128 [R7], desc[UR16][R2.64], P0 ;
+        /*0120*/                   LDGDEPBAR ;
+        /*0130*/                   DEPBAR.LE SB0, 0x2 ;
+        /*0140*/                   HGMMA.64x64x16.F32 R24, gdesc[UR8].tnspB, R24, gsb0 ;
+        /*0150*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0160*/              @!UP0 LDGSTS.E.BYPASS.128 [R19], desc[UR16][R8.64], !P1 ;
+        /*0170*/                   LDGDEPBAR ;
+        /*0180*/              @!P0 BRA 0x110 ;
+        /*0190*/                   EXIT ;
+    """
+    instrs = report.parse_sass(sass)
+    assert len(instrs) == 10 and instrs[6].opcode == "LDGSTS.E.BYPASS.128"
+    loop = report.main_loop(instrs)
+    assert [i.address for i in (loop[0], loop[-1])] == [0x110, 0x180]
+    in_flight, evidence = report.tiles_in_flight(instrs, loop, unroll=1)
+    assert in_flight == 2 and "DEPBAR.LE SB0, 2 (partial)" in evidence and "follows 0 of its 1 dots" in evidence
+
+
+def test_budgets():
+    report = gpu_static()
+    loop = dict(instr_per_byte=0.2, instructions=400, unroll=1, tile_bytes=16384, tiles_in_flight=1, evidence="why")
+    worst = dict(efficiency=0.5, batch=2, context=32768, blocks=272)
+    waves = dict(slots=264, worst=worst, grid=[worst])
+    decode = dict(kind="decode", registers=98, warps=8, shared=22528, blocks_per_sm=2, spill_stores=0, spill_loads=0,
+                  loop=loop, waves=waves)  # fmt: skip
+    failures = report.budget_failures(decode)
+    assert len(failures) == 3 and "0.200 SASS instructions per KV byte" in failures[0]
+    assert "not pipelined, 1 tile in flight: why" in failures[1] and "last wave 50% < 85% at batch 2" in failures[2]
+    full = dict(worst, efficiency=0.9)
+    good = dict(
+        decode, loop=dict(loop, instr_per_byte=0.15, tiles_in_flight=2), waves=dict(slots=264, worst=full, grid=[full])
+    )
+    assert report.budget_failures(good) == []
+    assert report.budget_failures(dict(good, kind="prefill", loop=loop)) == []  # decode budgets are decode's
+    assert report.budget_failures(dict(good, spill_stores=8))[0].startswith("spills 8 B stores")
+    assert report.budget_failures(dict(good, kind="write", blocks_per_sm=0)) == [
+        "no block fits: 98 registers x 8 warps, 22528 B shared"
+    ]
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    status = gpu_static().main(["--quick", "--jobs", "1", "--json", str(out / "report.json")])
+    (out / "known.json").write_text(json.dumps(dict(exit_status=status, loops=known_loops())))
