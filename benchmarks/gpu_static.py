@@ -7,7 +7,9 @@ for sm_90 with the specialization a real launch gets: Triton's own launcher bind
 registers and spills (the log of Triton's own `ptxas -v` run), shared memory, blocks per SM, and from the SASS
 the main KV loop: instructions per KV byte, tiles in flight; for decode, the split-KV grid's last-wave efficiency
 over batch x context and the issue-bound bandwidth ceiling. Exits 1 when a budget is missed: any spill; a decode
-loop above 0.18 SASS instructions per KV byte, with fewer than 2 tiles in flight, or a last wave below 85% full.
+loop above 0.18 SASS instructions per KV byte, with fewer than 2 tiles in flight, or a last wave below 85% full
+where another split count would take fewer tile-times (with whole KV tiles, batch 1 at 4k on 8 KV heads has 512
+tiles for 396 slots: 2 tile-times is the floor, so its 65%-full single wave is not a miss).
 
     python benchmarks/gpu_static.py                 # every case (a few minutes on 2 cores)
     python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce) and one write
@@ -39,7 +41,6 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
-from unittest import mock
 
 if __name__ == "__main__" and os.environ.pop("TRITON_INTERPRET", None):  # before the kernels are decorated
     print("gpu_static: ignoring TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
@@ -54,7 +55,8 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from hf_fp8kv.kernels import triton_attention, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS  # noqa: E402
-from hf_fp8kv.kernels.triton_launch import Launch  # noqa: E402
+from hf_fp8kv.kernels.triton_launch import Launch, blocks_per_sm  # noqa: E402
+from hf_fp8kv.kernels.view import KVView  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # What the launcher's split rule reads off the device (torch.cuda.get_device_properties of an H200 SXM)
@@ -64,9 +66,6 @@ H200 = SimpleNamespace(
     shared_memory_per_block_optin=232448, L2_cache_size=50 * 2**20, total_memory=143771877376,
 )  # fmt: skip
 SMS = H200.multi_processor_count
-REG_UNIT = 256  # registers are allocated per warp in units of 256, from 4 sub-partitions of 16384
-SMEM_RESERVED, SMEM_UNIT = 1024, 128  # shared memory reserved per block by CUDA; allocation unit
-MAX_WARPS, MAX_BLOCKS = 64, 32  # per SM
 ISSUE_RATE = 4 * 1.98e9 * SMS  # warp-instructions per second: 4 per clock per SM at 1.98 GHz boost
 H200_TBPS = 4.8  # HBM3e, datasheet
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -93,6 +92,8 @@ class Case:
     context: int = 8195  # a decode step at an arbitrary length (not a multiple of 16)
     mask: bool = False  # a padding mask (bool [batch, 1, q_len, context]) instead of the causal rule
     fmt: str = "fp8_e4m3"
+    recent: int = 0  # newest tokens in full precision
+    sinks: int = 0  # first tokens in full precision
     waves: bool = True  # decode: judge the last wave over the batch x context grid
 
     @property
@@ -102,6 +103,7 @@ class Case:
         if self.kind == "write":
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
+        rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
         shape = f"b{self.batch} kvh{self.kv_heads}" + (f" q{self.q_len}" if self.q_len > 1 else "")
         return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{rule} {shape} ctx{self.context}"
 
@@ -126,40 +128,44 @@ def cases(quick: bool = False) -> list[Case]:
         Case("prefill", batch=2, q_len=500, context=500, mask=True),
         Case("prefill", q_len=256, context=4096),  # a prompt after a past: splits, then the reduce
     ]
+    # the full-precision window: its tiles (model dtype) next to the codes' loop
+    window = [Case("decode", per_token=True, recent=64, sinks=4), Case("prefill", q_len=500, context=500, recent=64)]
     write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
-    return decode + no_split + few_heads + prefill + write
+    write += [Case("write", per_token=True, q_len=n, recent=64) for n in (1, 500)]
+    return decode + no_split + few_heads + prefill + window + write
 
 
-def launcher_splits(query: torch.Tensor, key_codes: torch.Tensor, length: int) -> int:
-    """The split count the launcher picks on an H200: `default_splits` itself, handed the H200's properties."""
-    with mock.patch.object(torch.cuda, "get_device_properties", return_value=H200):
-        return triton_attention.default_splits(query, key_codes, length, torch.device("cuda"))
-
-
-def plan(case: Case, device: str = "cpu") -> list[Launch]:
-    """The launches the kernel modules plan for `case` (tensors on `device`: "cpu" to compile, "meta" to count)."""
+def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
+    """The launches the kernel modules plan for `case` (tensors on `device`: "cpu" to compile, "meta" to count),
+    the split count from the launcher's own rule for `slots` resident blocks (SMs x blocks per SM)."""
     fmt = FORMATS[case.fmt]
     dtype = getattr(torch, case.dtype)
     capacity = -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
-    key_codes = torch.empty(case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
-    codes = [key_codes, torch.empty_like(key_codes)]
+    codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
     if case.per_token:
-        scales = [torch.empty(case.batch, case.kv_heads, capacity, device=device) for _ in range(2)]
+        scales = torch.empty(2, case.batch, case.kv_heads, capacity, device=device)
     else:
-        scales = [torch.ones(1, case.kv_heads, 1, device=device) for _ in range(2)]
+        scales = torch.ones(2, 1, case.kv_heads, 1, device=device)
+    end = case.context - (case.q_len if case.kind == "write" else 0)  # a write stores the last q_len tokens
+    fp_start = max(end - case.recent, 0)
+    view = KVView(codes, scales, fmt, 0, end, fp_start)
+    if case.recent:
+        view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
+    if case.sinks:
+        view.sinks = torch.empty(2, case.batch, case.kv_heads, case.sinks, case.head_dim, dtype=dtype, device=device)
+        view.sink_start = torch.zeros(case.batch, dtype=torch.int64, device=device)
+        view.sink_count = torch.full((case.batch,), case.sinks, dtype=torch.int64, device=device)
     # model layout: [batch, tokens, heads, head_dim] projections viewed as [batch, heads, tokens, head_dim]
     heads = case.kv_heads if case.kind == "write" else case.kv_heads * case.group
     shape = (case.batch, case.q_len, heads, case.head_dim)
     if case.kind == "write":
         key, value = (torch.empty(shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
-        clipped = torch.zeros(2, dtype=torch.int64, device=device)
-        start = case.context - case.q_len
-        return [triton_write.plan_write(key, value, *codes, *scales, start, fmt, case.per_token, clipped)]
+        stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
+        return triton_write.plan_write(key, value, view, case.per_token, stats)
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
-    splits = launcher_splits(query, codes[0], case.context)
     _, launches = triton_attention.plan_attention(
-        query, *codes, *scales, case.context, fmt, scaling=case.head_dim**-0.5, mask=mask, num_splits=splits
+        query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots, cuda=True
     )
     return launches
 
@@ -309,16 +315,6 @@ def tiles_in_flight(instrs: list[Instr], loop: list[Instr], unroll: int) -> tupl
     return max(1, int(prologue // per_tile)), evidence
 
 
-def blocks_per_sm(registers: int, warps: int, shared: int) -> int:
-    """Blocks of `warps` warps resident on one H100/H200 SM (CUDA's occupancy rules: registers allocated per warp
-    in units of 256 from 4 sub-partitions of 16384; shared memory plus 1 KB reserved per block, in 128 B units,
-    from 228 KB; at most 64 warps and 32 blocks)."""
-    warp_registers = -(-registers * 32 // REG_UNIT) * REG_UNIT
-    by_registers = 4 * (H200.regs_per_multiprocessor // 4 // warp_registers) // warps
-    block_shared = -(-(shared + SMEM_RESERVED) // SMEM_UNIT) * SMEM_UNIT
-    return min(by_registers, H200.shared_memory_per_multiprocessor // block_shared, MAX_WARPS // warps, MAX_BLOCKS)
-
-
 def wave_efficiency(blocks: int, slots: int) -> float:
     """Mean fullness of the waves of `blocks` blocks on `slots` resident slots (the last wave's emptiness)."""
     return blocks / (-(-blocks // slots) * slots)
@@ -329,9 +325,17 @@ def last_waves(case: Case, kernel, slots: int) -> list[dict]:
     grid = []
     for batch in BATCHES:
         for context in CONTEXTS:
-            launches = plan(dataclasses.replace(case, batch=batch, context=context), device="meta")
-            blocks = sum(math.prod(launch.grid) for launch in launches if launch.kernel is kernel)
-            grid.append(dict(batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots)))
+            launches = plan(dataclasses.replace(case, batch=batch, context=context), device="meta", slots=slots)
+            (launch,) = [launch for launch in launches if launch.kernel is kernel]
+            blocks = math.prod(launch.grid)
+            # whole KV tiles: no plan beats ceil(all tiles / slots) tile-times, whatever its waves' fullness
+            programs, splits = launch.grid[0] * launch.grid[1], launch.grid[2]
+            tiles = -(-context // launch.kwargs["BLOCK_N"])
+            tile_times = -(-blocks // slots) * -(-tiles // splits)
+            grid.append(dict(
+                batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
+                tile_times=tile_times, fewest_tile_times=-(-programs * tiles // slots),
+            ))  # fmt: skip
     return grid
 
 
@@ -371,7 +375,7 @@ def analyze_case(case: Case) -> list[dict]:
             loop=loop_report(compiled, tile_bytes) if tile_bytes else None, failures=[],
         )  # fmt: skip
         if row["loop"] is not None and case.kind == "decode" and case.waves and fits:
-            grid = last_waves(case, launch.kernel, SMS * fits)
+            grid = last_waves(case, launch.kernel, SMS * fits)  # the split rule fed this kernel's occupancy
             row["waves"] = dict(slots=SMS * fits, worst=min(grid, key=lambda g: g["efficiency"]), grid=grid)
         row["failures"] = budget_failures(row)
         rows.append(row)
@@ -400,13 +404,18 @@ def budget_failures(row: dict) -> list[str]:
         )
     if loop["tiles_in_flight"] < MIN_TILES_IN_FLIGHT:
         failures.append(f"decode not pipelined, {loop['tiles_in_flight']} tile in flight: {loop['evidence']}")
-    worst = row["waves"]["worst"] if "waves" in row else None
-    if worst and worst["efficiency"] < MIN_LAST_WAVE:
-        low = [g for g in row["waves"]["grid"] if g["efficiency"] < MIN_LAST_WAVE]
+    # a grid point misses when its last wave is under-full and another split count would have been faster
+    low = [
+        g for g in row.get("waves", {}).get("grid", [])
+        if g["efficiency"] < MIN_LAST_WAVE and g["tile_times"] > g["fewest_tile_times"]
+    ]  # fmt: skip
+    if low:
+        worst = min(low, key=lambda g: g["efficiency"])
         failures.append(
             f"last wave {worst['efficiency']:.0%} < {MIN_LAST_WAVE:.0%} at batch {worst['batch']} context "
-            f"{worst['context']} ({worst['blocks']} blocks on {row['waves']['slots']} slots); "
-            f"{len(low)} of {len(row['waves']['grid'])} grid points below"
+            f"{worst['context']} ({worst['blocks']} blocks on {row['waves']['slots']} slots, {worst['tile_times']} "
+            f"tile-times where {worst['fewest_tile_times']} would do); {len(low)} of {len(row['waves']['grid'])} "
+            "grid points"
         )
     return failures
 
@@ -454,9 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")
     parser.add_argument("--json", metavar="PATH", help="also write every figure (and the loop evidence) as JSON")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compiles")
+    parser.add_argument("--match", metavar="TEXT", help="only the cases whose name contains TEXT")
     args = parser.parse_args(argv)
 
-    rows = run(cases(args.quick), args.jobs)
+    rows = run([case for case in cases(args.quick) if not args.match or args.match in case.name], args.jobs)
     print(f"sm_90 (H100/H200: {SMS} SMs), Triton {triton.__version__}; ceiling = issue-bound decode bandwidth "
           f"(4 warp-instructions/clock/SM at 1.98 GHz) against the H200's {H200_TBPS} TB/s; last wave = worst over "
           f"batch {'/'.join(map(str, BATCHES))} x context {'/'.join(f'{c // 1024}k' for c in CONTEXTS)}")  # fmt: skip

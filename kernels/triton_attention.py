@@ -31,10 +31,10 @@ from .triton_launch import Launch, cdiv, compiled_occupancy, interpreting, launc
 from .view import KVView
 
 LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
-FP16_MAX = 65504.0
+FP16_MAX = tl.constexpr(65504.0)
 MIN_ROWS = 16  # tl.dot needs 16 rows
 PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
-REDUCE_ROWS = 16  # output rows one reduce program merges
+REDUCE_ELEMENTS = 2048  # of one reduce program's [rows, head_dim] accumulator: 16 rows spilled at head_dim 256
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
 
 
@@ -43,17 +43,16 @@ def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_S
                  NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """A tile of codes as DOT values: by the hardware (fp8 dtype in, exact) or, on int8-viewed codes, by exact
     bit operations giving value / fp16_factor (NaN codes read as NaN)."""
-    if HW_CONVERT:
-        return codes.to(DOT)
-    if IS_FLOAT:
+    if IS_FLOAT and not HW_CONVERT:  # (one return: Triton compiles the statements after a constexpr `if` anyway)
         bits = codes.to(tl.int16) << FP16_SHIFT  # sign-extended: the sign lands on bit 15
         if FP16_SHIFT == 7:  # e4m3: it landed on bit 14 too
             bits = bits & -0x4001  # ~0x4000 as int16
         values = bits.to(tl.float16, bitcast=True)
         if NAN_CODE >= 0:
             values = tl.where((codes.to(tl.int32) & NAN_MASK) == NAN_CODE, float("nan"), values)
-        return values.to(DOT)
-    return codes.to(DOT)
+    else:
+        values = codes
+    return values.to(DOT)
 
 
 @triton.jit
@@ -219,8 +218,8 @@ def _attention_kernel(
             slot = (t % slots).to(tl.int64)
         else:
             slot = (t - offset).to(tl.int64)
-        k = tl.load(k_ptr + slot[None, :] * c_st + d[:, None] * c_sd, mask=t_ok[None, :] & d_ok[:, None], other=0)
-        v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0)
+        k = tl.load(k_ptr + slot[None, :] * c_st + d[:, None] * c_sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         if PER_TOKEN_K:
             k_scale = tl.load(k_scale_ptr + slot * s_st, mask=t_ok, other=0.0)
         else:
@@ -388,13 +387,15 @@ def attention(
     return out
 
 
-def block_sizes(rows: int, head_dim: int) -> tuple[int, int, int, dict]:
+def block_sizes(rows: int, head_dim: int, masked: bool = False) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head."""
     block_d = next_power_of_2(head_dim)
     if rows > 64:  # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
-        return PREFILL_ROWS, 64 if block_d <= 128 else 32, block_d, dict(num_warps=8, STAGES=2)
+        block_n = 32 if masked or block_d > 128 else 64  # a [128, 64] mask tile spilled (gpu_static)
+        return PREFILL_ROWS, block_n, block_d, dict(num_warps=8, STAGES=3)
     block_m = max(MIN_ROWS, next_power_of_2(rows))
-    return block_m, 64 if block_d <= 128 else 32, block_d, dict(num_warps=4, STAGES=3)
+    block_n = 64
+    return block_m, block_n, block_d, dict(num_warps={64: 2, 256: 8}.get(block_d, 4), STAGES=3)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -422,10 +423,12 @@ def plan_attention(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     resident_slots: int | None = None,
+    cuda: bool | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches (attention, then the split reduce if any) that fill it.
-    `resident_slots` (SMs x blocks per SM) replaces the device's own for planning without a GPU."""
-    plan = AttentionPlan(query, view, mask, sinks, scaling, window, softcap, num_splits, resident_slots)
+    For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `cuda=True`
+    plans CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU."""
+    plan = AttentionPlan(query, view, mask, sinks, scaling, window, softcap, num_splits, resident_slots, cuda)
     return plan.launches(query, view, mask, sinks)
 
 
@@ -445,17 +448,17 @@ class AttentionPlan:
         softcap: float | None = None,
         num_splits: int | None = None,
         resident_slots: int | None = None,
+        cuda: bool | None = None,
     ):
         _check_attention(query, view, mask, sinks)
         batch, q_heads, q_len, head_dim = query.shape
         fmt = view.fmt
         self.kv_heads = view.codes.shape[2]
         group = q_heads // self.kv_heads
-        self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim)
+        self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim, mask is not None)
         self.row_blocks = cdiv(group * q_len, self.block_m)
-        self.hw_convert = (
-            query.is_cuda and not interpreting() and fmt.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        )
+        on_cuda = query.is_cuda if cuda is None else cuda
+        self.hw_convert = on_cuda and not interpreting() and fmt.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         code_factor = 1.0 if self.hw_convert or not fmt.is_float else fmt.fp16_factor
         dot = tl.float32 if query.dtype == torch.float32 else tl.float16
         # the fp16 decode of float codes is value / code_factor: the factor joins the score scale
@@ -530,11 +533,12 @@ class AttentionPlan:
         ), {**self.constexprs, "SPLIT": splits > 1})]  # fmt: skip
         if splits > 1:
             out_rows = batch * q_heads * q_len
-            launches.append(Launch(_reduce_kernel, (cdiv(out_rows, REDUCE_ROWS),), (
+            reduce_rows = min(MIN_ROWS, REDUCE_ELEMENTS // self.block_d)
+            launches.append(Launch(_reduce_kernel, (cdiv(out_rows, reduce_rows),), (
                 part_acc, part_stats, _or(sinks, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
                 splits,
             ), dict(
-                BLOCK_R=REDUCE_ROWS, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_D=self.block_d,
+                BLOCK_R=reduce_rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_D=self.block_d,
                 HAS_SINKS=sinks is not None, num_warps=4,
             )))  # fmt: skip
         return launches

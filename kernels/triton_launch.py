@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch.library import wrap_triton
 
-# sm_90 (H100 / H200) per-SM limits, for occupancy
-SM90 = dict(registers=65536, shared=233472, shared_per_block_reserved=1024, warps=64, blocks=32)
+# sm_90 (H100 / H200) per-SM limits, for occupancy: registers are allocated per warp in units of 256 from 4
+# sub-partitions; shared memory in 128-byte units, 1 KB reserved per block by CUDA
+SM90 = dict(registers=65536, shared=233472, reserved=1024, shared_unit=128, register_unit=256, warps=64, blocks=32)
 
 
 @dataclass
@@ -61,12 +62,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def blocks_per_sm(registers: int, shared: int, num_warps: int, limits: dict = SM90) -> int:
-    """Resident blocks per SM of a kernel using `registers` per thread and `shared` bytes per block."""
-    threads = num_warps * 32
-    by_registers = limits["registers"] // max(1, registers * threads)
-    by_shared = limits["shared"] // (shared + limits["shared_per_block_reserved"])
-    return max(1, min(by_registers, by_shared, limits["warps"] // num_warps, limits["blocks"]))
+def blocks_per_sm(registers: int, warps: int, shared: int, limits: dict = SM90) -> int:
+    """Blocks of `warps` warps resident on one SM for a kernel using `registers` per thread and `shared` bytes of
+    shared memory per block (CUDA's occupancy rules; 0 if none fits)."""
+    unit = limits["register_unit"]
+    warp_registers = -(-registers * 32 // unit) * unit
+    by_registers = 4 * (limits["registers"] // 4 // warp_registers) // warps
+    block_shared = -(-(shared + limits["reserved"]) // limits["shared_unit"]) * limits["shared_unit"]
+    return min(by_registers, limits["shared"] // block_shared, limits["warps"] // warps, limits["blocks"])
 
 
 def compiled_occupancy(launch: Launch, device: torch.device) -> int:
@@ -74,4 +77,4 @@ def compiled_occupancy(launch: Launch, device: torch.device) -> int:
     off the compiled kernel; compiling it now if needed)."""
     with torch.cuda.device(device):
         compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
-    return blocks_per_sm(compiled.n_regs, compiled.metadata.shared, launch.kwargs["num_warps"])
+    return max(1, blocks_per_sm(compiled.n_regs, launch.kwargs["num_warps"], compiled.metadata.shared))

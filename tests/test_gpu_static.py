@@ -170,13 +170,15 @@ def test_cp_async_wait_rule_on_written_sass():
 def test_budgets():
     report = gpu_static()
     loop = dict(instr_per_byte=0.2, instructions=400, unroll=1, tile_bytes=16384, tiles_in_flight=1, evidence="why")
-    worst = dict(efficiency=0.5, batch=2, context=32768, blocks=272)
-    waves = dict(slots=264, worst=worst, grid=[worst])
+    worst = dict(efficiency=0.5, batch=2, context=32768, blocks=272, tile_times=8, fewest_tile_times=5)
+    at_floor = dict(worst, efficiency=0.65, batch=1, context=4096, tile_times=2, fewest_tile_times=2)
+    waves = dict(slots=264, worst=worst, grid=[worst, at_floor])
     decode = dict(kind="decode", registers=98, warps=8, shared=22528, blocks_per_sm=2, spill_stores=0, spill_loads=0,
                   loop=loop, waves=waves)  # fmt: skip
     failures = report.budget_failures(decode)
     assert len(failures) == 3 and "0.200 SASS instructions per KV byte" in failures[0]
     assert "not pipelined, 1 tile in flight: why" in failures[1] and "last wave 50% < 85% at batch 2" in failures[2]
+    assert "1 of 2 grid points" in failures[2]  # an under-full wave at the tile-time floor is no miss
     full = dict(worst, efficiency=0.9)
     good = dict(
         decode, loop=dict(loop, instr_per_byte=0.15, tiles_in_flight=2), waves=dict(slots=264, worst=full, grid=[full])
