@@ -60,8 +60,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1152, help="text tokens: prefix + decoded")
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady times on a shared machine)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
     name, load = MODELS[args.model]
     model, tokenizer = load(dtype=torch.float32)
     text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()

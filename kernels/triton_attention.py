@@ -253,15 +253,10 @@ def _attention_kernel(
                 slot = first + n
                 t = end - 1 - (end - 1 - slot) % recent_slots  # the latest token of the slot's residue
                 t_ok = (slot < recent_slots) & (t >= recent_lo) & (t >= 0) & (t < end)
-                k = tl.load(recent_k_ptr + slot[None, :] * r_st + d[:, None] * r_sd,
-                            mask=t_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
-                v = tl.load(recent_v_ptr + slot[:, None] * r_st + d[None, :] * r_sd,
-                            mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-                visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
-                                      window, sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True)  # fmt: skip
-                acc, m_i, l_i = _attend_tile(
-                    q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
-                    True, False, HAS_SOFTCAP, PRECISION,
+                acc, m_i, l_i = _attend_full_precision(
+                    q, acc, m_i, l_i, recent_k_ptr, recent_v_ptr, slot, t, t_ok, r_st, r_sd, d, d_ok, fp_weight,
+                    q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
+                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, HAS_SOFTCAP, PRECISION, DOT,
                 )  # fmt: skip
         if HAS_SINK_TOKENS:
             sink_k_ptr += b * x_sb + kv_head * x_sh
@@ -270,15 +265,10 @@ def _attention_kernel(
                 slot = first + n
                 t = sink_lo + slot
                 t_ok = (t < sink_hi) & (t >= start)
-                k = tl.load(sink_k_ptr + slot[None, :] * x_st + d[:, None] * x_sd,
-                            mask=t_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
-                v = tl.load(sink_v_ptr + slot[:, None] * x_st + d[None, :] * x_sd,
-                            mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-                visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
-                                      window, sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False)  # fmt: skip
-                acc, m_i, l_i = _attend_tile(
-                    q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
-                    True, False, HAS_SOFTCAP, PRECISION,
+                acc, m_i, l_i = _attend_full_precision(
+                    q, acc, m_i, l_i, sink_k_ptr, sink_v_ptr, slot, t, t_ok, x_st, x_sd, d, d_ok, fp_weight,
+                    q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
+                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False, HAS_SOFTCAP, PRECISION, DOT,
                 )  # fmt: skip
 
     if SPLIT:
@@ -293,6 +283,22 @@ def _attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+
+
+@triton.jit
+def _attend_full_precision(
+    q, acc, m_i, l_i, k_ptr, v_ptr, slot, t, t_ok, st, sd, d, d_ok, fp_weight,
+    q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap,
+    HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, EXCLUDE_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """One tile of full-precision tokens (`slot`s of a recent or sink buffer, tokens `t`) into the softmax."""
+    k = tl.load(k_ptr + slot[None, :] * st + d[:, None] * sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * st + d[None, :] * sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                          sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, EXCLUDE_SINKS)  # fmt: skip
+    return _attend_tile(q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
+                        True, False, HAS_SOFTCAP, PRECISION)  # fmt: skip
 
 
 @triton.jit
