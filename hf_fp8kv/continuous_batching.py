@@ -119,13 +119,13 @@ def enable(
             f"recent_tokens={recent_tokens}, sink_tokens={sink_tokens}: continuous batching pages are pure FP8 (as in "
             "vLLM); a full-precision window is only available with QuantizedFP8Cache in generate"
         )
+    disable(model)  # enabling again starts from transformers' own state
     implementation = model.config._attn_implementation
     if implementation not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"attn_implementation={implementation!r} is not supported by FP8 continuous batching: load the model with "
             "attn_implementation='sdpa' or 'eager' (our attention replaces it for every layer)"
         )
-    disable(model)
     config = model.config.get_text_config(decoder=True)
     groups = group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
     layer_types = [None] * config.num_hidden_layers
