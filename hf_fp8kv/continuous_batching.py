@@ -22,6 +22,7 @@ import functools
 import logging
 import math
 import types
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
@@ -45,6 +46,7 @@ from transformers.generation.continuous_batching.utils import find_num_key_value
 from hf_fp8kv.attention import ATTENTION_NAME, fallback_implementation, use_fp8_attention
 from hf_fp8kv.cache import _validate_skip_layers, platform_dtype
 from hf_fp8kv.kernels.formats import StorageFormat, get_format
+from hf_fp8kv.kernels.ops import check_backend, resolve_backend
 from hf_fp8kv.kernels.reference import attention, dequantize_stacked, write_stacked
 from hf_fp8kv.layer import QuantizedKV
 from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, StaticScales, UncalibratedScalesWarning, resolve_scales
@@ -140,15 +142,11 @@ def enable(
     checkpoint = getattr(model.config, "_name_or_path", "") or None
     layer_scales, uncalibrated = resolve_scales(scales, fmt, quantized, config.num_hidden_layers, kv_heads, checkpoint)
     if uncalibrated:
-        import warnings
-
         warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=2)
     layouts = {
         i: RowLayout(fmt if i in layer_scales else None, layer_scales.get(i), kv_heads, head_dim, model.dtype)
         for i in range(config.num_hidden_layers)
     }
-    from hf_fp8kv.kernels.ops import check_backend
-
     settings = PagedSettings(fmt, layouts, check_backend(backend), implementation, uncalibrated)
     settings.stats = {i: torch.zeros(2, 2, dtype=torch.int64) for i in layer_scales}
     if not use_fp8_attention(model):
@@ -339,7 +337,7 @@ class FP8PagedAttentionCache(PagedAttentionCache):
         paged = allocator.write_and_view(
             key_states, value_states, layer_idx, kwargs["read_index"][allocator.index],
             kwargs["write_index"][allocator.index], kwargs["cu_seq_lens_q"],
-            kwargs["cu_seq_lens_k"][allocator.layer_type],
+            kwargs["cu_seq_lens_k"][allocator.layer_type], kwargs["max_length_q"],
         )  # fmt: skip
         return paged, paged
 
@@ -379,11 +377,13 @@ class FP8PagesMixin:
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
         total_blocks = cache_tensor.numel() // self.bytes_per_block
         self.page_rows: dict[int, torch.Tensor] = {}  # layer -> uint8 [blocks, 2 (K, V), page_size, row bytes]
+        self.layer_offsets: dict[int, int] = {}  # layer -> byte offset of its pages in a block
         offset = 0
         for layer_idx, layout in zip(self.layer_indices, self.layouts):
             size = (total_blocks, 2, self.tokens_per_page, layout.nbytes)
             strides = (self.bytes_per_block, self.tokens_per_page * layout.nbytes, layout.nbytes, 1)
             self.page_rows[layer_idx] = cache_tensor.as_strided(size, strides, offset)
+            self.layer_offsets[layer_idx] = offset
             offset += 2 * self.tokens_per_page * layout.nbytes
 
     def get_cache_for_block_table(self, layer_idx: int):
@@ -392,7 +392,8 @@ class FP8PagesMixin:
     def _locate(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return index // self.block_physical_stride, index % self.block_physical_stride
 
-    def write_and_view(self, key, value, layer_idx, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k):
+    def write_and_view(self, key, value, layer_idx, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
+                       max_length_q):  # fmt: skip
         """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` and return what
         the attention reads: per request, its past rows (by `read_index`) and its new rows."""
         layout = self.settings.layouts[layer_idx]
@@ -402,7 +403,7 @@ class FP8PagesMixin:
             self.has_nan[layer_idx] = True
         blocks, slots = self._locate(write_index)
         self.page_rows[layer_idx][blocks, :, slots] = rows.rows
-        return PagedKV(self, layer_idx, rows.rows, read_index, cu_seq_lens_q, cu_seq_lens_k)
+        return PagedKV(self, layer_idx, rows.rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
 
 class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
     """Full-attention layers on FP8 pages."""
@@ -471,9 +472,10 @@ class PagedKV(QuantizedKV):
     """One layer's pages for this step of a continuous batch: the FP8 attention function (`fp8kv`) calls
     `attend`, which reads each request's past rows through its read indices and its new rows."""
 
-    def __init__(self, allocator, layer_idx, new_rows, read_index, cu_seq_lens_q, cu_seq_lens_k):
+    def __init__(self, allocator, layer_idx, new_rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q):
         self.allocator, self.layer_idx, self.new_rows = allocator, layer_idx, new_rows
         self.read_index, self.cu_seq_lens_q, self.cu_seq_lens_k = read_index, cu_seq_lens_q, cu_seq_lens_k
+        self.max_length_q = max_length_q
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -499,6 +501,11 @@ class PagedKV(QuantizedKV):
         """`[1, q_heads, q_tokens, head_dim]`: each request's queries over its own tokens (causal, and the
         sliding window of a sliding layer), from the pages."""
         layout = self.allocator.settings.layouts[self.layer_idx]
+        triton_reads = layout.fmt is not None and softcap is None and sinks is None and (
+            layout.dynamic or layout.scales.key_channel is None
+        )
+        if triton_reads and resolve_backend(self.allocator.settings.backend, query.device) == "triton":
+            return self.attend_triton(query, scaling, layout)
         has_nan = self.allocator.has_nan[self.layer_idx]
         window = self.allocator.window
         out = torch.zeros_like(query)
@@ -512,6 +519,28 @@ class PagedKV(QuantizedKV):
                 softcap=softcap, sinks=sinks,
             ).to(query.dtype)  # fmt: skip
         return out
+
+    def attend_triton(self, query: torch.Tensor, scaling: float, layout: RowLayout) -> torch.Tensor:
+        """`attend` by the Triton paged kernel: per-request lengths stay on the device."""
+        from hf_fp8kv.kernels.triton_paged import paged_attention
+
+        cu_q = self.cu_seq_lens_q.to(torch.int32)
+        q_lens = cu_q[1:] - cu_q[:-1]
+        if self.read_index.numel():
+            cu_k = self.cu_seq_lens_k.to(torch.int32)
+            k_first, past = cu_k[:-1], cu_k[1:] - cu_k[:-1] - q_lens
+        else:
+            k_first = past = torch.zeros_like(q_lens)
+        static = None if layout.dynamic else (layout.scales.key.to(query.device), layout.scales.value.to(query.device))
+        allocator = self.allocator
+        out = paged_attention(
+            query[0].transpose(0, 1), allocator.cache_tensor, self.new_rows, self.read_index, cu_q, k_first, past,
+            fmt=layout.fmt, kv_heads=layout.kv_heads, layer_offset=allocator.layer_offsets[self.layer_idx],
+            bytes_per_block=allocator.bytes_per_block, block_stride=allocator.block_physical_stride,
+            page_size=allocator.tokens_per_page, scaling=scaling, window=allocator.window, static_scales=static,
+            max_q_len=self.max_length_q,
+        )  # fmt: skip
+        return out.transpose(0, 1)[None].to(query.dtype)
 
     def dequantized(self):
         raise RuntimeError("FP8 continuous batching pages are read by the fp8kv attention only")

@@ -162,6 +162,24 @@ def test_sliding_and_full_groups_match_generate(scales, skip):
     cb.disable(model)
 
 
+@pytest.mark.parametrize("scales", ["dynamic", 0.05])
+def test_triton_backend_reads_the_same_pages(scales):
+    """The Triton paged kernel (the interpreter here, CUDA on a GPU) through the whole batch: the same tokens as
+    the torch path, on a sliding and a full layer."""
+    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                       use_sliding_window=True, max_window_layers=0)  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 11, 19)]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        cb.enable(model, scales=scales, backend=backend)
+        outputs = model.generate_batch(inputs, generation_config=GREEDY,
+                                       continuous_batching_config=pages(page_size=4), warmup=False)  # fmt: skip
+        tokens[backend] = [o.generated_tokens for o in outputs.values()]
+    cb.disable(model)
+    assert tokens["triton"] == tokens["torch"]
+
+
 def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch):
     """Under one memory setting (transformers' max_memory_percent), FP8 pages give >= 1.9x the blocks of
     transformers' bf16 pages, and the scheduler admits correspondingly more requests."""
