@@ -23,7 +23,7 @@ import logging
 import math
 import types
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
@@ -43,13 +43,20 @@ from transformers.generation.continuous_batching.cache_allocators import (
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousMixin
 from transformers.generation.continuous_batching.utils import find_num_key_value_heads
 
-from hf_fp8kv.attention import ATTENTION_NAME, fallback_implementation, use_fp8_attention
+from hf_fp8kv.attention import ATTENTION_NAME, use_fp8_attention
 from hf_fp8kv.cache import _validate_skip_layers, platform_dtype
 from hf_fp8kv.kernels.formats import StorageFormat, get_format
 from hf_fp8kv.kernels.ops import check_backend, resolve_backend
 from hf_fp8kv.kernels.reference import attention, dequantize_stacked, write_stacked
 from hf_fp8kv.layer import QuantizedKV
-from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, StaticScales, UncalibratedScalesWarning, resolve_scales
+from hf_fp8kv.scales import (
+    CALIBRATION_WARNING,
+    LayerScales,
+    ScalesArg,
+    StaticScales,
+    UncalibratedScalesWarning,
+    resolve_scales,
+)
 
 TESTED_TRANSFORMERS = "5.24"
 SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
@@ -90,8 +97,8 @@ class PagedSettings:
     layouts: dict[int, RowLayout]
     backend: str
     previous_attention: str
-    uncalibrated: bool = False
-    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: int64 [2, 2] clipped / non-finite
+    uncalibrated: bool  # scales="auto" found no checkpoint scales: 1.0 (warned)
+    stats: dict[int, torch.Tensor]  # per quantized layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed
 
     def block_bytes(self, layers: Iterable[int], page_size: int) -> int:
         """Bytes of one block of `layers`: one page of K and V per layer."""
@@ -147,8 +154,8 @@ def enable(
         i: RowLayout(fmt if i in layer_scales else None, layer_scales.get(i), kv_heads, head_dim, model.dtype)
         for i in range(config.num_hidden_layers)
     }
-    settings = PagedSettings(fmt, layouts, check_backend(backend), implementation, uncalibrated)
-    settings.stats = {i: torch.zeros(2, 2, dtype=torch.int64) for i in layer_scales}
+    stats = {i: torch.zeros(2, 2, dtype=torch.int64) for i in layer_scales}
+    settings = PagedSettings(fmt, layouts, check_backend(backend), implementation, uncalibrated, stats)
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
     setattr(model, SETTINGS_ATTRIBUTE, settings)
@@ -173,8 +180,8 @@ def check_transformers_version(version: str | None = None) -> None:
     if version.split(".")[:2] != TESTED_TRANSFORMERS.split("."):
         raise RuntimeError(
             f"hf_fp8kv.continuous_batching relies on continuous-batching internals of transformers "
-            f"{TESTED_TRANSFORMERS}.x; transformers {version} is installed. Install transformers=={TESTED_TRANSFORMERS}.* "
-            "or use QuantizedFP8Cache with model.generate"
+            f"{TESTED_TRANSFORMERS}.x; transformers {version} is installed. Install "
+            f"transformers=={TESTED_TRANSFORMERS}.* or use QuantizedFP8Cache with model.generate"
         )
     from transformers.generation.continuous_batching import cache, continuous_api
 

@@ -163,8 +163,11 @@ def paged_attention(
     value_bytes = kv_heads * head_dim
     dynamic = static_scales is None
     if row_bytes != value_bytes + (4 * kv_heads if dynamic else 0):
-        raise ValueError(f"new_rows has rows of {row_bytes} bytes: expected {value_bytes} codes"
-                         f"{' + 4 scale bytes per KV head' if dynamic else ''} ({kv_heads} heads x {head_dim})")  # fmt: skip
+        scale_bytes = " + 4 scale bytes per KV head" if dynamic else ""
+        raise ValueError(
+            f"new_rows has rows of {row_bytes} bytes: expected {value_bytes} codes{scale_bytes} ({kv_heads} heads x "
+            f"{head_dim})"
+        )
     if q_heads % kv_heads:
         raise ValueError(f"query has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
     if query.stride(-1) != 1:
@@ -181,8 +184,10 @@ def paged_attention(
     k_scale, v_scale = static_scales if static_scales is not None else (out, out)
     code_factor = fmt.fp16_factor if fmt.is_float else 1.0  # the bit decode gives value / fp16_factor
     grid = (requests, q_heads, cdiv(max_q_len, BLOCK_M))
+    if not read_index.numel():  # no cached tokens this step: a placeholder the kernel never reads
+        read_index = past.new_zeros(1, dtype=torch.int64)
     _paged_attention_kernel[grid](
-        query, out, pages, new_rows, read_index if read_index.numel() else past.new_zeros(1, dtype=torch.int64), cu_seq_lens_q, k_first, past,
+        query, out, pages, new_rows, read_index, cu_seq_lens_q, k_first, past,
         k_scale, v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1), scaling, window or 0,
         layer_offset, bytes_per_block, block_stride, page_size, row_bytes, value_bytes, code_factor,
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16), BLOCK_M=BLOCK_M,

@@ -24,7 +24,7 @@ PROMPTS = [
     "pleasant to pronounce and why.",
     "Give me a synonym of happy.",
 ]
-NEW_TOKENS = 6
+NEW_TOKENS = 5
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
@@ -137,6 +137,9 @@ def test_streaming_from_the_manager(model_and_tokenizer):
         manager.stop(block=True, timeout=30)
         model.destroy_cached_continuous_batching_manager()
     assert isinstance(cache, cb.FP8PagedAttentionCache)
+    summary = cache.layer_summary()
+    assert len(summary) == model.config.num_hidden_layers and summary[0]["storage"] == "fp8_e4m3"
+    assert summary[0]["row_bytes"] == 3 * (64 + 4) and summary[0]["clipped"] == 0  # 3 KV heads x (64 codes + scale)
     assert len(seen) > 1 and all(len(a) < len(b) for a, b in zip(seen, seen[1:]))
     assert seen[-1] == next(iter(expected.values())).generated_tokens
 
