@@ -19,6 +19,7 @@ import time
 
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 from hf_fp8kv import continuous_batching
 from hf_fp8kv.bundled import load_smollm2
@@ -31,14 +32,12 @@ def prompts(vocab_size: int, count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(10, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def block_bytes(model, page_size: int, fp8: bool) -> int:
-    """Bytes of one whole-model block of `page_size` tokens: FP8 rows (codes + fp32 per-token-head scales) or
-    the model dtype."""
+def native_block_bytes(model, page_size: int) -> int:
+    """Bytes of one whole-model block of `page_size` tokens in transformers' pages (the model dtype)."""
     config = model.config
-    kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    row = kv_heads * (head_dim + 4) if fp8 else kv_heads * head_dim * model.dtype.itemsize
-    return config.num_hidden_layers * 2 * page_size * row
+    page = FullAttentionCacheAllocator.get_bytes_per_page(config.num_key_value_heads, head_dim, model.dtype, page_size)
+    return config.num_hidden_layers * page
 
 
 @torch.inference_mode()
@@ -78,10 +77,16 @@ def compare(model, budget_bytes: int, requests: int, new_tokens: int, page_size:
     for variant in ("native", "fp8"):
         fp8 = variant == "fp8"
         if fp8:
-            continuous_batching.enable(model, **{"scales": "dynamic", **enable_kwargs})
-        block = block_bytes(model, page_size, fp8)
+            settings = continuous_batching.enable(model, **{"scales": "dynamic", **enable_kwargs})
+            block = settings.block_bytes(range(model.config.num_hidden_layers), page_size)
+        else:
+            block = native_block_bytes(model, page_size)
         num_blocks = budget_bytes // block
+        longest = -(-(max(map(len, inputs)) + new_tokens) // page_size)
         try:
+            if num_blocks < longest:
+                raise ValueError(f"{budget_bytes} bytes hold {num_blocks} {variant} blocks; the longest request "
+                                 f"needs {longest}: raise the budget")  # fmt: skip
             serve(model, inputs[:2], 2, num_blocks, page_size)  # warm-up: first-call costs stay out of the figures
             result = serve(model, inputs, new_tokens, num_blocks, page_size)
         finally:

@@ -183,7 +183,7 @@ def test_triton_backend_reads_the_same_pages(scales):
     assert tokens["triton"] == tokens["torch"]
 
 
-def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch):
+def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
     """Under one memory setting (transformers' max_memory_percent), FP8 pages give >= 1.9x the blocks of
     transformers' bf16 pages, and the scheduler admits correspondingly more requests."""
     from transformers.generation.continuous_batching import cache
@@ -199,8 +199,10 @@ def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch):
     native = cache.PagedAttentionCache(config, ContinuousBatchingConfig(**setting), "cpu", helper, dtype=torch.bfloat16)
     for scales, least in (("dynamic", 1.9), (0.05, 2.0)):
         settings = cb.enable(model, scales=scales)
-        fp8 = cb.FP8PagedAttentionCache(settings, config, ContinuousBatchingConfig(**setting), "cpu", helper,
-                                        dtype=torch.bfloat16)  # fmt: skip
+        with caplog.at_level("INFO", logger="hf_fp8kv.continuous_batching"):
+            fp8 = cb.FP8PagedAttentionCache(settings, config, ContinuousBatchingConfig(**setting), "cpu", helper,
+                                            dtype=torch.bfloat16)  # fmt: skip
+        assert f"{fp8.capacity_ratio:.2f}x the tokens" in caplog.text
         assert fp8.num_blocks >= least * native.num_blocks
         assert fp8.native_num_blocks == native.num_blocks and fp8.capacity_ratio == fp8.num_blocks / native.num_blocks
         request = {name: 4 for name in fp8.cache_allocators}  # 64-token requests
