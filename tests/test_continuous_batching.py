@@ -98,6 +98,44 @@ def test_tight_page_budget_queues_and_completes_every_request(model_and_tokenize
     assert [o.generated_tokens for o in tight.values()] == [o.generated_tokens for o in roomy.values()]
 
 
+def test_preempted_requests_complete_with_the_same_tokens():
+    """Requests that outgrow a tiny page budget while decoding are preempted (freed and recomputed: the CPU swap
+    pool needs pinned memory, a GPU) and still give the tokens of a roomy run."""
+    model = tiny_model("llama")
+    cb.enable(model, scales="dynamic")
+    generator = torch.Generator().manual_seed(2)
+    inputs = [torch.randint(3, 128, (6,), generator=generator).tolist() for _ in range(4)]
+    greedy = GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def run(**config):
+        manager = model.init_continuous_batching(generation_config=greedy, continuous_batching_config=pages(
+            page_size=4, allow_block_sharing=False, **config))  # fmt: skip
+        manager.warmup()  # builds the batch processor before the loop starts
+        offloads = []
+        offloading = manager.batch_processor.offloading_manager
+        offload_requests = offloading.offload_requests
+        offloading.offload_requests = lambda: offloads.append(1) or offload_requests()
+        manager.start()
+        try:
+            ids = manager.add_requests(inputs)
+            results = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=60)
+                assert result is not None, "the manager stopped before every request finished"
+                if result.is_finished():
+                    results[result.request_id] = result
+        finally:
+            manager.stop(block=True, timeout=30)
+            model.destroy_cached_continuous_batching_manager()
+        return [results[i].generated_tokens for i in ids], len(offloads)
+
+    roomy, _ = run()
+    tight, preemptions = run(num_blocks=12)  # 5 blocks per finished request: at most 2 at a time
+    cb.disable(model)
+    assert preemptions > 0
+    assert tight == roomy
+
+
 def test_cancelled_request_releases_its_pages(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=pages())
