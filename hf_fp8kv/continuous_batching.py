@@ -4,8 +4,9 @@
 scales: the same paged cache, scheduler and allocators as transformers (their sectors, blocks, read and write
 indices, sliding-window rings), with pages about half as large, so about twice the tokens fit in the same memory.
 New tokens are quantized by our write path (`write_stacked`, the bits `QuantizedFP8Cache` writes) and every layer
-is read by our attention, one request at a time, through the request's read indices: only the pages a request
-reads are decoded, never a full-precision copy of the cache.
+is read by our attention through each request's read indices: the Triton paged kernel reads the rows in place
+(`kernels/triton_paged.py`, CUDA), the torch path decodes one request's rows at a time (CPU); never a
+full-precision copy of the cache.
 
 A page row is one token's keys (or values) of one layer: `[codes of every KV head | fp32 scale per head]`
 (per-token-head scales), `[codes]` (static scales) or the model-dtype values (layers in `skip_layers`). A block
@@ -271,6 +272,7 @@ class FP8MemoryHandler(PagedAttentionMemoryHandler):
     @property
     def fixed_overhead_bytes(self) -> int:
         return super().fixed_overhead_bytes + self.request_read_bytes
+
 
 def _native_sectors(config, cb_config, dtype, native_block_bytes, model_supports_logits_to_keep) -> tuple[int, int]:
     """Sectors (and bytes per sector) that transformers' own pages get from a memory setting, as it sizes them."""
