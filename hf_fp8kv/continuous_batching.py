@@ -81,6 +81,11 @@ class RowLayout:
         return self.fmt is not None and not isinstance(self.scales, StaticScales)
 
     @property
+    def key_channel(self) -> torch.Tensor | None:
+        """Static per-channel key scales `[kv_heads, head_dim]` (keys are stored divided by them), if any."""
+        return getattr(self.scales, "key_channel", None)
+
+    @property
     def value_bytes(self) -> int:
         itemsize = 1 if self.fmt is not None else self.dtype.itemsize
         return self.kv_heads * self.head_dim * itemsize
@@ -99,7 +104,6 @@ class PagedSettings:
     backend: str
     previous_attention: str
     uncalibrated: bool  # scales="auto" found no checkpoint scales: 1.0 (warned)
-    stats: dict[int, torch.Tensor]  # per quantized layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed
 
     def block_bytes(self, layers: Iterable[int], page_size: int) -> int:
         """Bytes of one block of `layers`: one page of K and V per layer."""
@@ -155,8 +159,7 @@ def enable(
         i: RowLayout(fmt if i in layer_scales else None, layer_scales.get(i), kv_heads, head_dim, model.dtype)
         for i in range(config.num_hidden_layers)
     }
-    stats = {i: torch.zeros(2, 2, dtype=torch.int64) for i in layer_scales}
-    settings = PagedSettings(fmt, layouts, check_backend(backend), implementation, uncalibrated, stats)
+    settings = PagedSettings(fmt, layouts, check_backend(backend), implementation, uncalibrated)
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
     setattr(model, SETTINGS_ATTRIBUTE, settings)
@@ -352,16 +355,17 @@ class FP8PagedAttentionCache(PagedAttentionCache):
 
     def layer_summary(self) -> list[dict]:
         """Per layer: storage, scale kind, page row bytes, clipped and non-finite counts so far."""
+        stats = {i: counts for allocator in self.cache_allocators.values() for i, counts in allocator.stats.items()}
         rows = []
         for i, layout in self.settings.layouts.items():
-            stats = self.settings.stats.get(i)
+            counts = stats.get(i)
             rows.append({
                 "layer": i,
                 "storage": layout.fmt.name if layout.fmt else f"skipped ({layout.dtype})",
                 "scales": ("per-token-head" if layout.dynamic else "static") if layout.fmt else "-",
                 "row_bytes": layout.nbytes,
-                "clipped": int(stats[:, 0].sum()) if stats is not None else 0,
-                "non-finite": int(stats[:, 1].sum()) if stats is not None else 0,
+                "clipped": int(counts[:, 0].sum()) if counts is not None else 0,
+                "non-finite": int(counts[:, 1].sum()) if counts is not None else 0,
             })  # fmt: skip
         return rows
 
@@ -394,6 +398,15 @@ class FP8PagesMixin:
             self.page_rows[layer_idx] = cache_tensor.as_strided(size, strides, offset)
             self.layer_offsets[layer_idx] = offset
             offset += 2 * self.tokens_per_page * layout.nbytes
+        device = cache_tensor.device
+        quantized = [(i, layout) for i, layout in zip(self.layer_indices, self.layouts) if layout.fmt is not None]
+        # per layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed over every write
+        self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i, _ in quantized}
+        self.static_scales = {  # per layer with static scales: fp32 [2 (K, V), kv_heads]
+            i: torch.stack((layout.scales.key, layout.scales.value)).to(device)
+            for i, layout in quantized
+            if not layout.dynamic
+        }
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("FP8 pages have no block-table view: they are read through read indices")
@@ -406,18 +419,29 @@ class FP8PagesMixin:
         """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` and return what
         the attention reads: per request, its past rows (by `read_index`) and its new rows."""
         layout = self.settings.layouts[layer_idx]
+        if layout.key_channel is not None:
+            key = key / layout.key_channel.to(key.device)[None, :, None, :]
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
-        rows = encode_rows(states, layout, self.settings.stats.get(layer_idx))
-        if layout.fmt is not None and rows.nonfinite:
-            self.has_nan[layer_idx] = True
+        static = self.static_scales.get(layer_idx)
+        if layout.fmt is not None and resolve_backend(self.settings.backend, states.device) == "triton":
+            from hf_fp8kv.kernels.triton_paged import encode_rows as triton_encode_rows
+
+            pair = None if static is None else (static[0], static[1])
+            rows = triton_encode_rows(states, layout.fmt, self.stats[layer_idx], pair)
+            self.has_nan[layer_idx] = True  # not known without a sync; only the torch decode needs it
+        else:
+            rows, nonfinite = encode_rows(states, layout, self.stats.get(layer_idx), static)
+            self.has_nan[layer_idx] |= nonfinite
         blocks, slots = self._locate(write_index)
-        self.page_rows[layer_idx][blocks, :, slots] = rows.rows
-        return PagedKV(self, layer_idx, rows.rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        self.page_rows[layer_idx][blocks, :, slots] = rows
+        return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+
 
 class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
     """Full-attention layers on FP8 pages."""
 
     window = None
+
 
 class FP8SlidingAttentionAllocator(FP8PagesMixin, SlidingAttentionCacheAllocator):
     """Sliding-window layers on FP8 pages (a ring of `sliding_window` slots per request, as transformers)."""
@@ -428,52 +452,42 @@ class FP8SlidingAttentionAllocator(FP8PagesMixin, SlidingAttentionCacheAllocator
 
 
 # --- rows: encode and decode -----------------------------------------------------------------------------------
-@dataclass
-class EncodedRows:
-    rows: torch.Tensor  # uint8 [tokens, 2, row bytes]
-    nonfinite: bool
-
-
-def encode_rows(states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None) -> EncodedRows:
+def encode_rows(
+    states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None, static: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
     """Page rows `[tokens, 2, row bytes]` of `states` (`[2, kv_heads, tokens, head_dim]`): codes and scales
-    written by `write_stacked` (the bits `QuantizedFP8Cache` stores), or the model-dtype values of a skipped layer."""
+    written by `write_stacked` (the bits `QuantizedFP8Cache` stores; `static`: `[2, kv_heads]` scales, None for
+    per-token-head ones), or the model-dtype values of a skipped layer; and whether an input was non-finite."""
     tokens = states.shape[2]
     rows = torch.empty(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
     if layout.fmt is None:
         values = rows.view(layout.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
         values.copy_(states.permute(2, 0, 1, 3))
-        return EncodedRows(rows, False)
+        return rows, False
     codes = rows[..., : layout.value_bytes].view(layout.fmt.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
     codes = codes.permute(1, 2, 0, 3)  # [2, kv_heads, tokens, head_dim], a view of the rows
-    if layout.dynamic:
+    if static is None:
         scale = rows[..., layout.value_bytes :].view(torch.float32).permute(1, 2, 0)[..., None]
     else:
-        scale = static_scale(layout, states.device)
-    stats = stats if stats is not None else torch.zeros(2, 2, dtype=torch.int64)
-    nonfinite = write_stacked(states, codes, scale, layout.fmt, layout.dynamic, stats)
-    return EncodedRows(rows, nonfinite)
+        scale = static[:, :, None, None]
+    return rows, write_stacked(states, codes, scale, layout.fmt, static is None, stats)
 
 
-def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool) -> torch.Tensor:
+def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static: torch.Tensor | None) -> torch.Tensor:
     """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]`."""
     if layout.fmt is None:
         values = rows.view(layout.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
         return values.permute(1, 2, 0, 3).float()
     codes = rows[..., : layout.value_bytes].view(layout.fmt.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
     codes = codes.permute(1, 2, 0, 3)
-    if layout.dynamic:
+    if static is None:
         scale = rows[..., layout.value_bytes :].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
     else:
-        scale = static_scale(layout, rows.device)
+        scale = static[:, :, None, None]
     kv = dequantize_stacked(codes, scale, layout.fmt, has_nan)
-    if isinstance(layout.scales, StaticScales) and layout.scales.key_channel is not None:
-        kv[0] *= layout.scales.key_channel.to(kv.device)[:, None, :]
+    if layout.key_channel is not None:
+        kv[0] *= layout.key_channel.to(kv.device)[:, None, :]
     return kv
-
-
-def static_scale(layout: RowLayout, device: torch.device) -> torch.Tensor:
-    """The layer's static K/V scales as `[2, kv_heads, 1, 1]` (broadcasting against `[2, kv_heads, tokens, D]`)."""
-    return torch.stack((layout.scales.key, layout.scales.value)).to(device)[:, :, None, None]
 
 
 # --- what the attention reads ----------------------------------------------------------------------------------
@@ -510,9 +524,7 @@ class PagedKV(QuantizedKV):
         """`[1, q_heads, q_tokens, head_dim]`: each request's queries over its own tokens (causal, and the
         sliding window of a sliding layer), from the pages."""
         layout = self.allocator.settings.layouts[self.layer_idx]
-        triton_reads = layout.fmt is not None and softcap is None and sinks is None and (
-            layout.dynamic or layout.scales.key_channel is None
-        )
+        triton_reads = layout.fmt is not None and softcap is None and sinks is None and layout.key_channel is None
         if triton_reads and resolve_backend(self.allocator.settings.backend, query.device) == "triton":
             return self.attend_triton(query, scaling, layout)
         has_nan = self.allocator.has_nan[self.layer_idx]
@@ -522,7 +534,7 @@ class PagedKV(QuantizedKV):
             rows = self.new_rows[q_first : q_first + q_len]
             if past:
                 rows = torch.cat((self.past_rows(k_first, past), rows))
-            kv = decode_rows(rows, layout, has_nan)
+            kv = decode_rows(rows, layout, has_nan, self.allocator.static_scales.get(self.layer_idx))
             out[:, :, q_first : q_first + q_len] = attention(
                 query[:, :, q_first : q_first + q_len], kv[0][None], kv[1][None], scaling=scaling, window=window,
                 softcap=softcap, sinks=sinks,
@@ -540,8 +552,9 @@ class PagedKV(QuantizedKV):
             k_first, past = cu_k[:-1], cu_k[1:] - cu_k[:-1] - q_lens
         else:
             k_first = past = torch.zeros_like(q_lens)
-        static = None if layout.dynamic else (layout.scales.key.to(query.device), layout.scales.value.to(query.device))
         allocator = self.allocator
+        static = allocator.static_scales.get(self.layer_idx)
+        static = None if static is None else (static[0], static[1])
         out = paged_attention(
             query[0].transpose(0, 1), allocator.cache_tensor, self.new_rows, self.read_index, cu_q, k_first, past,
             fmt=layout.fmt, kv_heads=layout.kv_heads, layer_offset=allocator.layer_offsets[self.layer_idx],

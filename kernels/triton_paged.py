@@ -1,4 +1,5 @@
-"""Triton attention over paged FP8 rows (continuous batching): varlen queries, keys read through read indices.
+"""Triton kernels over paged FP8 rows (continuous batching): the row encoder, and attention with varlen queries
+and keys read through read indices.
 
 Layout (see `hf_fp8kv/continuous_batching.py`): a page row is one token's keys (or values) of one layer,
 `[codes of every KV head | fp32 scale per KV head]` (per-token-head scales) or `[codes]` (static scales). The
@@ -23,10 +24,13 @@ import triton.language as tl
 from .formats import StorageFormat
 from .triton_attention import decode_codes
 from .triton_launch import cdiv, next_power_of_2
+from .triton_write import encode, encoding
 
 LOG2E = tl.constexpr(math.log2(math.e))
 BLOCK_M = 16
 BLOCK_N = 32
+BLOCK_T = 16  # tokens per program of the row encoder
+TINY_SCALE = 2.0**-126  # reference.TINY_SCALE: an all-zero row's scale
 
 
 @triton.jit
@@ -38,6 +42,74 @@ def _row_scale(row_ptr, ok, value_bytes, kv_head):
     bits |= tl.load(base + 2, mask=ok, other=0).to(tl.int32) << 16
     bits |= tl.load(base + 3, mask=ok, other=0).to(tl.int32) << 24
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _encode_rows_kernel(
+    states_ptr, rows_ptr, stats_ptr, k_scale_ptr, v_scale_ptr, s_sp, s_sh, s_st, tokens, row_bytes, value_bytes,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, DYNAMIC: tl.constexpr, CLIP: tl.constexpr,
+    IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
+    NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
+    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
+):  # fmt: skip
+    """One KV head of one plane (keys / values) of `BLOCK_T` tokens: codes (and per-token-head scale bytes)
+    into the rows; clipped and non-finite counts added to `stats_ptr` (int64 `[2, 2]`)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    plane = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < tokens
+    valid = t_ok[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(states_ptr + plane * s_sp + head * s_sh + t.to(tl.int64)[:, None] * s_st + d[None, :], mask=valid,
+                other=0.0).to(tl.float32)  # fmt: skip
+    row = rows_ptr + t.to(tl.int64) * 2 * row_bytes + plane * row_bytes
+    if DYNAMIC:
+        magnitude = tl.abs(x)
+        amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN and inf ignored
+        scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), TINY_SCALE)
+        bits = scale.to(tl.int32, bitcast=True)
+        for byte in tl.static_range(4):
+            tl.store(row + value_bytes + 4 * head + byte, ((bits >> (8 * byte)) & 0xFF).to(tl.uint8), mask=t_ok)
+        y = tl.math.div_rn(x, scale[:, None])
+    else:
+        scale = tl.where(plane == 0, tl.load(k_scale_ptr + head), tl.load(v_scale_ptr + head))
+        y = tl.math.div_rn(x, scale)
+    n_clipped = tl.sum(tl.where(valid & (tl.abs(y) > CLIP), 1, 0))
+    tl.atomic_add(stats_ptr + plane * 2, n_clipped.to(tl.int64), mask=n_clipped > 0)
+    n_nonfinite = tl.sum(tl.where(valid & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0))
+    tl.atomic_add(stats_ptr + plane * 2 + 1, n_nonfinite.to(tl.int64), mask=n_nonfinite > 0)
+    code = encode(y, IS_FLOAT, MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
+                  SIGNED_ZERO)  # fmt: skip
+    tl.store(row[:, None] + head * HEAD_DIM + d[None, :], code.to(tl.uint8), mask=valid)
+
+
+def encode_rows(
+    states: torch.Tensor,
+    fmt: StorageFormat,
+    stats: torch.Tensor,
+    static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Page rows `[tokens, 2, row_bytes]` (uint8) of `states` (`[2, kv_heads, tokens, head_dim]`, keys then
+    values): codes of every KV head, then (per-token-head scales, `static_scales` None) one fp32 scale per head;
+    bit-identical to `reference.write_stacked`. Adds clipped and non-finite counts to `stats` (int64 `[2, 2]`,
+    on the states' device)."""
+    _, kv_heads, tokens, head_dim = states.shape
+    if states.stride(-1) != 1:
+        raise ValueError("states must be contiguous in its last dim (head_dim)")
+    dynamic = static_scales is None
+    value_bytes = kv_heads * head_dim
+    row_bytes = value_bytes + (4 * kv_heads if dynamic else 0)
+    rows = torch.empty(tokens, 2, row_bytes, dtype=torch.uint8, device=states.device)
+    if tokens == 0:
+        return rows
+    k_scale, v_scale = static_scales if static_scales is not None else (stats, stats)
+    constants = encoding(fmt)
+    _encode_rows_kernel[(cdiv(tokens, BLOCK_T), kv_heads, 2)](
+        states, rows, stats, k_scale, v_scale, states.stride(0), states.stride(1), states.stride(2), tokens,
+        row_bytes, value_bytes, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T,
+        DYNAMIC=dynamic, CLIP=fmt.clip_bound, **constants,
+    )  # fmt: skip
+    return rows
 
 
 @triton.jit

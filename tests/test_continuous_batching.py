@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from hf_fp8kv import QuantizedFP8Cache, UncalibratedScalesWarning
+from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning
 from hf_fp8kv import continuous_batching as cb
 from hf_fp8kv.evaluate import greedy_with_logits, topk_rule
 from tests.models import smollm2, tiny_model
@@ -201,6 +201,32 @@ def test_sliding_and_full_groups_match_generate(scales, skip):
         expected = ref[0, len(ids) :].tolist()  # generate stops at EOS, the batch (eos -1) goes on
         assert output.generated_tokens[: len(expected)] == expected
     cb.disable(model)
+
+
+def test_static_per_channel_key_scales_match_generate():
+    """Calibrated static scales with per-channel key scales (keys stored divided by them, read back multiplied):
+    the batch's logits are generate's with QuantizedFP8Cache, step by step."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(4)
+    channel = torch.rand(2, 16, generator=generator) + 0.5  # [kv_heads, head_dim]
+    scales = KVScales(key={0: torch.tensor(0.02), 1: torch.tensor(0.03)}, value={0: torch.tensor(0.01),
+                      1: torch.tensor(0.02)}, key_channel={0: channel, 1: channel * 2})  # fmt: skip
+    ids = torch.randint(3, 128, (9,), generator=generator).tolist()
+    cb.enable(model, scales=scales)
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0, -1].float()))
+    try:
+        model.generate_batch([ids], generation_config=GREEDY, continuous_batching_config=pages(page_size=4),
+                             warmup=False)  # fmt: skip
+    finally:
+        hook.remove()
+        cb.disable(model)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             cache=QuantizedFP8Cache(model, scales=scales), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
+    ref_logits = torch.stack(ref.logits)[:, 0].float()
+    assert torch.allclose(torch.stack(logits[: len(ref_logits)]), ref_logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("scales", ["dynamic", 0.05])

@@ -10,7 +10,7 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.triton_paged import paged_attention
+from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE_SIZE = 4
@@ -113,3 +113,32 @@ def test_rows_of_the_wrong_size_are_refused():
     with pytest.raises(ValueError, match="rows of 40 bytes"):
         paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt, scaling=1.0,
                         static_scales=(torch.ones(2), torch.ones(2)), **layout)  # fmt: skip
+
+
+EDGES = [0.0, -0.0, 1e-30, -1e-30, 447.0, 449.0, 1e30, -1e30, math.inf, -math.inf, math.nan, 2.0**-10, 0.5, -2.5]
+
+
+@pytest.mark.parametrize("name, dynamic", [(name, dynamic) for name, fmt in FORMATS.items()
+                                           for dynamic in (True, False) if dynamic or not fmt.per_token_only])
+def test_encoded_rows_are_the_reference_bits(name, dynamic):
+    """The Triton row encoder against `reference.write_stacked` (what the CPU path stores): the same bytes, the
+    same clipped and non-finite counts, edge values included."""
+    fmt = FORMATS[name]
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, tokens, head_dim = 3, 21, 24
+    states = torch.randn(2, kv_heads, tokens, head_dim, generator=generator) * 40
+    states[0, 1, 4, : len(EDGES)] = torch.tensor(EDGES)
+    states[1, 2, 7] = 0.0  # an all-zero row: the tiny scale
+    static = None if dynamic else (torch.tensor([0.5, 0.02, 1.0]), torch.tensor([0.1, 0.3, 0.05]))
+    want_stats = torch.zeros(2, 2, dtype=torch.int64)
+    want = torch.zeros(tokens, 2, kv_heads * head_dim + (4 * kv_heads if dynamic else 0), dtype=torch.uint8)
+    codes = want[..., : kv_heads * head_dim].view(fmt.dtype).unflatten(-1, (kv_heads, head_dim)).permute(1, 2, 0, 3)
+    if dynamic:
+        scale = want[..., kv_heads * head_dim :].view(torch.float32).permute(1, 2, 0)[..., None]
+    else:
+        scale = torch.stack(static)[:, :, None, None]
+    reference.write_stacked(states, codes, scale, fmt, dynamic, want_stats)
+    stats = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    rows = encode_rows(states.to(DEVICE), fmt, stats, tuple(s.to(DEVICE) for s in static) if static else None)
+    assert torch.equal(rows.cpu(), want)
+    assert torch.equal(stats.cpu(), want_stats) and want_stats[0, 1] == 3  # inf, -inf, NaN
