@@ -302,6 +302,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
 
     def __init__(self, settings: PagedSettings, config, continuous_batching_config, device, distributed_helper,
                  dtype=torch.float16, model_supports_logits_to_keep=False):  # fmt: skip
+        if distributed_helper.tp_size > 1:
+            raise NotImplementedError("FP8 pages under tensor parallelism are not supported: run on one device")
         self.settings = settings
         page_size = continuous_batching_config.page_size
         num_layers = config.num_hidden_layers
@@ -522,7 +524,8 @@ class PagedKV(QuantizedKV):
 
     def attend(self, query, *, scaling, mask=None, window=None, softcap=None, sinks=None, **kwargs) -> torch.Tensor:
         """`[1, q_heads, q_tokens, head_dim]`: each request's queries over its own tokens (causal, and the
-        sliding window of a sliding layer), from the pages."""
+        sliding window of a sliding layer), from the pages. The window is the layer group's, as transformers'
+        allocator keeps it (the model's `sliding_window` argument names the same one)."""
         layout = self.allocator.settings.layouts[self.layer_idx]
         triton_reads = layout.fmt is not None and softcap is None and sinks is None and layout.key_channel is None
         if triton_reads and resolve_backend(self.allocator.settings.backend, query.device) == "triton":
