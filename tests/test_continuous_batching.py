@@ -25,6 +25,7 @@ PROMPTS = [
     "Give me a synonym of happy.",
 ]
 NEW_TOKENS = 5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: CUDA, else the interpreter
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
@@ -234,7 +235,7 @@ def test_triton_backend_reads_the_same_pages(scales):
     """The Triton paged kernel (the interpreter here, CUDA on a GPU) through the whole batch: the same tokens as
     the torch path, on a sliding and a full layer."""
     model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-                       use_sliding_window=True, max_window_layers=0)  # fmt: skip
+                       use_sliding_window=True, max_window_layers=0).to(DEVICE)  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 11, 19)]
     tokens = {}
