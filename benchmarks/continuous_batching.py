@@ -46,10 +46,11 @@ def serve(model, inputs: list[list[int]], new_tokens: int, num_blocks: int, page
     batch_sizes, decode_sizes = [], []
 
     def count(module, args, kwargs):
-        cu_q = kwargs["cu_seq_lens_q"]
-        batch_sizes.append(len(cu_q) - 1)
-        if kwargs["input_ids"].shape[1] == len(cu_q) - 1:  # one token per request: a pure decode forward
-            decode_sizes.append(len(cu_q) - 1)
+        lengths = kwargs["cu_seq_lens_q"].diff()
+        lengths = lengths[lengths > 0]  # padded batches (CUDA graphs) end with empty sequences
+        batch_sizes.append(len(lengths))
+        if int(lengths.max()) == 1:  # one token per request: a pure decode forward
+            decode_sizes.append(len(lengths))
 
     hook = model.register_forward_pre_hook(count, with_kwargs=True)
     config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=512,
