@@ -1,0 +1,572 @@
+"""Continuous batching (`model.generate_batch`, `model.init_continuous_batching`) over FP8 pages.
+
+`enable(model, ...)` makes the model's continuous batching store each layer's K/V pages as FP8 codes plus
+scales: the same paged cache, scheduler and allocators as transformers (their sectors, blocks, read and write
+indices, sliding-window rings), with pages about half as large, so about twice the tokens fit in the same memory.
+New tokens are quantized by our write path (`write_stacked`, the bits `QuantizedFP8Cache` writes) and every layer
+is read by our attention through each request's read indices: the Triton paged kernel reads the rows in place
+(`kernels/triton_paged.py`, CUDA), the torch path decodes one request's rows at a time (CPU); never a
+full-precision copy of the cache.
+
+A page row is one token's keys (or values) of one layer: `[codes of every KV head | fp32 scale per head]`
+(per-token-head scales), `[codes]` (static scales) or the model-dtype values (layers in `skip_layers`). A block
+is one page per layer of its attention group, laid out inside the block's bytes, so transformers' sectors,
+block copies (forks, CPU offloading) and index arithmetic stay as they are.
+
+These are transformers internals, not public API: `enable` checks the version (`TESTED_TRANSFORMERS`) and the
+names it relies on, and refuses anything else with an error naming the version.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import types
+import warnings
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+import transformers
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cache import (
+    PagedAttentionCache,
+    PagedAttentionMemoryHandler,
+    group_layers_by_attn_type,
+)
+from transformers.generation.continuous_batching.cache_allocators import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    FullAttentionCacheAllocator,
+    SlidingAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousMixin
+from transformers.generation.continuous_batching.utils import find_num_key_value_heads
+
+from hf_fp8kv.attention import ATTENTION_NAME, use_fp8_attention
+from hf_fp8kv.cache import _validate_skip_layers, platform_dtype
+from hf_fp8kv.kernels.formats import StorageFormat, get_format
+from hf_fp8kv.kernels.ops import check_backend, resolve_backend
+from hf_fp8kv.kernels.reference import attention, dequantize_stacked, write_stacked
+from hf_fp8kv.layer import QuantizedKV
+from hf_fp8kv.scales import (
+    CALIBRATION_WARNING,
+    LayerScales,
+    ScalesArg,
+    StaticScales,
+    UncalibratedScalesWarning,
+    resolve_scales,
+)
+
+TESTED_TRANSFORMERS = "5.24"
+SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
+SETTINGS_ATTRIBUTE = "_fp8kv_paged_settings"
+logger = logging.getLogger(__name__)
+
+
+# --- what each layer stores ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowLayout:
+    """One token's keys (or values) of one layer in a page: its codes, then its scales (per-token-head only)."""
+
+    fmt: StorageFormat | None  # None: the model dtype (a skipped layer)
+    scales: LayerScales | None
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model dtype
+
+    @property
+    def dynamic(self) -> bool:
+        return self.fmt is not None and not isinstance(self.scales, StaticScales)
+
+    @property
+    def key_channel(self) -> torch.Tensor | None:
+        """Static per-channel key scales `[kv_heads, head_dim]` (keys are stored divided by them), if any."""
+        return getattr(self.scales, "key_channel", None)
+
+    @property
+    def value_bytes(self) -> int:
+        itemsize = 1 if self.fmt is not None else self.dtype.itemsize
+        return self.kv_heads * self.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.value_bytes + (4 * self.kv_heads if self.dynamic else 0)
+
+
+@dataclass
+class PagedSettings:
+    """What `enable` resolved: one row layout per layer, and the attention implementation it replaced."""
+
+    fmt: StorageFormat
+    layouts: dict[int, RowLayout]
+    backend: str
+    previous_attention: str
+    uncalibrated: bool  # scales="auto" found no checkpoint scales: 1.0 (warned)
+
+    def block_bytes(self, layers: Iterable[int], page_size: int) -> int:
+        """Bytes of one block of `layers`: one page of K and V per layer."""
+        return sum(2 * page_size * self.layouts[i].nbytes for i in layers)
+
+
+# --- enable / disable ------------------------------------------------------------------------------------------
+def enable(
+    model: torch.nn.Module,
+    *,
+    kv_cache_dtype: str = "fp8",
+    scales: ScalesArg = "auto",
+    skip_layers: str | Iterable[int | str] = (),
+    backend: str | None = None,
+    recent_tokens: int = 0,
+    sink_tokens: int = 0,
+) -> PagedSettings:
+    """Make `model.generate_batch(...)` and `model.init_continuous_batching(...)` store K/V pages in FP8.
+
+    The arguments are `QuantizedFP8Cache`'s (`kv_cache_dtype`, `scales`, `skip_layers`, `backend`); pages are
+    pure FP8 as in vLLM, so `recent_tokens` and `sink_tokens` must be 0. Calling `enable` again replaces the
+    settings; `disable(model)` restores transformers' own pages. Returns the resolved settings.
+    """
+    check_transformers_version()
+    if recent_tokens or sink_tokens:
+        raise ValueError(
+            f"recent_tokens={recent_tokens}, sink_tokens={sink_tokens}: continuous batching pages are pure FP8 (as in "
+            "vLLM); a full-precision window is only available with QuantizedFP8Cache in generate"
+        )
+    disable(model)  # enabling again starts from transformers' own state
+    implementation = model.config._attn_implementation
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={implementation!r} is not supported by FP8 continuous batching: load the model with "
+            "attn_implementation='sdpa' or 'eager' (our attention replaces it for every layer)"
+        )
+    config = model.config.get_text_config(decoder=True)
+    groups = group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
+    layer_types = [None] * config.num_hidden_layers
+    for kind, indices in groups.items():
+        for i in indices:
+            layer_types[i] = kind
+    skip = _validate_skip_layers(skip_layers, layer_types)
+    fmt = get_format(platform_dtype(kv_cache_dtype))
+    quantized = [i for i in range(config.num_hidden_layers) if i not in skip]
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    checkpoint = getattr(model.config, "_name_or_path", "") or None
+    layer_scales, uncalibrated = resolve_scales(scales, fmt, quantized, config.num_hidden_layers, kv_heads, checkpoint)
+    if uncalibrated:
+        warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=2)
+    layouts = {
+        i: RowLayout(fmt if i in layer_scales else None, layer_scales.get(i), kv_heads, head_dim, model.dtype)
+        for i in range(config.num_hidden_layers)
+    }
+    settings = PagedSettings(fmt, layouts, check_backend(backend), implementation, uncalibrated)
+    if not use_fp8_attention(model):
+        raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
+    setattr(model, SETTINGS_ATTRIBUTE, settings)
+    model.init_continuous_batching = types.MethodType(_init_continuous_batching, model)
+    return settings
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Restore transformers' own continuous batching (model-dtype pages, the attention used before `enable`)."""
+    settings = model.__dict__.pop(SETTINGS_ATTRIBUTE, None)
+    if settings is None:
+        return
+    model.__dict__.pop("init_continuous_batching", None)
+    model.destroy_cached_continuous_batching_manager()
+    if settings.previous_attention != ATTENTION_NAME:
+        model.set_attn_implementation(settings.previous_attention)
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raise unless transformers is the tested version and its continuous-batching internals are as expected."""
+    version = transformers.__version__ if version is None else version
+    if version.split(".")[:2] != TESTED_TRANSFORMERS.split("."):
+        raise RuntimeError(
+            f"hf_fp8kv.continuous_batching relies on continuous-batching internals of transformers "
+            f"{TESTED_TRANSFORMERS}.x; transformers {version} is installed. Install "
+            f"transformers=={TESTED_TRANSFORMERS}.* or use QuantizedFP8Cache with model.generate"
+        )
+    from transformers.generation.continuous_batching import cache, continuous_api
+
+    allocator, sliding = FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
+    expected = {
+        continuous_api.ContinuousBatchingManager._create_batch_processor: {"PagedAttentionCache"},
+        _unwrap(continuous_api.ContinuousMixin.init_continuous_batching): {"ContinuousBatchingManager"},
+        cache.PagedAttentionCache.__init__: {"ATTN_TYPE_TO_ALLOCATOR", "PagedAttentionMemoryHandler",
+                                             "FullAttentionCacheAllocator"},
+        allocator.register_cache_tensor: {"_after_cache_tensor_init"},
+        allocator.get_read_indices: {"block_physical_stride"},
+        allocator.get_write_indices: {"block_physical_stride"},
+        sliding._token_indices_to_physical_indices: {"block_physical_stride"},
+    }  # fmt: skip
+    for function, names in expected.items():
+        missing = names - set(function.__code__.co_names)
+        if missing:
+            raise RuntimeError(
+                f"transformers {version}: {function.__qualname__} no longer uses {sorted(missing)}; "
+                f"hf_fp8kv.continuous_batching was tested with transformers {TESTED_TRANSFORMERS}.x"
+            )
+
+
+def _unwrap(function):
+    return getattr(function, "__wrapped__", function)
+
+
+def _rebind(function, **names):
+    """`function` with some of its module globals replaced (transformers builds these objects by name inside long
+    methods; replacing the names for our call only reuses its code unchanged and touches no module state)."""
+    function = _unwrap(function)
+    rebound = types.FunctionType(
+        function.__code__, {**function.__globals__, **names}, function.__name__, function.__defaults__,
+        function.__closure__,
+    )  # fmt: skip
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    return rebound
+
+
+@torch.no_grad()
+def _init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None):
+    """`init_continuous_batching` of a model after `enable`: the same, building an `FP8ContinuousBatchingManager`."""
+    init = _rebind(ContinuousMixin.init_continuous_batching, ContinuousBatchingManager=FP8ContinuousBatchingManager)
+    return init(model, generation_config, continuous_batching_config, workload_hints)
+
+
+# --- the manager and the cache ---------------------------------------------------------------------------------
+class FP8ContinuousBatchingManager(ContinuousBatchingManager):
+    """transformers' manager over an `FP8PagedAttentionCache`, with our attention on every layer.
+
+    The flash decode fast path (block tables) and CUDA graphs are turned off: our attention reads pages
+    through the read indices and takes its per-request lengths on the host.
+    """
+
+    def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
+        config = replace(continuous_batching_config or ContinuousBatchingConfig())
+        config.max_blocks_per_request = 0
+        config.use_cuda_graph = False
+        super().__init__(model, generation_config, config, workload_hints)
+
+    def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+        use_fp8_attention(model)
+
+    def _create_batch_processor(self):
+        settings = getattr(self.model, SETTINGS_ATTRIBUTE, None)
+        if settings is None:
+            raise RuntimeError("FP8 continuous batching was disabled on this model: create a new manager")
+        cache_class = functools.partial(FP8PagedAttentionCache, settings)
+        return _rebind(ContinuousBatchingManager._create_batch_processor, PagedAttentionCache=cache_class)(self)
+
+
+class FP8MemoryHandler(PagedAttentionMemoryHandler):
+    """transformers' sizing with FP8 pages: our attention makes no batch-wide full-precision copy of the pages it
+    reads (transformers' sdpa path charges one per cache token), only one request's keys and values of one
+    layer at a time, in fp32, which is charged once, for the longest request the model takes."""
+
+    def __init__(self, settings: PagedSettings, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        layout = next(iter(settings.layouts.values()))
+        longest = getattr(self.config, "max_position_embeddings", None) or 8192
+        self.request_read_bytes = 2 * layout.kv_heads * layout.head_dim * 4 * longest
+
+    @property
+    def bytes_per_cache_token(self) -> int:
+        return self.io_multiplier * self.num_groups * 8  # its share of the read indices
+
+    @property
+    def fixed_overhead_bytes(self) -> int:
+        return super().fixed_overhead_bytes + self.request_read_bytes
+
+
+def _native_sectors(config, cb_config, dtype, native_block_bytes, model_supports_logits_to_keep) -> tuple[int, int]:
+    """Sectors (and bytes per sector) that transformers' own pages get from a memory setting, as it sizes them."""
+    groups = group_layers_by_attn_type(config)
+    page_bytes = native_block_bytes // config.num_hidden_layers
+    block_sizes = [page_bytes * len(indices) for indices in groups.values()]
+    bytes_per_sector = math.lcm(*block_sizes, 128)
+    tokens_per_sector = max((bytes_per_sector // size) * cb_config.page_size for size in block_sizes)
+    _, num_sectors = PagedAttentionMemoryHandler(
+        config=config, cb_config=cb_config, dtype=dtype, bytes_per_sector=bytes_per_sector,
+        tokens_per_sector=tokens_per_sector, bytes_per_block=native_block_bytes, attn_types=list(groups),
+        model_supports_logits_to_keep=model_supports_logits_to_keep,
+    ).infer_max_batch_tokens_and_num_sectors()  # fmt: skip
+    return num_sectors, bytes_per_sector
+
+
+class FP8PagedAttentionCache(PagedAttentionCache):
+    """transformers' `PagedAttentionCache` whose pages hold FP8 codes and scales (see the module docstring).
+
+    Attributes beyond transformers': `num_blocks` counts FP8 blocks; `native_num_blocks` is what pages in the
+    model dtype would give under the same memory setting; `capacity_ratio` their ratio; `block_bytes` /
+    `native_block_bytes` the bytes of one whole-model block of `page_size` tokens.
+    """
+
+    def __init__(self, settings: PagedSettings, config, continuous_batching_config, device, distributed_helper,
+                 dtype=torch.float16, model_supports_logits_to_keep=False):  # fmt: skip
+        if distributed_helper.tp_size > 1:
+            raise NotImplementedError("FP8 pages under tensor parallelism are not supported: run on one device")
+        self.settings = settings
+        page_size = continuous_batching_config.page_size
+        num_layers = config.num_hidden_layers
+        layout = settings.layouts[0]
+        self.block_bytes = settings.block_bytes(range(num_layers), page_size)
+        self.native_block_bytes = num_layers * FullAttentionCacheAllocator.get_bytes_per_page(
+            find_num_key_value_heads(config), layout.head_dim, dtype, page_size
+        )
+        # before our pages are allocated: on the CPU the free memory transformers sees is the process's
+        native_sectors = None
+        if continuous_batching_config.num_blocks is None:
+            native_sectors, native_sector_bytes = _native_sectors(
+                config, continuous_batching_config, dtype, self.native_block_bytes, model_supports_logits_to_keep
+            )
+        per_layer_page = types.SimpleNamespace(get_bytes_per_page=lambda *_: math.ceil(self.block_bytes / num_layers))
+        allocators = {
+            FULL_ATTENTION: functools.partial(FP8FullAttentionAllocator, settings),
+            SLIDING_ATTENTION: functools.partial(FP8SlidingAttentionAllocator, settings),
+        }
+        init = _rebind(
+            PagedAttentionCache.__init__, ATTN_TYPE_TO_ALLOCATOR=allocators,
+            FullAttentionCacheAllocator=per_layer_page,
+            PagedAttentionMemoryHandler=functools.partial(FP8MemoryHandler, settings),
+        )  # fmt: skip
+        init(self, config, continuous_batching_config, device, distributed_helper, dtype,
+             model_supports_logits_to_keep)  # fmt: skip
+        if native_sectors is None:  # a capacity target (num_blocks): compare in the bytes these pages hold
+            self.native_num_blocks = self.num_sectors * self.bytes_per_sector // self.native_block_bytes
+        else:
+            self.native_num_blocks = native_sectors * native_sector_bytes // self.native_block_bytes
+        self.capacity_ratio = self.num_blocks / max(self.native_num_blocks, 1)
+        logger.info(
+            f"FP8 pages ({settings.fmt.name}): {self.num_blocks} blocks of {page_size} tokens, "
+            f"{self.block_bytes} bytes per block; pages in {dtype} would give {self.native_num_blocks} blocks "
+            f"({self.native_block_bytes} bytes per block) under the same memory setting: "
+            f"{self.capacity_ratio:.2f}x the tokens"
+        )
+
+    @torch.compiler.disable
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        """Quantize the new tokens into their pages and hand our attention a `PagedKV` for this layer."""
+        allocator = self.layer_to_allocator[layer_idx]
+        if kwargs.get("block_table") is not None:
+            raise RuntimeError("FP8 pages are read through read indices: the block-table decode path must be off")
+        paged = allocator.write_and_view(
+            key_states, value_states, layer_idx, kwargs["read_index"][allocator.index],
+            kwargs["write_index"][allocator.index], kwargs["cu_seq_lens_q"],
+            kwargs["cu_seq_lens_k"][allocator.layer_type], kwargs["max_length_q"],
+        )  # fmt: skip
+        return paged, paged
+
+    def layer_summary(self) -> list[dict]:
+        """Per layer: storage, scale kind, page row bytes, clipped and non-finite counts so far."""
+        stats = {i: counts for allocator in self.cache_allocators.values() for i, counts in allocator.stats.items()}
+        rows = []
+        for i, layout in self.settings.layouts.items():
+            counts = stats.get(i)
+            rows.append({
+                "layer": i,
+                "storage": layout.fmt.name if layout.fmt else f"skipped ({layout.dtype})",
+                "scales": ("per-token-head" if layout.dynamic else "static") if layout.fmt else "-",
+                "row_bytes": layout.nbytes,
+                "clipped": int(counts[:, 0].sum()) if counts is not None else 0,
+                "non-finite": int(counts[:, 1].sum()) if counts is not None else 0,
+            })  # fmt: skip
+        return rows
+
+
+class FP8PagesMixin:
+    """Pages of mixed row layouts inside each block; reads and writes by transformers' physical indices
+    (`block * block_physical_stride + slot`)."""
+
+    def __init__(self, settings: PagedSettings, *args, layer_indices: list[int], **kwargs):
+        self.settings = settings
+        self.layouts = [settings.layouts[i] for i in layer_indices]
+        self.has_nan = dict.fromkeys(layer_indices, False)
+        super().__init__(*args, layer_indices=layer_indices, **kwargs)
+
+    def get_bytes_per_page(self, num_key_value_heads, head_dim, cache_dtype, page_size) -> int:
+        block = sum(2 * page_size * layout.nbytes for layout in self.layouts)
+        return math.ceil(block / len(self.layouts))
+
+    def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
+        self.bytes_per_sector = bytes_per_sector
+        self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
+        self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
+        total_blocks = cache_tensor.numel() // self.bytes_per_block
+        self.page_rows: dict[int, torch.Tensor] = {}  # layer -> uint8 [blocks, 2 (K, V), page_size, row bytes]
+        self.layer_offsets: dict[int, int] = {}  # layer -> byte offset of its pages in a block
+        offset = 0
+        for layer_idx, layout in zip(self.layer_indices, self.layouts):
+            size = (total_blocks, 2, self.tokens_per_page, layout.nbytes)
+            strides = (self.bytes_per_block, self.tokens_per_page * layout.nbytes, layout.nbytes, 1)
+            self.page_rows[layer_idx] = cache_tensor.as_strided(size, strides, offset)
+            self.layer_offsets[layer_idx] = offset
+            offset += 2 * self.tokens_per_page * layout.nbytes
+        device = cache_tensor.device
+        quantized = [(i, layout) for i, layout in zip(self.layer_indices, self.layouts) if layout.fmt is not None]
+        # per layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed over every write
+        self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i, _ in quantized}
+        self.static_scales = {  # per layer with static scales: fp32 [2 (K, V), kv_heads]
+            i: torch.stack((layout.scales.key, layout.scales.value)).to(device)
+            for i, layout in quantized
+            if not layout.dynamic
+        }
+
+    def get_cache_for_block_table(self, layer_idx: int):
+        raise NotImplementedError("FP8 pages have no block-table view: they are read through read indices")
+
+    def _locate(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return index // self.block_physical_stride, index % self.block_physical_stride
+
+    def write_and_view(self, key, value, layer_idx, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
+                       max_length_q):  # fmt: skip
+        """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` and return what
+        the attention reads: per request, its past rows (by `read_index`) and its new rows."""
+        layout = self.settings.layouts[layer_idx]
+        if layout.key_channel is not None:
+            key = key / layout.key_channel.to(key.device)[None, :, None, :]
+        states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
+        static = self.static_scales.get(layer_idx)
+        if layout.fmt is not None and resolve_backend(self.settings.backend, states.device) == "triton":
+            from hf_fp8kv.kernels.triton_paged import encode_rows as triton_encode_rows
+
+            pair = None if static is None else (static[0], static[1])
+            rows = triton_encode_rows(states, layout.fmt, self.stats[layer_idx], pair)
+            self.has_nan[layer_idx] = True  # not known without a sync; only the torch decode needs it
+        else:
+            rows, nonfinite = encode_rows(states, layout, self.stats.get(layer_idx), static)
+            self.has_nan[layer_idx] |= nonfinite
+        blocks, slots = self._locate(write_index)
+        self.page_rows[layer_idx][blocks, :, slots] = rows
+        return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+
+
+class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
+    """Full-attention layers on FP8 pages."""
+
+    window = None
+
+
+class FP8SlidingAttentionAllocator(FP8PagesMixin, SlidingAttentionCacheAllocator):
+    """Sliding-window layers on FP8 pages (a ring of `sliding_window` slots per request, as transformers)."""
+
+    @property
+    def window(self) -> int:
+        return self.sliding_window
+
+
+# --- rows: encode and decode -----------------------------------------------------------------------------------
+def encode_rows(
+    states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None, static: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
+    """Page rows `[tokens, 2, row bytes]` of `states` (`[2, kv_heads, tokens, head_dim]`): codes and scales
+    written by `write_stacked` (the bits `QuantizedFP8Cache` stores; `static`: `[2, kv_heads]` scales, None for
+    per-token-head ones), or the model-dtype values of a skipped layer; and whether an input was non-finite."""
+    tokens = states.shape[2]
+    rows = torch.empty(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
+    if layout.fmt is None:
+        values = rows.view(layout.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
+        values.copy_(states.permute(2, 0, 1, 3))
+        return rows, False
+    codes = rows[..., : layout.value_bytes].view(layout.fmt.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
+    codes = codes.permute(1, 2, 0, 3)  # [2, kv_heads, tokens, head_dim], a view of the rows
+    if static is None:
+        scale = rows[..., layout.value_bytes :].view(torch.float32).permute(1, 2, 0)[..., None]
+    else:
+        scale = static[:, :, None, None]
+    return rows, write_stacked(states, codes, scale, layout.fmt, static is None, stats)
+
+
+def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static: torch.Tensor | None) -> torch.Tensor:
+    """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]`."""
+    if layout.fmt is None:
+        values = rows.view(layout.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
+        return values.permute(1, 2, 0, 3).float()
+    codes = rows[..., : layout.value_bytes].view(layout.fmt.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
+    codes = codes.permute(1, 2, 0, 3)
+    if static is None:
+        scale = rows[..., layout.value_bytes :].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
+    else:
+        scale = static[:, :, None, None]
+    kv = dequantize_stacked(codes, scale, layout.fmt, has_nan)
+    if layout.key_channel is not None:
+        kv[0] *= layout.key_channel.to(kv.device)[:, None, :]
+    return kv
+
+
+# --- what the attention reads ----------------------------------------------------------------------------------
+class PagedKV(QuantizedKV):
+    """One layer's pages for this step of a continuous batch: the FP8 attention function (`fp8kv`) calls
+    `attend`, which reads each request's past rows through its read indices and its new rows."""
+
+    def __init__(self, allocator, layer_idx, new_rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q):
+        self.allocator, self.layer_idx, self.new_rows = allocator, layer_idx, new_rows
+        self.read_index, self.cu_seq_lens_q, self.cu_seq_lens_k = read_index, cu_seq_lens_q, cu_seq_lens_k
+        self.max_length_q = max_length_q
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        layout = self.allocator.settings.layouts[self.layer_idx]
+        return (1, layout.kv_heads, int(self.cu_seq_lens_k[-1]), layout.head_dim)
+
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """Per request: (first query row, query length, first read index, past length)."""
+        cu_q = self.cu_seq_lens_q.tolist()
+        cu_k = self.cu_seq_lens_k.tolist() if self.read_index.numel() else cu_q
+        return [
+            (cu_q[r], cu_q[r + 1] - cu_q[r], cu_k[r], (cu_k[r + 1] - cu_k[r]) - (cu_q[r + 1] - cu_q[r]))
+            for r in range(len(cu_q) - 1)
+            if cu_q[r + 1] > cu_q[r]
+        ]
+
+    def past_rows(self, first: int, past: int) -> torch.Tensor:
+        """The page rows of a request's `past` cached tokens, read through its read indices."""
+        blocks, slots = self.allocator._locate(self.read_index[first : first + past])
+        return self.allocator.page_rows[self.layer_idx][blocks, :, slots]
+
+    def attend(self, query, *, scaling, mask=None, window=None, softcap=None, sinks=None, **kwargs) -> torch.Tensor:
+        """`[1, q_heads, q_tokens, head_dim]`: each request's queries over its own tokens (causal, and the
+        sliding window of a sliding layer), from the pages. The window is the layer group's, as transformers'
+        allocator keeps it (the model's `sliding_window` argument names the same one)."""
+        layout = self.allocator.settings.layouts[self.layer_idx]
+        triton_reads = layout.fmt is not None and softcap is None and sinks is None and layout.key_channel is None
+        if triton_reads and resolve_backend(self.allocator.settings.backend, query.device) == "triton":
+            return self.attend_triton(query, scaling, layout)
+        has_nan = self.allocator.has_nan[self.layer_idx]
+        window = self.allocator.window
+        out = torch.zeros_like(query)
+        for q_first, q_len, k_first, past in self.spans():
+            rows = self.new_rows[q_first : q_first + q_len]
+            if past:
+                rows = torch.cat((self.past_rows(k_first, past), rows))
+            kv = decode_rows(rows, layout, has_nan, self.allocator.static_scales.get(self.layer_idx))
+            out[:, :, q_first : q_first + q_len] = attention(
+                query[:, :, q_first : q_first + q_len], kv[0][None], kv[1][None], scaling=scaling, window=window,
+                softcap=softcap, sinks=sinks,
+            ).to(query.dtype)  # fmt: skip
+        return out
+
+    def attend_triton(self, query: torch.Tensor, scaling: float, layout: RowLayout) -> torch.Tensor:
+        """`attend` by the Triton paged kernel: per-request lengths stay on the device."""
+        from hf_fp8kv.kernels.triton_paged import paged_attention
+
+        cu_q = self.cu_seq_lens_q.to(torch.int32)
+        q_lens = cu_q[1:] - cu_q[:-1]
+        if self.read_index.numel():
+            cu_k = self.cu_seq_lens_k.to(torch.int32)
+            k_first, past = cu_k[:-1], cu_k[1:] - cu_k[:-1] - q_lens
+        else:
+            k_first = past = torch.zeros_like(q_lens)
+        allocator = self.allocator
+        static = allocator.static_scales.get(self.layer_idx)
+        static = None if static is None else (static[0], static[1])
+        out = paged_attention(
+            query[0].transpose(0, 1), allocator.cache_tensor, self.new_rows, self.read_index, cu_q, k_first, past,
+            fmt=layout.fmt, kv_heads=layout.kv_heads, layer_offset=allocator.layer_offsets[self.layer_idx],
+            bytes_per_block=allocator.bytes_per_block, block_stride=allocator.block_physical_stride,
+            page_size=allocator.tokens_per_page, scaling=scaling, window=allocator.window, static_scales=static,
+            max_q_len=self.max_length_q,
+        )  # fmt: skip
+        return out.transpose(0, 1)[None].to(query.dtype)
+
+    def dequantized(self):
+        raise RuntimeError("FP8 continuous batching pages are read by the fp8kv attention only")
+

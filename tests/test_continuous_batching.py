@@ -1,0 +1,300 @@
+"""Continuous batching over FP8 pages (`hf_fp8kv.continuous_batching`) on SmolLM2-135M-Instruct and tiny models:
+agreement with `generate` + `QuantizedFP8Cache` under vLLM's top-5 rule, queueing under a tight page budget,
+cancellation, streaming from the manager, sliding/full layer groups, the memory gain and the errors."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning
+from hf_fp8kv import continuous_batching as cb
+from hf_fp8kv.evaluate import greedy_with_logits, topk_rule
+from tests.models import smollm2, tiny_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip, with one sentence of explanation for each of them.",
+    "What is 12 times 7?",
+    "Explain in one sentence why the sky is blue.",
+    "Name a color.",
+    "Translate 'good morning' into Spanish, French, German and Italian, then say which one you find the most "
+    "pleasant to pronounce and why.",
+    "Give me a synonym of happy.",
+]
+NEW_TOKENS = 5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: CUDA, else the interpreter
+GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def pages(**kwargs) -> ContinuousBatchingConfig:
+    """Small pages so that prompts span several of them; a fixed capacity (the CPU memory setting is the host's)."""
+    return ContinuousBatchingConfig(**{"page_size": 16, "num_blocks": 32, "max_batch_tokens": 256, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    model, tokenizer = smollm2()
+    cb.enable(model, scales="dynamic")
+    yield model, tokenizer
+    cb.disable(model)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def last_logits(model, ids: list[int]) -> torch.Tensor:
+    """The logits continuous batching gives after `ids` (one request, one new token), captured at the LM head."""
+    captured = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: captured.append(out[0, -1].float()))
+    try:
+        model.generate_batch([ids], generation_config=GREEDY, continuous_batching_config=pages(), max_new_tokens=1,
+                             warmup=False)  # fmt: skip
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def test_generate_batch_agrees_with_generate_under_top5_rule(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    inputs = [chat_ids(tokenizer, p) for p in PROMPTS]
+    assert len({len(ids) for ids in inputs}) >= 6  # mixed lengths: 1 to 4 pages of 16 tokens
+    outputs = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(), warmup=False)
+    assert len(outputs) == len(PROMPTS)
+    for ids, output in zip(inputs, outputs.values()):
+        assert output.error is None and len(output.generated_tokens) == NEW_TOKENS
+        tokens = torch.tensor(output.generated_tokens)
+        prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        with torch.inference_mode():
+            ref_tokens, ref_logits = greedy_with_logits(model, prompt, QuantizedFP8Cache(model, scales="dynamic"),
+                                                        NEW_TOKENS)  # fmt: skip
+        at, _ = topk_rule(ref_tokens[0], ref_logits[0], tokens, ref_logits[0])
+        if at is not None:  # the batch's own logits at the divergence
+            logits = torch.zeros_like(ref_logits[0])
+            logits[at] = last_logits(model, ids + output.generated_tokens[:at])
+            at, ok = topk_rule(ref_tokens[0], ref_logits[0], tokens, logits)
+            assert ok, f"{tokenizer.decode(ids)!r}: diverges from generate at {at} outside the top 5"
+
+
+def test_tight_page_budget_queues_and_completes_every_request(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    inputs = [chat_ids(tokenizer, p) for p in PROMPTS[:6]]
+    roomy = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(), warmup=False)
+    batch_sizes = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_sizes.append(len(kwargs["cu_seq_lens_q"]) - 1), with_kwargs=True
+    )
+    try:  # 8 blocks of 16 tokens: two or three of these requests at a time
+        tight = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(num_blocks=8),
+                                     warmup=False)  # fmt: skip
+    finally:
+        hook.remove()
+    assert max(batch_sizes) < len(inputs)
+    assert [o.error for o in tight.values()] == [None] * len(inputs)
+    assert [o.generated_tokens for o in tight.values()] == [o.generated_tokens for o in roomy.values()]
+
+
+def test_preempted_requests_complete_with_the_same_tokens():
+    """Requests that outgrow a tiny page budget while decoding are preempted (freed and recomputed: the CPU swap
+    pool needs pinned memory, a GPU) and still give the tokens of a roomy run."""
+    model = tiny_model("llama")
+    cb.enable(model, scales="dynamic")
+    generator = torch.Generator().manual_seed(2)
+    inputs = [torch.randint(3, 128, (6,), generator=generator).tolist() for _ in range(4)]
+    greedy = GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def run(**config):
+        manager = model.init_continuous_batching(generation_config=greedy, continuous_batching_config=pages(
+            page_size=4, allow_block_sharing=False, **config))  # fmt: skip
+        manager.warmup()  # builds the batch processor before the loop starts
+        offloads = []
+        offloading = manager.batch_processor.offloading_manager
+        offload_requests = offloading.offload_requests
+        offloading.offload_requests = lambda: offloads.append(1) or offload_requests()
+        manager.start()
+        try:
+            ids = manager.add_requests(inputs)
+            results = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=60)
+                assert result is not None, "the manager stopped before every request finished"
+                if result.is_finished():
+                    results[result.request_id] = result
+        finally:
+            manager.stop(block=True, timeout=30)
+            model.destroy_cached_continuous_batching_manager()
+        return [results[i].generated_tokens for i in ids], len(offloads)
+
+    roomy, _ = run()
+    tight, preemptions = run(num_blocks=12)  # 5 blocks per finished request: at most 2 at a time
+    cb.disable(model)
+    assert preemptions > 0
+    assert tight == roomy
+
+
+def test_cancelled_request_releases_its_pages(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=pages())
+    manager.start()
+    try:
+        long_id = manager.add_request(chat_ids(tokenizer, PROMPTS[2]), request_id="long", max_new_tokens=10_000)
+        manager.cancel_request(long_id)
+        manager.add_request(chat_ids(tokenizer, PROMPTS[0]), request_id="short", max_new_tokens=3)
+        result = manager.get_result(request_id="short", timeout=120)
+        while result is None or not result.is_finished():
+            result = manager.get_result(request_id="short", timeout=120)
+        assert result.error is None and len(result.generated_tokens) == 3
+        cache = manager.batch_processor.cache
+        assert all("long" not in allocator.block_table for allocator in cache.cache_allocators.values())
+        assert "long" not in manager.batch_processor.scheduler.active_requests
+    finally:
+        manager.stop(block=True, timeout=30)
+        model.destroy_cached_continuous_batching_manager()
+
+
+def test_streaming_from_the_manager(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    ids = chat_ids(tokenizer, PROMPTS[0])
+    expected = model.generate_batch([ids], generation_config=GREEDY, continuous_batching_config=pages(), warmup=False)
+    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=pages())
+    assert isinstance(manager, cb.FP8ContinuousBatchingManager)
+    manager.start()
+    try:
+        manager.add_request(ids, request_id="streamed", max_new_tokens=NEW_TOKENS, streaming=True)
+        seen = []
+        for output in manager.request_id_iter("streamed"):
+            seen.append(list(output.generated_tokens))
+            if output.is_finished():
+                break
+        cache = manager.batch_processor.cache
+    finally:
+        manager.stop(block=True, timeout=30)
+        model.destroy_cached_continuous_batching_manager()
+    assert isinstance(cache, cb.FP8PagedAttentionCache)
+    summary = cache.layer_summary()
+    assert len(summary) == model.config.num_hidden_layers and summary[0]["storage"] == "fp8_e4m3"
+    assert summary[0]["row_bytes"] == 3 * (64 + 4) and summary[0]["clipped"] == 0  # 3 KV heads x (64 codes + scale)
+    assert len(seen) > 1 and all(len(a) < len(b) for a, b in zip(seen, seen[1:]))
+    assert seen[-1] == next(iter(expected.values())).generated_tokens
+
+
+@pytest.mark.parametrize("scales, skip", [("dynamic", ()), (0.05, [1])])
+def test_sliding_and_full_groups_match_generate(scales, skip):
+    """A tiny Qwen2 with a sliding layer (window 8, shorter than the prompts: the ring wraps) and a full layer."""
+    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                       use_sliding_window=True, max_window_layers=0)  # fmt: skip
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    cb.enable(model, scales=scales, skip_layers=skip)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (5, 13, 21)]
+    outputs = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(page_size=4),
+                                   warmup=False)  # fmt: skip
+    for ids, output in zip(inputs, outputs.values()):
+        prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        with torch.inference_mode():
+            ref = model.generate(**prompt, cache=QuantizedFP8Cache(model, scales=scales, skip_layers=skip),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False)  # fmt: skip
+        expected = ref[0, len(ids) :].tolist()  # generate stops at EOS, the batch (eos -1) goes on
+        assert output.generated_tokens[: len(expected)] == expected
+    cb.disable(model)
+
+
+def test_static_per_channel_key_scales_match_generate():
+    """Calibrated static scales with per-channel key scales (keys stored divided by them, read back multiplied):
+    the batch's logits are generate's with QuantizedFP8Cache, step by step."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(4)
+    channel = torch.rand(2, 16, generator=generator) + 0.5  # [kv_heads, head_dim]
+    scales = KVScales(key={0: torch.tensor(0.02), 1: torch.tensor(0.03)}, value={0: torch.tensor(0.01),
+                      1: torch.tensor(0.02)}, key_channel={0: channel, 1: channel * 2})  # fmt: skip
+    ids = torch.randint(3, 128, (9,), generator=generator).tolist()
+    cb.enable(model, scales=scales)
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0, -1].float()))
+    try:
+        model.generate_batch([ids], generation_config=GREEDY, continuous_batching_config=pages(page_size=4),
+                             warmup=False)  # fmt: skip
+    finally:
+        hook.remove()
+        cb.disable(model)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             cache=QuantizedFP8Cache(model, scales=scales), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
+    ref_logits = torch.stack(ref.logits)[:, 0].float()
+    assert torch.allclose(torch.stack(logits[: len(ref_logits)]), ref_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scales", ["dynamic", 0.05])
+def test_triton_backend_reads_the_same_pages(scales):
+    """The Triton paged kernel (the interpreter here, CUDA on a GPU) through the whole batch: the same tokens as
+    the torch path, on a sliding and a full layer."""
+    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                       use_sliding_window=True, max_window_layers=0).to(DEVICE)  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 11, 19)]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        cb.enable(model, scales=scales, backend=backend)
+        outputs = model.generate_batch(inputs, generation_config=GREEDY,
+                                       continuous_batching_config=pages(page_size=4), warmup=False)  # fmt: skip
+        tokens[backend] = [o.generated_tokens for o in outputs.values()]
+    cb.disable(model)
+    assert tokens["triton"] == tokens["torch"]
+
+
+def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
+    """Under one memory setting (transformers' max_memory_percent), FP8 pages give >= 1.9x the blocks of
+    transformers' bf16 pages, and the scheduler admits correspondingly more requests."""
+    from transformers.generation.continuous_batching import cache
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    model, _ = smollm2()
+    config = model.config
+    # a fixed host (the process's own memory moves as caches are allocated): 256 MiB for the cache, where the fixed
+    # reservations (activations of 16 batch tokens, one request's fp32 read) stay small
+    monkeypatch.setattr(cache, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 2**30, 0, 0))
+    setting = dict(page_size=16, max_batch_tokens=16, max_memory_percent=0.25)
+    helper = DistributedHelper(device_mesh=None, cpu_group_timeout=None)
+    native = cache.PagedAttentionCache(config, ContinuousBatchingConfig(**setting), "cpu", helper, dtype=torch.bfloat16)
+    for scales, least in (("dynamic", 1.9), (0.05, 2.0)):
+        settings = cb.enable(model, scales=scales)
+        with caplog.at_level("INFO", logger="hf_fp8kv.continuous_batching"):
+            fp8 = cb.FP8PagedAttentionCache(settings, config, ContinuousBatchingConfig(**setting), "cpu", helper,
+                                            dtype=torch.bfloat16)  # fmt: skip
+        assert f"{fp8.capacity_ratio:.2f}x the tokens" in caplog.text
+        assert fp8.num_blocks >= least * native.num_blocks
+        assert fp8.native_num_blocks == native.num_blocks and fp8.capacity_ratio == fp8.num_blocks / native.num_blocks
+        request = {name: 4 for name in fp8.cache_allocators}  # 64-token requests
+        admitted = fp8.count_storable_requests([request] * 10_000)
+        assert admitted >= least * native.count_storable_requests([request] * 10_000)
+        del fp8
+    cb.disable(model)
+
+
+def test_bad_input_errors():
+    with pytest.raises(RuntimeError, match=r"transformers 5\.25\.0 is installed"):
+        cb.check_transformers_version("5.25.0")
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        cb.enable(model, scales="dynamic")
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="recent_tokens=4"):
+        cb.enable(model, scales="dynamic", recent_tokens=4)
+    with pytest.raises(ValueError, match="skip_layers"):
+        cb.enable(model, scales="dynamic", skip_layers=[7])
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp4'"):
+        cb.enable(model, kv_cache_dtype="fp4")
+    with pytest.warns(UncalibratedScalesWarning):
+        cb.enable(model)  # no checkpoint scales: 1.0, as QuantizedFP8Cache warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cb.enable(model, scales="dynamic")  # enabling again replaces the settings
+    cb.disable(model)
+    assert "init_continuous_batching" not in model.__dict__ and model.config._attn_implementation == "sdpa"
