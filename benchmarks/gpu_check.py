@@ -5,7 +5,8 @@
 transformers' `QuantizedCache(fp8)`; (d) decode step time vs context of a random-weight Llama-3-8B-shaped
 model (bf16), `DynamicCache` against ours, with the fitted slopes; (e) causal prefill attention against SDPA,
 with and without a padding mask; (f) compiled + CUDA-graph decode steps, our static cache against StaticCache +
-SDPA at 4k and 32k. Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench` medians after warm-up, inputs rotated over copies that together exceed the
+SDPA at 4k and 32k; (g) continuous batching (`generate_batch`) on FP8 pages against native pages at one page
+budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers. Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench` medians after warm-up, inputs rotated over copies that together exceed the
 L2 cache. Everything printed is also written to `--out`.
 
     python benchmarks/gpu_check.py --out benchmarks/results/gpu_check-<date>-<device>.txt
@@ -52,6 +53,7 @@ class Sizes:
     prefill_lengths: list[int]
     compiled_layers: int  # layers of the compiled model (compile time grows with them)
     compiled_contexts: list[int]
+    continuous_batching: dict  # pages budget (MiB), requests, new tokens of (g)
     copy_bytes: int
     test_filter: str | None
     dtype: torch.dtype  # of queries, K/V and the model (bf16 on the GPU; the interpreter's bf16 dot is broken)
@@ -71,6 +73,7 @@ FULL = Sizes(
     prefill_lengths=[1024, 4096, 16384],
     compiled_layers=8,
     compiled_contexts=[4096, 32768],
+    continuous_batching=dict(budget_mib=256, requests=64, new_tokens=32),
     copy_bytes=2 * 2**30,
     test_filter="test_attention_matches_reference or test_write_is_bit_identical or test_splits or nan",
     dtype=torch.bfloat16,
@@ -89,6 +92,7 @@ TOY = Sizes(
     prefill_lengths=[40],
     compiled_layers=2,
     compiled_contexts=[16],
+    continuous_batching=dict(budget_mib=0.1, requests=4, new_tokens=3),
     copy_bytes=2**20,
     test_filter="test_bad",
     dtype=torch.float32,
@@ -423,6 +427,22 @@ def compiled_decode(report: Report, sizes: Sizes, device: torch.device, dry_run:
     free_memory()
 
 
+def continuous_batching(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from continuous_batching import gpu_section
+
+    config = LlamaConfig(**{**sizes.model, "num_hidden_layers": sizes.compiled_layers}, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(sizes.dtype).eval()
+    report(f"## (g) continuous batching, {config.num_hidden_layers}-layer Llama-3-8B-shaped model, {sizes.dtype}")
+    for line in gpu_section(model, device, **sizes.continuous_batching):
+        report(line)
+    del model
+    free_memory()
+
+
 def guarded(report: Report, name: str, section, *args) -> None:
     """Run one section; a failure is reported and the next section still runs (one GPU call yields every number)."""
     started = time.perf_counter()
@@ -467,6 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     guarded(report, "decode steps", decode_steps, sizes, device, args.dry_run)
     guarded(report, "prefill", prefill, sizes, device, args.dry_run)
     guarded(report, "compiled decode", compiled_decode, sizes, device, args.dry_run)
+    guarded(report, "continuous batching", continuous_batching, sizes, device, args.dry_run)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     gpu_check.main(["--dry-run", "--out", str(out)])
     report = out.read_text()
     assert re.search(r"\b[1-9]\d* passed", report) and "exit status 0" in report  # the kernel tests it runs
-    sections = ("(a) copy bandwidth", "(b, c) decode attention", "(d) decode step", "(e) causal prefill", "(f) compiled")
+    sections = ("(a) copy bandwidth", "(b, c) decode attention", "(d) decode step", "(e) causal prefill", "(f) compiled",
+                "(g) continuous batching")
     for section in sections:
         assert f"## {section}" in report
     for method in ("ours e4m3 static", "ours e4m3 per-token-head", "SDPA float32", "QuantizedCache(fp8)"):
         assert method in report
     assert re.search(r"slope ratio ours / DynamicCache: -?\d+\.\d+", report)
+    assert "FAILED" not in report
