@@ -66,10 +66,11 @@ class QuantizedFP8Cache(Cache):
             `["sliding_window", 0]` or "sliding_window,0".
         backend: "auto", "triton" or "torch" (default: env HF_FP8KV_BACKEND, else "auto").
         block_size: tokens added per buffer growth.
-        recent_tokens: the newest tokens of each sequence kept in the model's dtype; a token is quantized once,
-            when it leaves this window (sliding-window layers: inside their window).
+        recent_tokens: the newest tokens of each sequence kept in the model's dtype (default 32); a token is
+            quantized once, when it leaves this window (sliding-window layers: inside their window).
         sink_tokens: the first real tokens of each sequence (attention sinks) kept in the model's dtype
-            (full-attention layers). `recent_tokens=0, sink_tokens=0` is pure FP8, what vLLM serves.
+            (full-attention layers; default 4). `recent_tokens=0, sink_tokens=0` is pure FP8, what vLLM
+            serves. The defaults and their measurements: docs/window.md.
         max_cache_len: makes the cache static (for `torch.compile` and CUDA graphs): buffers for this many
             tokens, allocated at the first update, positions kept on the device, `is_compileable` True.
         max_batch_size: with `max_cache_len`, the largest batch the cache accepts (default: the first batch's).
@@ -85,8 +86,8 @@ class QuantizedFP8Cache(Cache):
         skip_layers: str | Iterable[int | str] = (),
         backend: str | None = None,
         block_size: int = 64,
-        recent_tokens: int = 0,
-        sink_tokens: int = 0,
+        recent_tokens: int = 32,
+        sink_tokens: int = 4,
         max_cache_len: int | None = None,
         max_batch_size: int | None = None,
         offloading: bool = False,

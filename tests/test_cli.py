@@ -30,11 +30,11 @@ def run(capsys, *args):
 
 
 def test_default_model_prints_the_tables_and_writes_the_plots(capsys, tmp_path, prompts_file):
-    status, out, _ = run(capsys, *SMALL, "--variants", "fp8_per_token_head", "--prompts-file", str(prompts_file),
+    status, out, _ = run(capsys, *SMALL, "--variants", "fp8_window", "--prompts-file", str(prompts_file),
                          "--out", str(tmp_path))
     assert status == 0
     # what the recommended variant gains opens the report and, after the tables, closes the output
-    assert out.startswith("== Summary ==\nRecommended: fp8_per_token_head = QuantizedFP8Cache(model, scales='dynamic')")
+    assert out.startswith("== Summary ==\nRecommended: fp8_window = QuantizedFP8Cache(model, scales='dynamic')")
     assert out.count("Against the native cache (native): ") == 2
     assert out.rstrip().splitlines()[-1].startswith("Against the native cache (native): ")
     assert "prompt 1: Say hello." in out
@@ -53,7 +53,7 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
                            "--prompts-file", str(prompts_file), "--text-file", str(text), "--out", str(tmp_path / "out"))
     assert status == 0
     assert all(name in out for name in ("native", "fp8_e4m3", "hf_quantized_fp8", "Cost (batch 1)"))
-    assert "Recommended" not in out  # fp8_per_token_head was not compared
+    assert "Recommended" not in out  # fp8_window was not compared
     # the scale-1.0 variant's warning is summarized once in the report, not printed raw
     assert out.count("fp8_e4m3 warned (UncalibratedScalesWarning): ") == 1 and "Warning" not in err
 

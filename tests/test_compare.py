@@ -124,7 +124,8 @@ def test_report_opens_with_the_recommended_variant_and_its_gains(tiny_result):
     time against the native cache and transformers' fp8 cache, from the same figures as the tables."""
     headline = tiny_result.headline()
     assert headline[0] == f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale " \
-                          "per token and KV head, no calibration."
+                          "per token and KV head, the newest 32 and first 4 tokens in the model's dtype (the " \
+                          "defaults), no calibration."
     summary = by_variant(tiny_result.summary_rows())
     costs = {(p.variant, p.context): p for p in tiny_result.costs}
     ours, native, theirs = summary[RECOMMENDED], costs["native", 200], costs[HF_FP8, 200]
@@ -151,7 +152,7 @@ def test_headline_leaves_out_what_was_not_compared(tiny_result):
     )
     assert [line.split(" (")[0] for line in dropped(HF_FP8).headline()] == [
         f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale per token and KV "
-        "head, no calibration.",
+        "head, the newest 32 and first 4 tokens in the model's dtype (the defaults), no calibration.",
         "Against the native cache",
     ]
     assert dropped(RECOMMENDED).headline() == []
@@ -228,7 +229,8 @@ def test_unknown_variant_lists_the_valid_names():
 
 def test_default_variants_put_the_reference_first():
     assert [v.name for v in resolve_variants(None)] == list(BUILTIN_VARIANTS)
-    assert list(BUILTIN_VARIANTS)[:3] == ["native", RECOMMENDED, "int8_per_token_head"] and HF_FP8 in BUILTIN_VARIANTS
+    assert list(BUILTIN_VARIANTS)[:4] == ["native", RECOMMENDED, "fp8_per_token_head", "int8_per_token_head"]
+    assert HF_FP8 in BUILTIN_VARIANTS
     assert [v.name for v in resolve_variants({"mine": {"scales": 2.0}, "native": "native"})] == ["native", "mine"]
 
 

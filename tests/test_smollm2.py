@@ -20,6 +20,10 @@ PROMPTS = [
 ]
 
 
+# the default window on this text (docs/window.md has the figures), with margin
+KL_WINDOW, TOP1_WINDOW, PPL_WINDOW = 1e-3, 0.975, 0.5
+
+
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
     return smollm2()
@@ -126,18 +130,40 @@ def test_return_dict_in_generate(model_and_tokenizer):
     assert out.past_key_values is cache and len(out.scores) == 6 and cache.get_seq_length() == out.sequences.shape[1] - 1
 
 
-def test_decode_mode_quality_beats_transformers_fp8(model_and_tokenizer):
+@pytest.fixture(scope="module")
+def decode_text(model_and_tokenizer):
+    """640 tokens of the built-in text; DynamicCache's decode-mode logits after a 64-token prefix."""
     model, tokenizer = model_and_tokenizer
     text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :640]
-    targets = ids[0, 64:]
-    reference = decode_mode_logits(model, ids, 64, DynamicCache(config=model.config))
-    ours = quality(reference, decode_mode_logits(model, ids, 64, QuantizedFP8Cache(model, scales="dynamic")), targets)
-    theirs = quality(reference, decode_mode_logits(model, ids, 64, QuantizedCache(backend="fp8", config=model.config)),
-                     targets)
+    return ids, decode_mode_logits(model, ids, 64, DynamicCache(config=model.config))
+
+
+def decode_quality(model, decode_text, cache):
+    ids, reference = decode_text
+    return quality(reference, decode_mode_logits(model, ids, 64, cache), ids[0, 64:])
+
+
+def test_decode_mode_quality_beats_transformers_fp8(model_and_tokenizer, decode_text):
+    model, _ = model_and_tokenizer
+    pure = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=0, sink_tokens=0)
+    ours = decode_quality(model, decode_text, pure)
+    theirs = decode_quality(model, decode_text, QuantizedCache(backend="fp8", config=model.config))
     print(f"\ndppl ours {ours.ppl_delta_pct:+.2f}% KL {ours.kl_mean:.2e}; transformers fp8 {theirs.ppl_delta_pct:+.2f}% "
           f"KL {theirs.kl_mean:.2e}")
     assert abs(ours.ppl_delta_pct) < 1.0
     # "clearly better" by KL: over a few hundred tokens the perplexity delta is noise-dominated (transformers'
     # swings between +0.3% and +0.9% across windows of this text), KL is not (ours ~3.5e-3 vs ~5.2e-3)
     assert ours.kl_mean < 0.8 * theirs.kl_mean
+
+
+def test_default_window_quality(model_and_tokenizer, decode_text):
+    """The default cache (newest 32 + first 4 tokens in full precision over per-token-head e4m3) against pure
+    FP8 on the same text; thresholds from docs/window.md's measurements with margin."""
+    model, _ = model_and_tokenizer
+    window = decode_quality(model, decode_text, QuantizedFP8Cache(model, scales="dynamic"))
+    pure = decode_quality(model, decode_text, QuantizedFP8Cache(model, scales="dynamic", recent_tokens=0, sink_tokens=0))
+    print(f"\nwindow 32+4: dppl {window.ppl_delta_pct:+.2f}% KL {window.kl_mean:.2e} top-1 {window.top1_agreement:.3f}; "
+          f"pure: dppl {pure.ppl_delta_pct:+.2f}% KL {pure.kl_mean:.2e} top-1 {pure.top1_agreement:.3f}")
+    assert window.kl_mean < KL_WINDOW and window.kl_mean < 0.3 * pure.kl_mean
+    assert window.top1_agreement >= TOP1_WINDOW and abs(window.ppl_delta_pct) < PPL_WINDOW
