@@ -18,6 +18,7 @@ from transformers.cache_utils import (
 from hf_fp8kv.attention import ATTENTION_NAME, use_fp8_attention
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
 from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.kernels.ops import check_backend
 from hf_fp8kv.layer import FP8CacheLayer
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
 from hf_fp8kv.static import StaticFP8Layer, StaticFP8SlidingLayer
@@ -98,6 +99,8 @@ class QuantizedFP8Cache(Cache):
             _check_count(name, count)
         if max_cache_len is not None:
             _check_count("max_cache_len", max_cache_len, minimum=1)
+        _check_count("block_size", block_size, minimum=1)
+        check_backend(backend)
         text_config = config.get_text_config(decoder=True)
         self.fmt = get_format(platform_dtype(kv_cache_dtype))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -236,6 +239,11 @@ def _check_count(name: str, value, minimum: int = 0) -> None:
 
 def _validate_skip_layers(skip_layers: str | Iterable[int | str], layer_types: list[str]) -> set[int]:
     """Layer indices named by `skip_layers`: indices (ints or digit strings) and "sliding_window"."""
+    if not isinstance(skip_layers, (str, Iterable)):
+        raise ValueError(
+            f"skip_layers={skip_layers!r}: pass a list of layer indices and/or 'sliding_window' (e.g. "
+            f"skip_layers=[{skip_layers!r}])"
+        )
     items = skip_layers.split(",") if isinstance(skip_layers, str) else list(skip_layers)
     skip, bad = set(), []
     for item in items:

@@ -121,3 +121,28 @@ def test_sliding_crop_beyond_the_kept_tokens_counts_like_transformers():
         layer.crop(-2)
         layer.crop(-11)
     assert ours.get_seq_length() == theirs.get_seq_length()
+
+
+ARGUMENT_ERRORS = [
+    (dict(block_size=0), r"block_size=0 must be an int >= 1"),
+    (dict(block_size=-1), r"block_size=-1 must be an int >= 1"),
+    (dict(block_size=2.5), r"block_size=2.5 must be an int >= 1"),
+    (dict(block_size="64"), r"block_size='64' must be an int >= 1"),
+    (dict(backend="cuda"), r"backend='cuda' is not one of"),
+    (dict(scales={0: 0.1, 1: 0.1}), r"scales\[0\] = 0.1: each layer takes a \(k_scale, v_scale\) pair"),
+    (dict(scales=[0.1, 0.2]), r"scales\[0\] = 0.1: each layer takes"),
+    (dict(skip_layers=1), r"skip_layers=1: pass a list of layer indices.*skip_layers=\[1\]"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", ARGUMENT_ERRORS)
+def test_bad_arguments_raise_at_construction_and_enable(kwargs, match):
+    """Checked when the cache is built (and by `pipeline.enable`), not at the first generate."""
+    from hf_fp8kv import pipeline
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match=match):
+        QuantizedFP8Cache(model, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        pipeline.enable(model, **kwargs)
+    assert not pipeline.is_enabled(model)
