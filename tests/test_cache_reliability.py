@@ -146,3 +146,38 @@ def test_bad_arguments_raise_at_construction_and_enable(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pipeline.enable(model, **kwargs)
     assert not pipeline.is_enabled(model)
+
+
+def test_each_model_keeps_its_own_previous_attention():
+    """A user's switch to eager is respected by the next cache; a deep copy of a switched Gemma 2 (softcap: eager
+    only) keeps eager for other caches; another model switched meanwhile keeps sdpa."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from hf_fp8kv.attention import fallback_implementation
+
+    model, other = tiny_model(), tiny_model(seed=1)
+    QuantizedFP8Cache(model, scales="dynamic")
+    QuantizedFP8Cache(other, scales="dynamic")
+    model.set_attn_implementation("eager")
+    QuantizedFP8Cache(model, scales="dynamic")
+    assert fallback_implementation(model.config) == "eager" and fallback_implementation(other.config) == "sdpa"
+
+    gemma = tiny_model("gemma2", attn_implementation="eager", num_hidden_layers=2, sliding_window=4)
+    with torch.no_grad():
+        expected = gemma(input_ids=PROMPT, cache=DynamicCache(config=gemma.config)).logits
+    QuantizedFP8Cache(gemma, scales="dynamic")
+    twin = copy.deepcopy(gemma)
+    with torch.no_grad():
+        got = twin(input_ids=PROMPT, cache=DynamicCache(config=twin.config)).logits
+    assert torch.equal(got, expected)
+    assert fallback_implementation(twin.model.layers[0].self_attn.config) == "eager"
+
+
+def test_output_attentions_with_fp8_attention_warns():
+    """Like transformers' sdpa, instead of silently giving no attention weights."""
+    model = tiny_model(attn_implementation="eager")
+    cache = QuantizedFP8Cache(model, scales="dynamic")
+    with torch.no_grad(), pytest.warns(UserWarning, match="does not return attention weights"):
+        model(input_ids=PROMPT, cache=cache, output_attentions=True)
