@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Iterable
 
@@ -139,13 +140,23 @@ class QuantizedFP8Cache(Cache):
         self.attention_config = text_config
         self.token_history = TokenHistory()
         self._slow_path_warned = False
+        self._caller_config = None  # the config of the attention module of the current `update`, when known
         self._post_processing = text_config.model_type in POST_PROCESSING_MODEL_TYPES
         use_fp8_attention(model if model is not None else config)
         if model is not None:
             install_generation_guard(model)
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            # the attention module calling us runs the attention that will read what we return: a cache built from
+            # another config, or used with another model, must hand real tensors to an sdpa/eager module
+            self._caller_config = _module_config(sys._getframe(1))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def _uses_fp8_attention(self) -> bool:
-        implementation = self.attention_config._attn_implementation
+        caller = None if torch.compiler.is_compiling() else self._caller_config
+        config = caller if caller is not None else self.attention_config
+        implementation = config._attn_implementation
         if is_fp8_attention(implementation) and not self._post_processing:
             return True
         if not self._slow_path_warned:
@@ -153,7 +164,9 @@ class QuantizedFP8Cache(Cache):
                 f"model type {self.attention_config.model_type!r} post-processes K/V"
                 if self._post_processing
                 else f"it runs {implementation!r}"
-            )
+                + ("; this cache was built for another model or config: build it with QuantizedFP8Cache(model)"
+                   if config is not self.attention_config else "")
+            )  # fmt: skip
             warnings.warn(SLOW_PATH_WARNING.format(name=ATTENTION_NAME, reason=reason), stacklevel=4)
             self._slow_path_warned = True
         return False
@@ -230,6 +243,12 @@ def _layer_nbytes(layer) -> int:
     if isinstance(layer, FP8CacheLayer):
         return layer.nbytes
     return sum(t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def _module_config(frame):
+    """The config of the module whose method runs in `frame` (None when it is not a module's)."""
+    caller = frame.f_locals.get("self")
+    return getattr(caller, "config", None) if isinstance(caller, torch.nn.Module) else None
 
 
 def _check_count(name: str, value, minimum: int = 0) -> None:

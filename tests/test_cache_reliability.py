@@ -181,3 +181,20 @@ def test_output_attentions_with_fp8_attention_warns():
     cache = QuantizedFP8Cache(model, scales="dynamic")
     with torch.no_grad(), pytest.warns(UserWarning, match="does not return attention weights"):
         model(input_ids=PROMPT, cache=cache, output_attentions=True)
+
+
+def test_cache_of_another_config_or_model_takes_the_warned_slow_path():
+    """A cache built from a config that is not the running model's, or one model's cache used with another, hands
+    real tensors to the sdpa modules (warned slow path) instead of failing inside sdpa."""
+    import copy
+
+    model = tiny_model()
+    reference = tiny_model()
+    with torch.no_grad():
+        expected = reference(input_ids=PROMPT, cache=QuantizedFP8Cache(reference, scales="dynamic")).logits
+    for cache in (QuantizedFP8Cache(config=copy.deepcopy(model.config), scales="dynamic"),
+                  QuantizedFP8Cache(tiny_model(), scales="dynamic")):  # fmt: skip
+        with torch.no_grad(), pytest.warns(UserWarning, match="built for another model or config"):
+            got = model(input_ids=PROMPT, cache=cache).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert model.config._attn_implementation == "sdpa"
