@@ -116,9 +116,8 @@ def load_scales_file(path: str | os.PathLike) -> KVScales:
         raise ValueError(f"{path}: scales are read from .safetensors or the old vLLM .json (never unpickled)")
     metadata, names = _safetensors_header(path)
     tensors = _read_tensors(path, _text_scale_names(names, path))
-    scheme = _parse_json(metadata["kv_cache_scheme"], f"{path} metadata kv_cache_scheme") if (
-        "kv_cache_scheme" in metadata
-    ) else {}
+    scheme = metadata.get("kv_cache_scheme")
+    scheme = _parse_json(scheme, f"{path} metadata kv_cache_scheme") if scheme else {}
     found = _collect(tensors, scheme)
     if found is None:
         raise ValueError(f"{path} holds no KV cache scale tensors under any known name")
@@ -199,6 +198,8 @@ def _text_scale_names(names: Iterable[str], where: Path) -> list[str]:
     """The scale tensor names of the text decoder (other towers' scales, e.g. a vision encoder's, are ignored)."""
     names = list(names)
     scale_names = [name for name in names if _is_scale_name(name)]
+    if not scale_names:
+        return []
     tower = _text_tower(names, str(where))
     kept = [name for name in scale_names if _ATTENTION.match(name)["tower"] == tower]
     if len(kept) < len(scale_names):
@@ -402,7 +403,7 @@ def export_for_vllm(scales: KVScales, model: str | os.PathLike, out_dir: str | o
             _link_or_copy(item.resolve(), out / item.name)
     save_file(tensors, str(out / SCALES_FILE), metadata={"format": "pt"})
     index = _read_json(source / INDEX) if (source / INDEX).is_file() else {}
-    weight_map = {name: file.name for name, file in names.items()}
+    weight_map = {name: str(file.relative_to(source)) for name, file in names.items()}
     weight_map.update({name: SCALES_FILE for name in tensors})
     total = sum(_data_bytes(out / file) for file in set(weight_map.values()))
     index["metadata"] = {**index.get("metadata", {}), "total_size": total}
