@@ -1,15 +1,17 @@
-"""The FP8 attention and mask functions, registered in transformers under one name.
+"""The FP8 attention and mask functions, registered in transformers under one name per fallback.
 
-The model is switched to `ATTENTION_NAME` once (by `QuantizedFP8Cache(model)` or `from_pretrained(...,
+The model is switched to FP8 attention once (by `QuantizedFP8Cache(model)` or `from_pretrained(...,
 attn_implementation="fp8kv")`). For any other cache, or for a layer kept in the model dtype, both functions
 hand over, unchanged, to the implementation the model used before (sdpa or eager), so outputs stay
-bit-identical; for our FP8 layers the attention reads the cache's codes directly.
+bit-identical; for our FP8 layers the attention reads the cache's codes directly. The name carries that
+previous implementation ("fp8kv": sdpa, "fp8kv_eager": eager), so each model keeps its own, and a copied or
+pickled model keeps it too.
 """
 
 from __future__ import annotations
 
 import sys
-import weakref
+import warnings
 
 import torch
 from transformers import AttentionInterface
@@ -20,13 +22,23 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from hf_fp8kv.layer import QuantizedKV
 
 ATTENTION_NAME = "fp8kv"
-FALLBACKS = ("sdpa", "eager")
-_fallback_by_config: dict[int, str] = {}
+# our attention's names -> the implementation each hands over to (the model's implementation before the switch)
+FP8_ATTENTION_NAMES = {ATTENTION_NAME: "sdpa", f"{ATTENTION_NAME}_eager": "eager"}
+FALLBACKS = tuple(FP8_ATTENTION_NAMES.values())
+OUTPUT_ATTENTIONS_WARNING = (
+    "FP8 KV cache attention does not return attention weights (output_attentions=True): the layers it serves "
+    "give none. Use another cache (or attn_implementation='eager' without QuantizedFP8Cache) to get them."
+)
+
+
+def is_fp8_attention(implementation: str | None) -> bool:
+    """Whether `implementation` (a config's `_attn_implementation`) is one of our attention's names."""
+    return implementation in FP8_ATTENTION_NAMES
 
 
 def fallback_implementation(config) -> str:
     """The attention implementation the model used before it was switched to FP8 attention (sdpa by default)."""
-    return _fallback_by_config.get(id(config), "sdpa")
+    return FP8_ATTENTION_NAMES.get(config._attn_implementation, "sdpa")
 
 
 def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -40,6 +52,8 @@ def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dro
         return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if module.training and dropout:
         raise ValueError("FP8 KV cache attention is for inference: attention dropout is not supported")
+    if kwargs.get("output_attentions"):
+        warnings.warn(OUTPUT_ATTENTIONS_WARNING, stacklevel=2)
     out = key.attend(
         query,
         scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
@@ -64,14 +78,15 @@ def fp8kv_mask(*args, config=None, **kwargs):
 
 
 def register() -> None:
-    """Register `ATTENTION_NAME` in transformers' attention and mask interfaces (done on import)."""
-    AttentionInterface.register(ATTENTION_NAME, fp8kv_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, fp8kv_mask)
+    """Register our names in transformers' attention and mask interfaces (done on import)."""
+    for name in FP8_ATTENTION_NAMES:
+        AttentionInterface.register(name, fp8kv_attention)
+        AttentionMaskInterface.register(name, fp8kv_mask)
 
 
 def use_fp8_attention(target) -> bool:
-    """Switch a model (and its sub-models) or a bare config to FP8 attention, remembering each config's
-    previous implementation.
+    """Switch a model (and its sub-models) or a bare config to FP8 attention, each config under the name of its
+    current implementation (a config already switched keeps its name).
 
     Returns False, changing nothing, when an implementation is in use that we cannot hand back to
     (flash/flex/custom): the cache then returns dequantized tensors to it (the slow path).
@@ -82,18 +97,22 @@ def use_fp8_attention(target) -> bool:
     else:
         candidates = [target, *(getattr(target, key, None) for key in getattr(target, "sub_configs", {}))]
     configs = list({id(c): c for c in candidates if c is not None}.values())
-    if any(c._attn_implementation not in (*FALLBACKS, ATTENTION_NAME, None) for c in configs):
+    if any(c._attn_implementation not in (*FALLBACKS, *FP8_ATTENTION_NAMES, None) for c in configs):
         return False
-    for config in configs:
-        if config._attn_implementation != ATTENTION_NAME and id(config) not in _fallback_by_config:
-            _fallback_by_config[id(config)] = config._attn_implementation or "sdpa"
-            weakref.finalize(config, _fallback_by_config.pop, id(config), None)
-    if is_model:
-        target.set_attn_implementation(ATTENTION_NAME)
+    names = [_fp8_name(c._attn_implementation) for c in configs]
+    if is_model and len(set(names)) == 1:
+        target.set_attn_implementation(names[0])
     else:
-        for config in configs:
-            config._attn_implementation = ATTENTION_NAME
+        for config, name in zip(configs, names):
+            config._attn_implementation = name
     return True
+
+
+def _fp8_name(implementation: str | None) -> str:
+    if is_fp8_attention(implementation):
+        return implementation
+    fallback = implementation or "sdpa"
+    return next(name for name, previous in FP8_ATTENTION_NAMES.items() if previous == fallback)
 
 
 register()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Iterable
 
@@ -15,9 +16,10 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from hf_fp8kv.attention import ATTENTION_NAME, use_fp8_attention
+from hf_fp8kv.attention import ATTENTION_NAME, is_fp8_attention, use_fp8_attention
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
 from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.kernels.ops import check_backend
 from hf_fp8kv.layer import FP8CacheLayer
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
 from hf_fp8kv.static import StaticFP8Layer, StaticFP8SlidingLayer
@@ -52,7 +54,8 @@ class QuantizedFP8Cache(Cache):
 
     `QuantizedFP8Cache(model)` (or `config=model.config`) then `model.generate(..., past_key_values=cache)`
     (or `cache=cache`). Building it from the model switches the model's attention to "fp8kv", which behaves
-    exactly like the previous implementation for every other cache.
+    exactly like the previous implementation for every other cache. A filled cache refuses a prompt that does not
+    continue its tokens (`CacheReuseError`; where that check applies: `hf_fp8kv.guard`).
 
     Args:
         kv_cache_dtype: "fp8" / "fp8_e4m3" (default; "fp8" is "fp8_e4m3fnuz" on ROCm), "fp8_e5m2",
@@ -99,6 +102,8 @@ class QuantizedFP8Cache(Cache):
             _check_count(name, count)
         if max_cache_len is not None:
             _check_count("max_cache_len", max_cache_len, minimum=1)
+        _check_count("block_size", block_size, minimum=1)
+        check_backend(backend)
         text_config = config.get_text_config(decoder=True)
         self.fmt = get_format(platform_dtype(kv_cache_dtype))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -137,21 +142,33 @@ class QuantizedFP8Cache(Cache):
         self.attention_config = text_config
         self.token_history = TokenHistory()
         self._slow_path_warned = False
+        self._caller_config = None  # the config of the attention module of the current `update`, when known
         self._post_processing = text_config.model_type in POST_PROCESSING_MODEL_TYPES
         use_fp8_attention(model if model is not None else config)
         if model is not None:
             install_generation_guard(model)
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            # the attention module calling us runs the attention that will read what we return: a cache built from
+            # another config, or used with another model, must hand real tensors to an sdpa/eager module
+            self._caller_config = _module_config(sys._getframe(1))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def _uses_fp8_attention(self) -> bool:
-        implementation = self.attention_config._attn_implementation
-        if implementation == ATTENTION_NAME and not self._post_processing:
+        caller = None if torch.compiler.is_compiling() else self._caller_config
+        config = caller if caller is not None else self.attention_config
+        implementation = config._attn_implementation
+        if is_fp8_attention(implementation) and not self._post_processing:
             return True
         if not self._slow_path_warned:
             reason = (
                 f"model type {self.attention_config.model_type!r} post-processes K/V"
                 if self._post_processing
                 else f"it runs {implementation!r}"
-            )
+                + ("; this cache was built for another model or config: build it with QuantizedFP8Cache(model)"
+                   if config is not self.attention_config else "")
+            )  # fmt: skip
             warnings.warn(SLOW_PATH_WARNING.format(name=ATTENTION_NAME, reason=reason), stacklevel=4)
             self._slow_path_warned = True
         return False
@@ -230,6 +247,12 @@ def _layer_nbytes(layer) -> int:
     return sum(t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
 
+def _module_config(frame):
+    """The config of the module whose method runs in `frame` (None when it is not a module's)."""
+    caller = frame.f_locals.get("self")
+    return getattr(caller, "config", None) if isinstance(caller, torch.nn.Module) else None
+
+
 def _check_count(name: str, value, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
@@ -237,6 +260,11 @@ def _check_count(name: str, value, minimum: int = 0) -> None:
 
 def _validate_skip_layers(skip_layers: str | Iterable[int | str], layer_types: list[str]) -> set[int]:
     """Layer indices named by `skip_layers`: indices (ints or digit strings) and "sliding_window"."""
+    if not isinstance(skip_layers, (str, Iterable)):
+        raise ValueError(
+            f"skip_layers={skip_layers!r}: pass a list of layer indices and/or 'sliding_window' (e.g. "
+            f"skip_layers=[{skip_layers!r}])"
+        )
     items = skip_layers.split(",") if isinstance(skip_layers, str) else list(skip_layers)
     skip, bad = set(), []
     for item in items:

@@ -15,8 +15,14 @@ directory or a model of the local Hugging Face cache (never downloaded). Tensor 
 | `qkv_proj.output_scale`                 | fused QKV, one output scale               | K and V  |
 
 q and prob scales are read and reported (unused: queries and probabilities stay in full precision). vLLM's
-rules apply per layer: K and V both present -> used; only one -> used for both (vLLM takes the max of the
-two with -1 for "missing"). The old vLLM/SGLang JSON (`{"kv_cache": {"dtype", "scaling_factor": {rank:
+rules apply per layer: K and V both present -> used; only one (a lone `k_scale`, the legacy `kv_scale`) -> used
+for both (vLLM's `max(k, v)` with -1 for "missing"), except under compressed-tensors (a `kv_cache_scheme` is
+declared), where vLLM keeps the missing one at 1.0 (`kv_scale` counts as K there): so do we, with a warning.
+
+Only the files transformers loads are read: those of `model.safetensors.index.json`'s `weight_map`, else
+`model.safetensors` (plus hf_fp8kv's own `kv_cache_scales.safetensors`). When several towers have decoder
+layers (a multimodal checkpoint's vision and text towers), only the text decoder's scales are used: the tower
+beside `embed_tokens`, else the only one, else the one named `language_model`/`text_model`. The old vLLM/SGLang JSON (`{"kv_cache": {"dtype", "scaling_factor": {rank:
 {layer: scale}}}}`) is read from `kv_cache_scales.json` in the directory or an explicit path.
 """
 
@@ -26,23 +32,27 @@ import json
 import os
 import re
 import shutil
+import struct
 import warnings
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hf_fp8kv.scales import KVScales, check_scale_values
 
 INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 SCALES_FILE = "kv_cache_scales.safetensors"
 LEGACY_JSON = "kv_cache_scales.json"
 DEFAULT_MODULE = "model.layers.{}.self_attn"
 _ATTENTION = re.compile(
-    r"^(?P<module>(?:.*\.)?(?:layers|h|blocks)\.(?P<layer>\d+)\.(?:self_attn|self_attention|attention|attn))"
-    r"\.(?P<suffix>.+)$"
+    r"^(?P<module>(?P<tower>(?:.*\.)?(?:layers|h|blocks))\.(?P<layer>\d+)\."
+    r"(?:self_attn|self_attention|attention|attn))\.(?P<suffix>.+)$"
 )
+TEXT_TOWER_NAMES = ("language_model", "text_model")
 # suffix after the attention module -> which scale it is ("kv": one scale for both)
 SCALE_SUFFIXES = {
     "k_scale": "k", "v_scale": "v", "attn.k_scale": "k", "attn.v_scale": "v", "kv_scale": "kv",
@@ -104,10 +114,10 @@ def load_scales_file(path: str | os.PathLike) -> KVScales:
         return _load_legacy_json(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: scales are read from .safetensors or the old vLLM .json (never unpickled)")
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        tensors = {name: handle.get_tensor(name) for name in handle.keys() if _is_scale_name(name)}
-    scheme = json.loads(metadata["kv_cache_scheme"]) if "kv_cache_scheme" in metadata else {}
+    metadata, names = _safetensors_header(path)
+    tensors = _read_tensors(path, _text_scale_names(names, path))
+    scheme = metadata.get("kv_cache_scheme")
+    scheme = _parse_json(scheme, f"{path} metadata kv_cache_scheme") if scheme else {}
     found = _collect(tensors, scheme)
     if found is None:
         raise ValueError(f"{path} holds no KV cache scale tensors under any known name")
@@ -121,35 +131,98 @@ def _is_scale_name(name: str) -> bool:
     return bool(match) and match["suffix"] in (SCALE_SUFFIXES.keys() | UNUSED_SUFFIXES | {CHANNEL_SUFFIX})
 
 
-def _weight_names(directory: Path) -> dict[str, Path]:
-    """Every tensor name of the directory's safetensors, with the file that holds it."""
-    index = directory / INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
-    names = {}
-    for file in sorted(directory.glob("*.safetensors")):
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where} is not valid JSON: {error}") from None
+
+
+def _read_json(path: Path) -> Any:
+    return _parse_json(path.read_text(), str(path))
+
+
+def _safetensors_header(file: Path) -> tuple[dict[str, str], list[str]]:
+    """A safetensors file's metadata and tensor names; a missing or corrupt file is an error naming it."""
+    try:
         with safe_open(str(file), framework="pt") as handle:
-            names.update({name: file for name in handle.keys()})
+            return handle.metadata() or {}, list(handle.keys())
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file}: cannot read it as safetensors ({error})") from None
+
+
+def _read_tensors(file: Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {name: handle.get_tensor(name) for name in names}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file}: cannot read it as safetensors ({error})") from None
+
+
+def _weight_names(directory: Path) -> dict[str, Path]:
+    """The tensor names of the files transformers loads (the index's `weight_map`, else `model.safetensors`), and
+    of our own `kv_cache_scales.safetensors`, each with the file that holds it."""
+    index, single, own = directory / INDEX, directory / SINGLE_FILE, directory / SCALES_FILE
+    names: dict[str, Path] = {}
+    if index.is_file():
+        content = _read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' (tensor name -> file): its weight files are unknown")
+        names = {name: directory / file for name, file in weight_map.items()}
+    elif single.is_file():
+        names = dict.fromkeys(_safetensors_header(single)[1], single)
+    if own.is_file() and own not in names.values():
+        names.update(dict.fromkeys(_safetensors_header(own)[1], own))
     if not names and (any(directory.glob("*.bin")) or any(directory.glob("*.pt"))):
         warnings.warn(f"{directory}: only pickle checkpoints (.bin/.pt); their KV scales are not read (no unpickling)")
     return names
 
 
+def _text_tower(names: Iterable[str], where: str) -> str | None:
+    """The layer stack (e.g. `model.language_model.layers`) of the text decoder among the towers of `names`."""
+    names = list(names)
+    towers = sorted({match["tower"] for match in map(_ATTENTION.match, names) if match})
+    if len(towers) <= 1:
+        return towers[0] if towers else None
+    beside_embeddings = [t for t in towers if any(n.startswith(t.rsplit(".", 1)[0] + ".embed_tokens.") for n in names)]
+    if len(beside_embeddings) == 1:
+        return beside_embeddings[0]
+    named = [t for t in towers if any(part in t.split(".") for part in TEXT_TOWER_NAMES)]
+    if len(named) == 1:
+        return named[0]
+    raise ValueError(f"{where}: decoder layers in several towers ({', '.join(towers)}); cannot tell the text model's")
+
+
+def _text_scale_names(names: Iterable[str], where: Path) -> list[str]:
+    """The scale tensor names of the text decoder (other towers' scales, e.g. a vision encoder's, are ignored)."""
+    names = list(names)
+    scale_names = [name for name in names if _is_scale_name(name)]
+    if not scale_names:
+        return []
+    tower = _text_tower(names, str(where))
+    kept = [name for name in scale_names if _ATTENTION.match(name)["tower"] == tower]
+    if len(kept) < len(scale_names):
+        other = next(name for name in scale_names if name not in kept)
+        warnings.warn(f"{where}: {len(scale_names) - len(kept)} scales outside the text decoder {tower} (e.g. {other}) "
+                      "are ignored")  # fmt: skip
+    return kept
+
+
 def _scale_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    weights = _weight_names(directory)
     by_file: dict[Path, list[str]] = {}
-    for name, file in _weight_names(directory).items():
-        if _is_scale_name(name):
-            by_file.setdefault(file, []).append(name)
+    for name in _text_scale_names(weights, directory):
+        by_file.setdefault(weights[name], []).append(name)
     tensors = {}
     for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in names})
+        tensors.update(_read_tensors(file, names))
     return tensors
 
 
 def _collect(tensors: dict[str, torch.Tensor], scheme: dict) -> KVScales | None:
-    """Apply vLLM's per-layer rules to the scale tensors found (name -> tensor)."""
+    """Apply vLLM's per-layer rules to the scale tensors found (name -> tensor). `scheme`: the declared
+    compressed-tensors `kv_cache_scheme` ({} when none)."""
     found: dict[int, dict[str, str]] = {}
     scales = KVScales()
     for name in sorted(tensors):
@@ -165,7 +238,9 @@ def _collect(tensors: dict[str, torch.Tensor], scheme: dict) -> KVScales | None:
         if scheme.get("strategy") == "tensor" and tensor.numel() > 1:
             raise ValueError(f"{name} has {tensor.numel()} values, but kv_cache_scheme declares strategy 'tensor'")
         roles = found.setdefault(layer, {})
-        for role in ("k", "v") if SCALE_SUFFIXES[suffix] == "kv" else (SCALE_SUFFIXES[suffix],):
+        # compressed-tensors loads a single scale as K only (vLLM remaps kv_scale to k_scale)
+        single = ("k",) if scheme else ("k", "v")
+        for role in single if SCALE_SUFFIXES[suffix] == "kv" else (SCALE_SUFFIXES[suffix],):
             if role in roles:
                 raise ValueError(f"layer {layer} has two {role.upper()} scales: {roles[role]} and {name}")
             roles[role] = name
@@ -174,11 +249,22 @@ def _collect(tensors: dict[str, torch.Tensor], scheme: dict) -> KVScales | None:
             f"the checkpoint has {len(scales.unused)} q/prob scales (e.g. {scales.unused[0]}): QuantizedFP8Cache "
             "keeps queries and attention probabilities in full precision, so they are not used"
         )
+    lone = []
     for layer, roles in found.items():
         k_name, v_name = roles.get("k", roles.get("v")), roles.get("v", roles.get("k"))
         scales.key[layer], scales.value[layer] = tensors[k_name].float(), tensors[v_name].float()
+        if scheme and k_name == v_name:  # compressed-tensors: the missing scale keeps its initial 1.0
+            lone.append(k_name)
+            missing = "value" if "k" in roles else "key"
+            getattr(scales, missing)[layer] = torch.ones_like(scales.key[layer])
+            k_name, v_name = (k_name, "1.0") if missing == "value" else ("1.0", v_name)
         scales.names[layer] = (k_name, v_name)
         scales.sources[layer] = _source(k_name, v_name)
+    if lone:
+        warnings.warn(
+            f"{len(lone)} layers have a K or V scale but not both (e.g. {lone[0]}) under compressed-tensors: as in "
+            "vLLM, the missing one is 1.0 (other conventions use the lone scale for both)"
+        )
     unknown = sorted(set(scales.key_channel) - set(scales.key))
     if unknown:
         raise ValueError(f"key channel scales for layers {unknown} have no K scale")
@@ -195,14 +281,21 @@ def _source(k_name: str, v_name: str) -> str:
 def _declared_scheme(directory: Path) -> dict:
     """The KV cache scheme the configs declare (compressed-tensors, ModelOpt), validated; {} when none."""
     config_file, modelopt_file = directory / "config.json", directory / "hf_quant_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = _read_json(config_file) if config_file.is_file() else {}
     quantization = config.get("quantization_config") or {}
+    if not isinstance(quantization, dict):
+        raise ValueError(f"{config_file}: quantization_config must be an object, got {quantization!r}")
     algorithm = quantization.get("kv_cache_quant_algo")
     if modelopt_file.is_file():
-        algorithm = json.loads(modelopt_file.read_text()).get("quantization", {}).get("kv_cache_quant_algo")
+        algorithm = _read_json(modelopt_file).get("quantization", {}).get("kv_cache_quant_algo")
     if algorithm is not None and str(algorithm).upper() != "FP8":
         raise ValueError(f"{directory}: kv_cache_quant_algo={algorithm!r}; QuantizedFP8Cache reads FP8 KV scales")
     scheme = quantization.get("kv_cache_scheme") or {}
+    if not isinstance(scheme, dict):
+        raise ValueError(
+            f"{config_file}: quantization_config.kv_cache_scheme must be an object such as {{'num_bits': 8, 'type': "
+            f"'float', 'strategy': 'tensor', 'dynamic': false, 'symmetric': true}}, got {scheme!r}"
+        )
     if scheme:
         where = f"{config_file}: quantization_config.kv_cache_scheme {scheme}"
         if scheme.get("num_bits") != 8 or scheme.get("type") != "float":
@@ -216,7 +309,7 @@ def _declared_scheme(directory: Path) -> dict:
 
 def _load_legacy_json(path: Path) -> KVScales:
     """The old vLLM/SGLang `--quantization-param-path` JSON: one scale per layer and tensor-parallel rank."""
-    content = json.loads(path.read_text())
+    content = _read_json(path)
     kv_cache = content.get("kv_cache") if isinstance(content, dict) else None
     if not isinstance(kv_cache, dict) or not isinstance(kv_cache.get("scaling_factor"), dict):
         raise ValueError(f"{path}: expected {{'kv_cache': {{'dtype': ..., 'scaling_factor': {{rank: {{layer: scale}}}}}}}}")
@@ -268,10 +361,11 @@ def save_scales(scales: KVScales, path: str | os.PathLike) -> Path:
 
 
 def export_for_vllm(scales: KVScales, model: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """A copy of `model` (weights symlinked) with `scales` added as vLLM loads them: llm-compressor tensor
-    names in `kv_cache_scales.safetensors` (listed in the index when sharded) and
-    `quantization_config.kv_cache_scheme` in config.json (compressed-tensors). Run `vllm serve <out_dir>
-    --kv-cache-dtype fp8`."""
+    """A self-contained copy of `model` (weights hard-linked, or copied across file systems, so the directory can
+    be moved) with `scales` added as vLLM loads them: llm-compressor tensor names in
+    `kv_cache_scales.safetensors`, listed in `model.safetensors.index.json` (written for a single-file model
+    too, with `total_size` counted), and `quantization_config.kv_cache_scheme` in config.json
+    (compressed-tensors). Run `vllm serve <out_dir> --kv-cache-dtype fp8`."""
     source = local_model_dir(model)
     if source is None:
         raise FileNotFoundError(f"{model} is neither a local directory nor a model in the local Hugging Face cache")
@@ -281,7 +375,7 @@ def export_for_vllm(scales: KVScales, model: str | os.PathLike, out_dir: str | o
     existing = _scale_tensors(source)
     if existing:
         raise ValueError(f"{source} already has KV scales ({next(iter(existing))}...): vLLM would load both")
-    config = json.loads((source / "config.json").read_text())
+    config = _read_json(source / "config.json")
     quantization = config.get("quantization_config") or {
         "quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
         "config_groups": {}, "ignore": [],
@@ -296,36 +390,50 @@ def export_for_vllm(scales: KVScales, model: str | os.PathLike, out_dir: str | o
     quantization["kv_cache_scheme"] = scales.kv_cache_scheme
     config["quantization_config"] = quantization
     names = _weight_names(source)
-    tensors = _vllm_tensors(scales, _attention_modules(names))
+    if not names:
+        raise FileNotFoundError(f"{source} has neither {INDEX} nor {SINGLE_FILE}: no safetensors weights to export")
+    tensors = _vllm_tensors(scales, _attention_modules(names, source))
     out.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         if item.name in ("config.json", INDEX) or item.name.startswith("."):
             continue
-        if item.suffix == ".safetensors":
-            (out / item.name).symlink_to(item.resolve())
-        elif item.is_dir():
+        if item.is_dir():
             shutil.copytree(item, out / item.name)
         else:
-            shutil.copy2(item, out / item.name)
+            _link_or_copy(item.resolve(), out / item.name)
     save_file(tensors, str(out / SCALES_FILE), metadata={"format": "pt"})
-    if (source / INDEX).is_file():
-        index = json.loads((source / INDEX).read_text())
-        index["weight_map"].update({name: SCALES_FILE for name in tensors})
-        (out / INDEX).write_text(json.dumps(index, indent=2))
+    index = _read_json(source / INDEX) if (source / INDEX).is_file() else {}
+    weight_map = {name: str(file.relative_to(source)) for name, file in names.items()}
+    weight_map.update({name: SCALES_FILE for name in tensors})
+    total = sum(_data_bytes(out / file) for file in set(weight_map.values()))
+    index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+    index["weight_map"] = weight_map
+    (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
-def _attention_modules(names: dict[str, Path]) -> dict[int, str]:
-    """The attention module of each decoder layer, from the weight names (the text model's when several
-    towers have layers: the pattern with the most layers, preferring `language_model`)."""
-    by_pattern: dict[str, dict[int, str]] = {}
-    for name in names:
-        match = _ATTENTION.match(name)
-        if match:
-            pattern = match["module"].replace(f".{match['layer']}.", ".{}.")
-            by_pattern.setdefault(pattern, {})[int(match["layer"])] = match["module"]
-    if not by_pattern:
-        return {}
-    best = max(by_pattern, key=lambda p: (len(by_pattern[p]), "language_model" in p))
-    return by_pattern[best]
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (no copy, and the export stays valid when moved), or a copy across file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _data_bytes(file: Path) -> int:
+    """The bytes of a safetensors file's tensors (what an index's `total_size` sums), from its header."""
+    with open(file, "rb") as handle:
+        header = _parse_json(handle.read(struct.unpack("<Q", handle.read(8))[0]), str(file))
+    offsets = [entry["data_offsets"] for name, entry in header.items() if name != "__metadata__"]
+    return sum(end - start for start, end in offsets)
+
+
+def _attention_modules(names: dict[str, Path], where: Path) -> dict[int, str]:
+    """The attention module of each layer of the text decoder, from the weight names."""
+    tower = _text_tower(names, str(where))
+    modules = {}
+    for match in map(_ATTENTION.match, names):
+        if match and match["tower"] == tower:
+            modules[int(match["layer"])] = match["module"]
+    return modules

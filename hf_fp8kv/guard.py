@@ -2,15 +2,26 @@
 
 The rule: a `QuantizedFP8Cache` holds one sequence per batch row. A `generate` call with a non-empty cache
 must pass input ids that start with the tokens already cached (a continuation of the same conversation);
-anything else raises `CacheReuseError` before the model runs. The check needs the token ids, so it is active
-when the cache was built from the model (`QuantizedFP8Cache(model)`); with `config=` only, it is not.
+anything else raises `CacheReuseError` before the model runs.
+
+Where it applies: the cache was built from the model (`QuantizedFP8Cache(model)`; with `config=` only, nothing
+is installed) and every token in it went through that model, by `generate` or by a direct `model(...)` call
+(eager: a compiled direct call is not seen), since the cache was empty or `reset()`. Then each token is logged,
+including manual decode steps between `generate` calls and chunked prefill (`prefill_chunk_size`: checked
+before the first decode step, after the prefill ran). Tokens given as `inputs_embeds` are logged as unknown:
+a later `generate` with input ids is compared on the known tokens only. Not checked: a `generate` call that
+passes `inputs_embeds` to a filled cache, and one that passes only the new ids (a continuation through the
+full attention mask): neither holds the cached tokens' ids. A cache written by anything else (another model,
+`model.model(...)`) is no longer tracked until it is reset.
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
 
 import torch
+
+UNKNOWN_TOKEN = -1  # a token given as an embedding
 
 
 class CacheReuseError(ValueError):
@@ -18,29 +29,62 @@ class CacheReuseError(ValueError):
 
 
 class TokenHistory:
-    """The token ids that went into the cache, kept in step with crop / reorder / batch operations."""
+    """The token ids that went into the cache (`UNKNOWN_TOKEN` for embeddings), kept in step with crop / reorder /
+    batch operations; `ids` is None while the cache is not tracked."""
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
+        self.unchecked = False  # tokens were written by forwards no generate step prepared
 
     def clear(self) -> None:
         self.ids = None
+        self.unchecked = False
 
-    def record(self, input_ids: torch.Tensor, new_tokens: int | None, cached: int, first_iteration: bool) -> None:
-        """Check a generate step's `input_ids` against the cached tokens and log its new tokens."""
+    def _append(self, new: torch.Tensor, cached: int) -> None:
         if cached == 0:
-            self.ids = None
-        elif self.ids is None or self.ids.shape[1] != cached:
-            return  # filled outside generate (a direct forward): nothing to compare with
-        if new_tokens is None:
-            if cached:  # only the new tokens were passed (continuation through the attention mask)
-                self.ids = None
-                return
-            new_tokens = input_ids.shape[1]
-        if cached and first_iteration:
-            self.check(input_ids, cached)
-        new = input_ids[:, input_ids.shape[1] - new_tokens :]
-        self.ids = new.clone() if self.ids is None else torch.cat([self.ids, new], dim=1)
+            self.ids = new.clone()
+        elif self.ids is not None and self.ids.shape[1] == cached:
+            self.ids = torch.cat([self.ids, new.to(self.ids.device)], dim=1)
+        else:
+            self.ids = None  # written outside the model: not tracked until reset
+
+    def prepare_step(
+        self,
+        input_ids: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+        next_tokens: int | None,
+        cached: int,
+        first_iteration: bool,
+    ) -> None:
+        """A generate step about to run: check its ids against the cached tokens, then log the tokens it adds
+        (sliced as transformers' `prepare_inputs_for_generation` slices them)."""
+        embeds = inputs_embeds is not None and first_iteration
+        tracked = self.ids is not None and self.ids.shape[1] == cached
+        if cached and tracked and not embeds and (first_iteration or self.unchecked):
+            # the ids line up with the cache when they hold every token; a prefill chunk, or a continuation that
+            # passes only the new ids, does not: the check waits for the first step that passes them all
+            if next_tokens is not None and input_ids.shape[1] == cached + next_tokens:
+                self.check(input_ids, cached)
+                self.unchecked = False
+            else:
+                self.unchecked = True
+        if embeds:
+            count = next_tokens if next_tokens is not None else inputs_embeds.shape[1]
+            new = torch.full((inputs_embeds.shape[0], count), UNKNOWN_TOKEN, dtype=torch.long)
+        else:
+            new = input_ids[:, -next_tokens:] if next_tokens is not None else input_ids
+        self._append(new, cached)
+
+    def record_forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, cached: int) -> None:
+        """A forward about to write the cache: log its tokens unless the generate step that prepared it did."""
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is None:
+            return
+        if self.ids is not None and self.ids.shape[1] == cached + tokens.shape[1]:
+            return  # logged by `prepare_step`
+        new = input_ids if input_ids is not None else torch.full(tokens.shape[:2], UNKNOWN_TOKEN, dtype=torch.long)
+        self._append(new, cached)
+        self.unchecked = True
 
     def check(self, input_ids: torch.Tensor, cached: int) -> None:
         problem = None
@@ -48,8 +92,10 @@ class TokenHistory:
             problem = f"a batch of {input_ids.shape[0]} rows, but the cache holds {self.ids.shape[0]}"
         elif input_ids.shape[1] < cached:
             problem = f"{input_ids.shape[1]} input tokens, fewer than the {cached} already cached"
-        elif not torch.equal(input_ids[:, :cached].to(self.ids.device), self.ids):
-            problem = f"input ids that do not start with the {cached} tokens already cached"
+        else:
+            known = self.ids != UNKNOWN_TOKEN
+            if not torch.equal(input_ids[:, :cached].to(self.ids.device)[known], self.ids[known]):
+                problem = f"input ids that do not start with the {cached} tokens already cached"
         if problem:
             raise CacheReuseError(
                 f"This QuantizedFP8Cache already holds another sequence: generate got {problem}. A cache holds one "
@@ -66,24 +112,52 @@ class TokenHistory:
             self.ids = fn(self.ids)
 
 
-def install_generation_guard(model: torch.nn.Module) -> None:
-    """Wrap `model.prepare_inputs_for_generation` (this instance only) to feed our caches' token histories."""
-    if getattr(model, "_fp8kv_guarded", False):
-        return
-    original = model.prepare_inputs_for_generation
+def _history(kwargs: dict) -> tuple[object, TokenHistory | None]:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return cache, getattr(cache, "token_history", None)
 
-    @functools.wraps(original)
-    def guarded(input_ids, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        history = getattr(cache, "token_history", None)
-        if history is not None and input_ids is not None and kwargs.get("inputs_embeds") is None:
-            history.record(
+
+class GuardedPrepareInputs:
+    """`model.prepare_inputs_for_generation` of a guarded model: feeds our caches' histories, then runs the
+    class's method. A plain object (not a closure), so the model still pickles and deep-copies."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # generate inspects the method's parameters
+        return inspect.signature(type(self.model).prepare_inputs_for_generation.__get__(self.model))
+
+    def __call__(self, input_ids, *args, **kwargs):
+        cache, history = _history(kwargs)
+        if history is not None and input_ids is not None:
+            history.prepare_step(
                 input_ids,
+                kwargs.get("inputs_embeds"),
                 kwargs.get("next_sequence_length"),
                 cache.get_seq_length(),
                 bool(kwargs.get("is_first_iteration")),
             )
-        return original(input_ids, *args, **kwargs)
+        return type(self.model).prepare_inputs_for_generation(self.model, input_ids, *args, **kwargs)
 
-    model.prepare_inputs_for_generation = guarded
-    model._fp8kv_guarded = True
+
+class RecordForwardTokens:
+    """Forward pre-hook (with kwargs) of a guarded model: logs the tokens of forwards that no generate step
+    prepared (direct calls, chunked prefill)."""
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        cache, history = _history(kwargs)
+        if history is not None:
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            history.record_forward(input_ids, kwargs.get("inputs_embeds"), cache.get_seq_length())
+        return None
+
+
+def install_generation_guard(model: torch.nn.Module) -> None:
+    """Feed our caches' token histories from `model`'s generate steps and forwards (once per model)."""
+    if isinstance(vars(model).get("prepare_inputs_for_generation"), GuardedPrepareInputs):
+        return
+    model.prepare_inputs_for_generation = GuardedPrepareInputs(model)
+    model.register_forward_pre_hook(RecordForwardTokens(), with_kwargs=True)

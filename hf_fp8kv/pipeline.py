@@ -13,13 +13,31 @@ pipeline with FP8 caching is to switch the model:
 
 from __future__ import annotations
 
-import functools
+import inspect
+from typing import Any, Callable
 
 import torch
 
 from hf_fp8kv.cache import QuantizedFP8Cache
 
-_ORIGINAL = "_fp8kv_original_generate"
+
+class FreshCacheGenerate:
+    """`model.generate` while `enable` is in effect: a plain object (not a closure), so the model still pickles."""
+
+    def __init__(self, model: torch.nn.Module, cache_kwargs: dict[str, Any], inner: Callable | None):
+        self.model, self.cache_kwargs, self.inner = model, cache_kwargs, inner  # inner: a generate wrapped before
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.model).generate.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        explicit = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+        if not explicit and kwargs.get("use_cache", True):
+            kwargs["cache"] = QuantizedFP8Cache(self.model, **self.cache_kwargs)
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.model).generate(self.model, *args, **kwargs)
 
 
 def enable(model: torch.nn.Module, **cache_kwargs) -> None:
@@ -27,27 +45,21 @@ def enable(model: torch.nn.Module, **cache_kwargs) -> None:
     not set `use_cache=False` run with a fresh `QuantizedFP8Cache(model, **cache_kwargs)`. Calling it again
     replaces the kwargs. The kwargs are checked now: a bad one raises here, not at the first prompt."""
     QuantizedFP8Cache(model, **cache_kwargs)
-    original = getattr(model, _ORIGINAL, model.generate)
-
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        explicit = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
-        if not explicit and kwargs.get("use_cache", True):
-            kwargs["cache"] = QuantizedFP8Cache(model, **cache_kwargs)
-        return original(*args, **kwargs)
-
-    setattr(model, _ORIGINAL, original)
-    model.generate = generate
+    current = vars(model).get("generate")
+    inner = current.inner if isinstance(current, FreshCacheGenerate) else current
+    model.generate = FreshCacheGenerate(model, cache_kwargs, inner)
 
 
 def disable(model: torch.nn.Module) -> None:
     """Undo `enable`: `generate` uses transformers' default cache again (the attention stays "fp8kv", which
     behaves exactly like the previous implementation for any other cache)."""
-    if hasattr(model, _ORIGINAL):
+    current = vars(model).get("generate")
+    if isinstance(current, FreshCacheGenerate):
         del model.generate  # the instance attribute set by `enable`; the class's method shows through again
-        delattr(model, _ORIGINAL)
+        if current.inner is not None:
+            model.generate = current.inner
 
 
 def is_enabled(model: torch.nn.Module) -> bool:
     """Whether `enable` is in effect on `model`."""
-    return hasattr(model, _ORIGINAL)
+    return isinstance(vars(model).get("generate"), FreshCacheGenerate)

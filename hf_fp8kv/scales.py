@@ -186,6 +186,12 @@ def _user_scales(scales: Mapping[int, Any] | Sequence[Any], num_layers: int) -> 
         raise TypeError(f"scales of type {type(scales).__name__} is not supported")
     result = KVScales()
     for i, entry in per_layer.items():
+        pair = isinstance(entry, (tuple, list)) or (isinstance(entry, torch.Tensor) and entry.dim() > 0)
+        if not pair or len(entry) not in (2, 3):
+            raise ValueError(
+                f"scales[{i!r}] = {entry!r}: each layer takes a (k_scale, v_scale) pair (each a float or one value "
+                "per KV head); for one scale on every layer pass scales=<float>"
+            )
         result.key[i], result.value[i] = entry[0], entry[1]
         result.sources[i] = entry[2] if len(entry) > 2 else "user"
     return result

@@ -121,3 +121,80 @@ def test_sliding_crop_beyond_the_kept_tokens_counts_like_transformers():
         layer.crop(-2)
         layer.crop(-11)
     assert ours.get_seq_length() == theirs.get_seq_length()
+
+
+ARGUMENT_ERRORS = [
+    (dict(block_size=0), r"block_size=0 must be an int >= 1"),
+    (dict(block_size=-1), r"block_size=-1 must be an int >= 1"),
+    (dict(block_size=2.5), r"block_size=2.5 must be an int >= 1"),
+    (dict(block_size="64"), r"block_size='64' must be an int >= 1"),
+    (dict(backend="cuda"), r"backend='cuda' is not one of"),
+    (dict(scales={0: 0.1, 1: 0.1}), r"scales\[0\] = 0.1: each layer takes a \(k_scale, v_scale\) pair"),
+    (dict(scales=[0.1, 0.2]), r"scales\[0\] = 0.1: each layer takes"),
+    (dict(skip_layers=1), r"skip_layers=1: pass a list of layer indices.*skip_layers=\[1\]"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", ARGUMENT_ERRORS)
+def test_bad_arguments_raise_at_construction_and_enable(kwargs, match):
+    """Checked when the cache is built (and by `pipeline.enable`), not at the first generate."""
+    from hf_fp8kv import pipeline
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match=match):
+        QuantizedFP8Cache(model, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        pipeline.enable(model, **kwargs)
+    assert not pipeline.is_enabled(model)
+
+
+def test_each_model_keeps_its_own_previous_attention():
+    """A user's switch to eager is respected by the next cache; a deep copy of a switched Gemma 2 (softcap: eager
+    only) keeps eager for other caches; another model switched meanwhile keeps sdpa."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from hf_fp8kv.attention import fallback_implementation
+
+    model, other = tiny_model(), tiny_model(seed=1)
+    QuantizedFP8Cache(model, scales="dynamic")
+    QuantizedFP8Cache(other, scales="dynamic")
+    model.set_attn_implementation("eager")
+    QuantizedFP8Cache(model, scales="dynamic")
+    assert fallback_implementation(model.config) == "eager" and fallback_implementation(other.config) == "sdpa"
+
+    gemma = tiny_model("gemma2", attn_implementation="eager", num_hidden_layers=2, sliding_window=4)
+    with torch.no_grad():
+        expected = gemma(input_ids=PROMPT, cache=DynamicCache(config=gemma.config)).logits
+    QuantizedFP8Cache(gemma, scales="dynamic")
+    twin = copy.deepcopy(gemma)
+    with torch.no_grad():
+        got = twin(input_ids=PROMPT, cache=DynamicCache(config=twin.config)).logits
+    assert torch.equal(got, expected)
+    assert fallback_implementation(twin.model.layers[0].self_attn.config) == "eager"
+
+
+def test_output_attentions_with_fp8_attention_warns():
+    """Like transformers' sdpa, instead of silently giving no attention weights."""
+    model = tiny_model(attn_implementation="eager")
+    cache = QuantizedFP8Cache(model, scales="dynamic")
+    with torch.no_grad(), pytest.warns(UserWarning, match="does not return attention weights"):
+        model(input_ids=PROMPT, cache=cache, output_attentions=True)
+
+
+def test_cache_of_another_config_or_model_takes_the_warned_slow_path():
+    """A cache built from a config that is not the running model's, or one model's cache used with another, hands
+    real tensors to the sdpa modules (warned slow path) instead of failing inside sdpa."""
+    import copy
+
+    model = tiny_model()
+    reference = tiny_model()
+    with torch.no_grad():
+        expected = reference(input_ids=PROMPT, cache=QuantizedFP8Cache(reference, scales="dynamic")).logits
+    for cache in (QuantizedFP8Cache(config=copy.deepcopy(model.config), scales="dynamic"),
+                  QuantizedFP8Cache(tiny_model(), scales="dynamic")):  # fmt: skip
+        with torch.no_grad(), pytest.warns(UserWarning, match="built for another model or config"):
+            got = model(input_ids=PROMPT, cache=cache).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert model.config._attn_implementation == "sdpa"

@@ -81,7 +81,10 @@ def test_export_for_vllm_of_the_smollm2_directory(smollm2_scales, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
-    assert (out / "model.safetensors").is_symlink() and (out / "tokenizer_config.json").is_file()
+    weights = out / "model.safetensors"
+    assert weights.is_file() and not weights.is_symlink() and (out / "tokenizer_config.json").is_file()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors", "kv_cache_scales.safetensors"}
     reloaded = KVScales.from_pretrained(out)
     assert all(torch.equal(reloaded.key[i].flatten(), scales.key[i]) for i in range(30))
     assert not reloaded.key_channel

@@ -248,3 +248,106 @@ def test_export_for_vllm_round_trips(saved, tmp_path, sharded):
         scales.export_for_vllm(saved["single"], out)
     with pytest.raises(ValueError, match="already has KV scales"):
         scales.export_for_vllm(out, tmp_path / "again")
+
+
+def test_export_for_vllm_is_self_contained_with_a_true_index(saved, tmp_path):
+    """No symlinks (the export can be moved), an index for a single-file model too, and `total_size` counted."""
+    from hf_fp8kv.checkpoint import _data_bytes
+
+    scales = KVScales(key={0: torch.tensor([0.5]), 1: torch.tensor([0.25])},
+                      value={0: torch.tensor([2.0]), 1: torch.tensor([0.5])})  # fmt: skip
+    out = scales.export_for_vllm(saved["single"], tmp_path / "out")
+    assert not [item for item in out.iterdir() if item.is_symlink()]
+    moved = shutil.move(out, tmp_path / "moved")
+    index = json.loads((moved / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert files == {"model.safetensors", SCALES_FILE}
+    assert index["metadata"]["total_size"] == sum(_data_bytes(moved / file) for file in files)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for file in files for t in load_file(moved / file).values())
+    assert KVScales.from_pretrained(moved).key[1].item() == 0.25
+    AutoModelForCausalLM.from_pretrained(moved, quantization_config=None)  # the weights load from the moved copy
+
+
+def test_lone_k_scale_under_compressed_tensors_leaves_v_at_one(saved, tmp_path):
+    """vLLM's compressed-tensors loader keeps a missing V scale at 1.0 (its placeholders start at ones); the other
+    conventions (ModelOpt, fp8, Quark) duplicate the lone scale, vLLM's max(k, -1)."""
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    for suffix in ("k_scale", "kv_scale"):
+        tensors = both_layers(suffix, None, scale(0.5), None)
+        directory = checkpoint(saved, tmp_path / suffix, tensors,
+                               config={"quantization_config": {"kv_cache_scheme": scheme}})  # fmt: skip
+        with pytest.warns(UserWarning, match="missing one is 1.0"):
+            found = KVScales.from_pretrained(directory)
+        assert (found.key[0].item(), found.value[0].item()) == (0.5, 1.0)
+    dense = KVScales.from_pretrained(checkpoint(saved, tmp_path / "dense", both_layers("k_scale", None, scale(0.5), None)))
+    assert (dense.key[0].item(), dense.value[0].item()) == (0.5, 0.5)
+
+
+def _two_tower_checkpoint(directory, text="model.language_model", vision="model.vision_tower.encoder", text_scales=True):
+    """A fabricated multimodal safetensors checkpoint: a text decoder beside its embeddings, and a vision encoder
+    with more layers; both towers carry k/v scales."""
+    directory.mkdir(parents=True)
+    tensors = {f"{text}.embed_tokens.weight": torch.zeros(8, 4), f"{vision}.patch_embedding.weight": torch.zeros(4, 4)}
+    for i in range(3):
+        tensors[f"{vision}.layers.{i}.self_attn.k_scale"] = scale(9.0, dtype=torch.float32)
+        tensors[f"{vision}.layers.{i}.self_attn.v_scale"] = scale(9.0, dtype=torch.float32)
+    for i in range(2):
+        tensors[f"{text}.layers.{i}.self_attn.q_proj.weight"] = torch.zeros(4, 4)
+    for i in range(2 if text_scales else 0):
+        tensors[f"{text}.layers.{i}.self_attn.k_scale"] = scale(0.5 + i, dtype=torch.float32)
+        tensors[f"{text}.layers.{i}.self_attn.v_scale"] = scale(0.25, dtype=torch.float32)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.mark.parametrize("text", ["model.language_model", "language_model.model", "model"])
+def test_multimodal_checkpoint_uses_the_text_decoders_scales_only(tmp_path, text):
+    with pytest.warns(UserWarning, match=r"6 scales outside the text decoder .*vision_tower.*ignored"):
+        found = KVScales.from_pretrained(_two_tower_checkpoint(tmp_path / "both", text))
+    assert found.layers == [0, 1] and [found.key[i].item() for i in (0, 1)] == [0.5, 1.5]
+    assert found.names[0][0] == f"{text}.layers.0.self_attn.k_scale"
+    with pytest.warns(UserWarning, match="ignored"):
+        vision_only = _two_tower_checkpoint(tmp_path / "vision", text, text_scales=False)
+        with pytest.raises(FileNotFoundError, match="no KV cache scales"):
+            KVScales.from_pretrained(vision_only)
+    exported = KVScales(key={0: torch.tensor([0.5]), 1: torch.tensor([0.5])},
+                        value={0: torch.tensor([0.5]), 1: torch.tensor([0.5])})  # fmt: skip
+    (vision_only / "config.json").write_text("{}")
+    with pytest.warns(UserWarning, match="ignored"):
+        out = exported.export_for_vllm(vision_only, tmp_path / "out")
+    assert sorted(load_file(out / SCALES_FILE))[0] == f"{text}.layers.0.self_attn.k_scale"
+
+
+def test_auto_reads_only_the_files_transformers_reads(saved, tmp_path):
+    """Stray safetensors (an adapter, Mistral's consolidated.safetensors) beside model.safetensors or a sharded
+    index are not opened, even when they hold (other) scales or are not safetensors at all."""
+    for sharded in (False, True):
+        directory = checkpoint(saved, tmp_path / str(sharded), both_layers("k_scale", "v_scale", scale(0.5), scale(0.5)),
+                               sharded=sharded)  # fmt: skip
+        save_file(both_layers("k_scale", "v_scale", scale(4.0), scale(4.0)), directory / "consolidated.safetensors")
+        (directory / "adapter_model.safetensors").write_bytes(b"\x08partial")
+        rows = cache_for(directory).summary()
+        assert [(r["k_scale"], r["v_scale"]) for r in rows] == [("0.5", "0.5")] * 2
+
+
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"),
+         r"model\.safetensors: cannot read it as safetensors"),
+        (lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+         r"model\.safetensors\.index\.json has no 'weight_map'"),
+        (lambda d: (d / "model.safetensors.index.json").write_text("{bad json"),
+         r"model\.safetensors\.index\.json is not valid JSON"),
+        (lambda d: (d / "config.json").write_text("{bad json"), r"config\.json is not valid JSON"),
+        (lambda d: (d / "kv_cache_scales.json").write_text("[1,"), r"kv_cache_scales\.json is not valid JSON"),
+        (lambda d: (d / "config.json").write_text(json.dumps(
+            {**json.loads((d / "config.json").read_text()), "quantization_config": {"kv_cache_scheme": "fp8"}})),
+         r"config\.json: quantization_config\.kv_cache_scheme must be an object"),
+    ],
+)  # fmt: skip
+def test_unreadable_files_raise_naming_the_file(saved, tmp_path, damage, match):
+    directory = checkpoint(saved, tmp_path)
+    damage(directory)
+    with pytest.raises(ValueError, match=match):
+        KVScales.from_pretrained(directory)

@@ -82,3 +82,19 @@ def test_one_cache_object_for_many_prompts_is_an_error(pipe, batch_size):
     cache = QuantizedFP8Cache(pipe.model, scales="dynamic")
     with pytest.raises(CacheReuseError, match="already holds another sequence"):
         pipeline_tokens(pipe, batch_size=batch_size, past_key_values=cache)
+
+
+def test_enabled_model_pickles():
+    """`enable` installs no closure: the model pickles, and the copy still makes a fresh cache per call."""
+    import pickle
+
+    from tests.models import tiny_model
+
+    model = tiny_model()
+    fp8_pipeline.enable(model, scales="dynamic")
+    copy = pickle.loads(pickle.dumps(model))
+    assert fp8_pipeline.is_enabled(copy)
+    out = copy.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, QuantizedFP8Cache)
+    fp8_pipeline.disable(copy)
+    assert not fp8_pipeline.is_enabled(copy) and "generate" not in vars(copy)
