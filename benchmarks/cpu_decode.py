@@ -24,8 +24,9 @@ from hf_fp8kv.table import format_table
 VARIANTS = {
     "DynamicCache": lambda m: DynamicCache(config=m.config),
     "transformers QuantizedCache(fp8)": lambda m: QuantizedCache(backend="fp8", config=m.config),
-    "ours fp8_e4m3 static": lambda m: QuantizedFP8Cache(m, scales=1.0),
-    "ours fp8_e4m3 dynamic": lambda m: QuantizedFP8Cache(m, scales="dynamic"),
+    "ours fp8_e4m3 static": lambda m: QuantizedFP8Cache(m, scales=1.0, recent_tokens=0, sink_tokens=0),
+    "ours fp8_e4m3 dynamic": lambda m: QuantizedFP8Cache(m, scales="dynamic", recent_tokens=0, sink_tokens=0),
+    "ours fp8_e4m3 dynamic + window 32+4 (default)": lambda m: QuantizedFP8Cache(m, scales="dynamic"),
 }
 
 
@@ -59,7 +60,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     for dtype in args.dtypes:
         model, tokenizer = load_smollm2(dtype=getattr(torch, dtype))
         text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()

@@ -27,28 +27,35 @@ from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
 
 MODELS = {"smollm2": ("SmolLM2-135M", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
+def _window(recent: int, sinks: int) -> dict:
+    return dict(scales="dynamic", recent_tokens=recent, sink_tokens=sinks)
+
+
 VARIANTS = {
-    "fp8 e4m3 per-token-head (window 0+0)": dict(scales="dynamic"),
-    "window 0+4 (sinks only)": dict(scales="dynamic", sink_tokens=4),
-    "window 16+0": dict(scales="dynamic", recent_tokens=16),
-    "window 16+4": dict(scales="dynamic", recent_tokens=16, sink_tokens=4),
-    "window 32+4": dict(scales="dynamic", recent_tokens=32, sink_tokens=4),
-    "window 48+4": dict(scales="dynamic", recent_tokens=48, sink_tokens=4),
-    "window 64+0": dict(scales="dynamic", recent_tokens=64),
-    "window 64+4": dict(scales="dynamic", recent_tokens=64, sink_tokens=4),
-    "int8 per-token-head (window 0+0)": dict(kv_cache_dtype="int8_per_token_head", scales="dynamic"),
+    "fp8 e4m3 per-token-head (window 0+0)": _window(0, 0),
+    "window 0+4 (sinks only)": _window(0, 4),
+    "window 16+0": _window(16, 0),
+    "window 16+4": _window(16, 4),
+    "window 32+4 (the default)": _window(32, 4),
+    "window 48+4": _window(48, 4),
+    "window 64+0": _window(64, 0),
+    "window 64+4": _window(64, 4),
+    "int8 per-token-head (window 0+0)": dict(kv_cache_dtype="int8_per_token_head", **_window(0, 0)),
 }
 
 
 def kv_bytes(model, tokens: int, **cache_kwargs) -> int:
-    """Bytes a cache holds after `tokens` random tokens in every layer, the model in bf16."""
+    """Bytes a cache holds while decoding at `tokens` tokens of context (a prefill of `tokens - 1` random tokens,
+    then one decode step, in every layer), the model in bf16. The decode step counts: after a prefill, sliding
+    layers hold the prompt's codes until their next write."""
     config = model.config
     text = config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     cache = QuantizedFP8Cache(config=config, **cache_kwargs) if cache_kwargs else DynamicCache(config=config)
-    for layer in range(text.num_hidden_layers):
-        kv = torch.randn(2, 1, text.num_key_value_heads, tokens, head_dim, dtype=torch.bfloat16)
-        cache.update(kv[0], kv[1], layer)
+    for step in (tokens - 1, 1):
+        for layer in range(text.num_hidden_layers):
+            kv = torch.randn(2, 1, text.num_key_value_heads, step, head_dim, dtype=torch.bfloat16)
+            cache.update(kv[0], kv[1], layer)
     if isinstance(cache, QuantizedFP8Cache):
         return cache.nbytes
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)

@@ -2,7 +2,9 @@
 
 Each measurement is one forward pass of the text through a `QuantizedFP8Cache`. Our cache quantizes the new
 tokens before attention reads them (the FP8 attention reads the stored codes, the slow path dequantizes
-them), so one pass sees the same quantized past as decode mode, at a fraction of the cost.
+them), so one pass sees the same quantized past as decode mode, at a fraction of the cost. That holds for pure
+FP8 storage, which is what is measured (`recent_tokens=0, sink_tokens=0`): the full-precision window of the
+newest tokens lowers every layer's error alike and is not a per-layer choice.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def layer_sensitivity(
     def measure(skip: list[int]) -> tuple[float, float]:
         kls, agree = [], []
         for x, ref in zip(inputs, reference):
-            cache = QuantizedFP8Cache(model, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip)
+            cache = QuantizedFP8Cache(
+                model, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip, recent_tokens=0, sink_tokens=0
+            )
             logits = model(**x, cache=cache, use_cache=True).logits.float()
             valid = x["attention_mask"].bool() if "attention_mask" in x else torch.ones(ref.shape[:2], dtype=bool)
             kls.append(per_token_kl(ref[valid], logits[valid]))

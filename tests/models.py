@@ -21,6 +21,10 @@ TINY = dict(
 )
 
 
+# no full-precision window: every token is stored as codes as soon as it arrives (what vLLM serves)
+PURE_FP8 = dict(recent_tokens=0, sink_tokens=0)
+
+
 def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides):
     """A randomly initialised tiny causal LM of `model_type`, in eval mode (deterministic for a seed)."""
     kwargs = {**TINY, **overrides}

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_fp8kv import ATTENTION_NAME, CacheReuseError, QuantizedFP8Cache
 from hf_fp8kv.layer import FP8CacheLayer, QuantizedKV
-from tests.models import tiny_model
+from tests.models import PURE_FP8, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 99, 23, 64, 11]])
 
@@ -134,7 +134,7 @@ def test_per_head_scales_and_skip_layers():
 
 
 def test_values_beyond_the_range_saturate_and_are_counted():
-    cache = QuantizedFP8Cache(tiny_model(), scales=1.0)
+    cache = QuantizedFP8Cache(tiny_model(), scales=1.0, **PURE_FP8)
     key = torch.randn(1, 2, 4, 16)
     key[0, 0, 0, :3] = torch.tensor([math.inf, -math.inf, 1e6])
     k, _ = cache.layers[0].update(key, torch.zeros_like(key))
@@ -144,7 +144,7 @@ def test_values_beyond_the_range_saturate_and_are_counted():
 
 
 def test_buffers_grow_one_block_at_a_time():
-    cache = QuantizedFP8Cache(tiny_model(), scales="dynamic", block_size=16)
+    cache = QuantizedFP8Cache(tiny_model(), scales="dynamic", block_size=16, **PURE_FP8)
     layer = cache.layers[0]
     for step, new in enumerate([5, 11, 1, 20]):
         layer.update(torch.randn(1, 2, new, 16), torch.randn(1, 2, new, 16))

@@ -15,7 +15,7 @@ from hf_fp8kv.compare import _LiveTensorBytes
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
 from hf_fp8kv.scales import DynamicScales
-from tests.models import tiny_model
+from tests.models import PURE_FP8, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7, 120, 1]])
 
@@ -79,7 +79,7 @@ def test_bf16_on_the_triton_interpreter_generates_what_torch_does():
 
 def test_crop_releases_buffers():
     model = tiny_model()
-    cache = QuantizedFP8Cache(model, scales="dynamic", block_size=16)
+    cache = QuantizedFP8Cache(model, scales="dynamic", block_size=16, **PURE_FP8)
     layer = cache.layers[0]
     kv = torch.randn(2, 1, 2, 400, 16)
     layer.update(kv[0], kv[1])
@@ -97,7 +97,7 @@ def test_nan_keys_read_alike_on_both_backends_and_are_counted(fmt):
     query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
     outputs = {}
     for backend in ("torch", "triton"):
-        cache = QuantizedFP8Cache(model, kv_cache_dtype=fmt, scales="dynamic", backend=backend)
+        cache = QuantizedFP8Cache(model, kv_cache_dtype=fmt, scales="dynamic", backend=backend, **PURE_FP8)
         layer = cache.layers[0]
         layer.update(kv[0], kv[1])
         keys, _ = layer.update(kv[0, :, :, :1], kv[1, :, :, :1])

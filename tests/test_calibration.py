@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning, calibrate
 from hf_fp8kv.evaluate import decode_mode_logits, quality
-from tests.models import smollm2, tiny_model
+from tests.models import PURE_FP8, smollm2, tiny_model
 
 CALIBRATION_TOKENS = 128
 
@@ -105,7 +105,7 @@ def test_calibrated_static_holds_its_own_against_scale_one_in_decode_mode(smollm
         reference = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits[0, prefix - 1 : -1].float()
     results = {}
     for name, given in (("1.0", 1.0), ("calibrated", per_tensor)):
-        logits = decode_mode_logits(model, ids, prefix, QuantizedFP8Cache(model, scales=given))
+        logits = decode_mode_logits(model, ids, prefix, QuantizedFP8Cache(model, scales=given, **PURE_FP8))
         results[name] = quality(reference, logits, ids[0, prefix:])
     assert results["calibrated"].kl_mean < 1.1 * results["1.0"].kl_mean, results
 
@@ -122,7 +122,7 @@ def test_calibrated_static_beats_scale_one_on_an_outlier_model():
     reference = decode_mode_logits(model, held_out, 8, DynamicCache(config=model.config))
     results, clipped = {}, {}
     for name, given in (("1.0", 1.0), ("calibrated", scales)):
-        cache = QuantizedFP8Cache(model, scales=given)
+        cache = QuantizedFP8Cache(model, scales=given, **PURE_FP8)
         results[name] = quality(reference, decode_mode_logits(model, held_out, 8, cache), held_out[0, 8:])
         clipped[name] = cache.summary()[1]["clipped"]
     assert clipped["1.0"] > 500 and results["calibrated"].kl_mean < 0.05 * results["1.0"].kl_mean, results
@@ -158,7 +158,7 @@ def test_strategies_and_percentile_clipping():
         assert clipped.key[i] < per_tensor.key[i] and clipped.value[i] < per_tensor.value[i]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UncalibratedScalesWarning)
-        min_max, median = (QuantizedFP8Cache(model, scales=s) for s in (per_tensor, clipped))
+        min_max, median = (QuantizedFP8Cache(model, scales=s, **PURE_FP8) for s in (per_tensor, clipped))
     for cache in (min_max, median):
         model(input_ids=ids[:1], cache=cache)
     assert sum(r["clipped"] for r in min_max.summary()) == 0 < sum(r["clipped"] for r in median.summary())

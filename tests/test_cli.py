@@ -62,7 +62,7 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
     "args,message",
     [
         (["--model", "/no/such/model"], "'/no/such/model' is neither a local model directory nor a model in the"),
-        (["--variants", "fp8_e4m3,fp9"], "unknown variant 'fp9'; valid names: native, fp8_per_token_head, int8"),
+        (["--variants", "fp8_e4m3,fp9"], "unknown variant 'fp9'; valid names: native, fp8_window, fp8_per_token_head, int8"),
         (["--prompts-file", "EMPTY"], "prompts is empty"),
         (["--text-file", "SHORT", "--prefill", "64"], r"text 1 has \d+ tokens, no more than prefill=64"),
         (["--gguf-file", "model.gguf"], "--gguf-file needs --model"),

@@ -21,10 +21,10 @@ from hf_fp8kv.compare import (
     kv_bytes,
     resolve_variants,
 )
-from tests.models import smollm2, tiny_model
+from tests.models import PURE_FP8, smollm2, tiny_model
 
 PROMPTS = ["Name three colours of the sea.", "Write one line about a lighthouse."]
-BROKEN = {"scales": 1e-6}  # every K/V value saturates: a variant that must be flagged
+BROKEN = {"scales": 1e-6, **PURE_FP8}  # every K/V value saturates: a variant that must be flagged
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,7 +46,7 @@ def tiny_run(tiny):
             tiny,
             tokenizer(),
             prompts=PROMPTS,
-            variants={"again": lambda model: DynamicCache(config=model.config), "broken": BROKEN, "fp8": "fp8_e4m3",
+            variants={"again": lambda model: DynamicCache(config=model.config), "broken": BROKEN, "fp8": {"kv_cache_dtype": "fp8_e4m3", **PURE_FP8},
                       RECOMMENDED: RECOMMENDED, HF_FP8: HF_FP8},
             max_new_tokens=6,
             prefill=16,
@@ -124,8 +124,8 @@ def test_report_opens_with_the_recommended_variant_and_its_gains(tiny_result):
     time against the native cache and transformers' fp8 cache, from the same figures as the tables."""
     headline = tiny_result.headline()
     assert headline[0] == f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale " \
-                          "per token and KV head, the newest 32 and first 4 tokens in the model's dtype (the " \
-                          "defaults), no calibration."
+                          "per token and KV head, the newest 32 and first 4 tokens in the model's dtype, the " \
+                          "defaults; no calibration."
     summary = by_variant(tiny_result.summary_rows())
     costs = {(p.variant, p.context): p for p in tiny_result.costs}
     ours, native, theirs = summary[RECOMMENDED], costs["native", 200], costs[HF_FP8, 200]
@@ -152,7 +152,7 @@ def test_headline_leaves_out_what_was_not_compared(tiny_result):
     )
     assert [line.split(" (")[0] for line in dropped(HF_FP8).headline()] == [
         f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale per token and KV "
-        "head, the newest 32 and first 4 tokens in the model's dtype (the defaults), no calibration.",
+        "head, the newest 32 and first 4 tokens in the model's dtype, the defaults; no calibration.",
         "Against the native cache",
     ]
     assert dropped(RECOMMENDED).headline() == []

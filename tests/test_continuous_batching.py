@@ -11,7 +11,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning
 from hf_fp8kv import continuous_batching as cb
 from hf_fp8kv.evaluate import greedy_with_logits, topk_rule
-from tests.models import smollm2, tiny_model
+from tests.models import PURE_FP8, smollm2, tiny_model
 
 PROMPTS = [
     "What is the capital of France?",
@@ -224,7 +224,7 @@ def test_static_per_channel_key_scales_match_generate():
         cb.disable(model)
     with torch.inference_mode():
         ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             cache=QuantizedFP8Cache(model, scales=scales), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             cache=QuantizedFP8Cache(model, scales=scales, **PURE_FP8), max_new_tokens=NEW_TOKENS, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
     ref_logits = torch.stack(ref.logits)[:, 0].float()
     assert torch.allclose(torch.stack(logits[: len(ref_logits)]), ref_logits, atol=1e-5, rtol=0)

@@ -11,9 +11,14 @@ from transformers import DynamicCache
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from tests.models import PURE_FP8
 
 PREFIX, DECODE, WINDOW = 508, 16, 512  # decode mode over positions 508..523: the sliding layers drop tokens
-CONFIGURATIONS = {"all layers": {}, "sliding skipped": {"skip_layers": "sliding_window"}}
+CONFIGURATIONS = {
+    "all layers": PURE_FP8,
+    "sliding skipped": {"skip_layers": "sliding_window", **PURE_FP8},
+    "default window": {},  # newest 32 + first 4 tokens in the model's dtype
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,15 +49,17 @@ def test_decode_mode_quality_past_the_window(configuration):
     q = quality(decoded("DynamicCache")[0], logits, ids[0, PREFIX:])
     # KL, not perplexity: over 17 predicted tokens a perplexity delta of a few percent is noise either way
     assert q.top1_agreement >= 0.9 and q.kl_mean < 0.02 and q.kl_p99 < 0.1, q
+    if configuration == "default window":  # closer to the reference than pure FP8 on the same tokens
+        assert q.kl_mean < 0.5 * quality(decoded("DynamicCache")[0], decoded("all layers")[0], ids[0, PREFIX:]).kl_mean
     sliding = [layer for layer in cache.layers if isinstance(layer, FP8SlidingWindowLayer)]
-    assert len(sliding) == (15 if configuration == "all layers" else 0)
+    assert len(sliding) == (0 if configuration == "sliding skipped" else 15)
     for layer in sliding:  # one window of FP8 codes and scales, not the whole text
         assert layer.length == WINDOW - 1 and layer.capacity <= WINDOW + 2 * layer.block_size
 
 
 def test_bytes_per_configuration():
     reference = decoded("DynamicCache")[1]
-    held = {name: decoded(name)[1].nbytes for name in CONFIGURATIONS}
+    held = {name: decoded(name)[1].nbytes for name in ("all layers", "sliding skipped")}
     fp32 = sum(layer.keys.nbytes + layer.values.nbytes for layer in reference.layers)
     # fp32 DynamicCache > FP8 with the sliding layers kept in fp32 > FP8 everywhere (about a quarter of fp32)
     assert fp32 > held["sliding skipped"] > held["all layers"] and held["all layers"] < 0.3 * fp32

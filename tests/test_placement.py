@@ -10,7 +10,7 @@ import torch
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.layer import FP8CacheLayer
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
-from tests.models import tiny_model
+from tests.models import PURE_FP8, tiny_model
 
 HYBRID = dict(sliding_window=8, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
 
@@ -56,7 +56,7 @@ def test_each_layer_buffers_live_where_its_keys_arrive(skip_layers):
 def filled_cache() -> QuantizedFP8Cache:
     model = tiny_model("gemma3_text", num_hidden_layers=4, sliding_window=8,
                        layer_types=["sliding_attention", "full_attention"] * 2)
-    cache = QuantizedFP8Cache(model, scales=0.05, offloading=True)
+    cache = QuantizedFP8Cache(model, scales=0.05, offloading=True, **PURE_FP8)
     cache.offloading = False  # Cache.update's offloading path needs CUDA streams: fill the layers without it
     model(input_ids=torch.randint(0, 128, (1, 20)), cache=cache)
     cache.offloading = True

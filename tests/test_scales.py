@@ -5,7 +5,7 @@ import torch
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache
 from hf_fp8kv.kernels.formats import get_format
-from tests.models import tiny_model
+from tests.models import PURE_FP8, tiny_model
 
 KV_HEADS, HEAD_DIM = 2, 16
 
@@ -36,7 +36,7 @@ def test_fnuz_codes_decode_like_e4m3fn_with_doubled_scale():
     keys, values = states(0), states(1)
     layers = {}
     for name in ("fp8_e4m3", "fp8_e4m3fnuz"):
-        cache = QuantizedFP8Cache(model, kv_cache_dtype=name, scales=0.05)  # |x| / 0.05 < 448 for these states
+        cache = QuantizedFP8Cache(model, kv_cache_dtype=name, scales=0.05, **PURE_FP8)  # |x| / 0.05 < 448 for these states
         cache.layers[0].update(keys, values)
         layers[name] = cache.layers[0]
     ocp, fnuz = layers["fp8_e4m3"], layers["fp8_e4m3fnuz"]
@@ -74,7 +74,7 @@ def test_per_channel_key_scale_keeps_small_channels_precise():
     model = tiny_model()
     errors = {}
     for name, channel in (("tensor", torch.ones(KV_HEADS, HEAD_DIM)), ("channel", channel_amax / channel_amax.amax())):
-        cache = QuantizedFP8Cache(model, scales=per_channel_scales(keys, channel))
+        cache = QuantizedFP8Cache(model, scales=per_channel_scales(keys, channel), **PURE_FP8)
         cache.layers[0].update(keys, keys)
         stored, _ = cache.layers[0].dequantized()
         errors[name] = ((stored - keys)[..., 1:].abs() / keys[..., 1:].abs()).mean().item()
@@ -87,7 +87,7 @@ def test_per_channel_key_scale_folds_into_the_query_exactly():
     model = tiny_model()
     channel = torch.linspace(0.05, 1.0, KV_HEADS * HEAD_DIM).reshape(KV_HEADS, HEAD_DIM)
     keys, values = states(3), states(4)
-    cache = QuantizedFP8Cache(model, scales=per_channel_scales(keys, channel))
+    cache = QuantizedFP8Cache(model, scales=per_channel_scales(keys, channel), **PURE_FP8)
     view, _ = cache.layers[0].update(keys, values)
     query = torch.randn(1, 4, 3, HEAD_DIM, generator=torch.Generator().manual_seed(5))
     out = view.attend(query, scaling=0.25)

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache, UncalibratedScalesWarning, layer_sensitivity
 from hf_fp8kv.evaluate import decode_mode_logits
-from tests.models import tiny_model
+from tests.models import PURE_FP8, tiny_model
 
 IDS = [torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
 
@@ -37,8 +37,8 @@ def test_one_pass_through_the_cache_is_decode_mode(model):
     pass gives the decode-mode logits (up to batched-vs-single float noise)."""
     ids = IDS[0]
     with torch.inference_mode():
-        one_pass = model(input_ids=ids, cache=QuantizedFP8Cache(model, scales=0.01)).logits[0, 7:-1]
-    decode = decode_mode_logits(model, ids, 8, QuantizedFP8Cache(model, scales=0.01))
+        one_pass = model(input_ids=ids, cache=QuantizedFP8Cache(model, scales=0.01, **PURE_FP8)).logits[0, 7:-1]
+    decode = decode_mode_logits(model, ids, 8, QuantizedFP8Cache(model, scales=0.01, **PURE_FP8))
     with torch.inference_mode():
         plain = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits[0, 7:-1]
     error = (one_pass - decode).abs().max()

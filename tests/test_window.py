@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.kernels import reference
-from tests.models import tiny_model
+from tests.models import PURE_FP8, tiny_model
 
 PROMPTS = torch.tensor([[0, 0, 0, 5, 17, 42, 8, 99, 3, 14], [23, 64, 11, 3, 7, 120, 1, 9, 51, 4]])
 PADDING = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
@@ -92,7 +92,7 @@ def _quantized(x):
 
 def test_window_shows_in_summary_and_bytes():
     model = tiny_model(num_hidden_layers=2)
-    pure = QuantizedFP8Cache(model, scales="dynamic")
+    pure = QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8)
     window = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=8, sink_tokens=2)
     for cache in (pure, window):
         model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
@@ -103,9 +103,9 @@ def test_window_shows_in_summary_and_bytes():
 
 
 def test_zero_window_is_pure_fp8():
-    """`recent_tokens=0, sink_tokens=0` (the default) stores every token as codes at once."""
+    """`recent_tokens=0, sink_tokens=0` stores every token as codes at once."""
     model = tiny_model()
-    cache = QuantizedFP8Cache(model, scales="dynamic")
+    cache = QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8)
     model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
     layer = cache.layers[0]
     assert layer.recent is None and layer.sinks is None and layer.fp_start == layer.end == 10
