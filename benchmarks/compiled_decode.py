@@ -26,6 +26,9 @@ from hf_fp8kv.table import format_table
 VARIANTS = {
     "StaticCache": lambda model, length: StaticCache(config=model.config, max_cache_len=length),
     "ours static fp8_e4m3 per-token-head": lambda model, length: QuantizedFP8Cache(
+        model, scales="dynamic", max_cache_len=length, recent_tokens=0, sink_tokens=0
+    ),
+    "ours static, window 32+4 (default)": lambda model, length: QuantizedFP8Cache(
         model, scales="dynamic", max_cache_len=length
     ),
 }

@@ -4,7 +4,8 @@ Each (cache, prompt length) runs in a fresh process: the model is loaded, the re
 prefilled in one forward (`logits_to_keep=1`), and the peak resident set (`ru_maxrss`) reported over the resident
 set before the prefill (an upper bound of the prefill's growth), with the prefill time. Linux only.
 
-    python benchmarks/prefill_memory.py --tokens 1024 2048 4096 32768
+    python benchmarks/prefill_memory.py --tokens 1024 2048 4096
+    python benchmarks/prefill_memory.py --tokens 32768 --caches QuantizedFP8Cache
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def child(cache_name: str, tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
     parser.add_argument("--child", nargs=2, metavar=("CACHE", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -57,7 +59,7 @@ def main() -> None:
         return
     rows = []
     for tokens in args.tokens:
-        for cache_name in CACHES:
+        for cache_name in args.caches:
             run = subprocess.run(
                 [sys.executable, __file__, "--child", cache_name, str(tokens)], capture_output=True, text=True
             )
