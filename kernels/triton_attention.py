@@ -78,7 +78,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_tile(
+def attend_tile(
     q, acc, m_i, l_i, k, v, scores_scale, v_scale, visible, softcap,
     PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -230,7 +230,7 @@ def _attention_kernel(
             v_scale = 1.0
         visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
                               sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True)  # fmt: skip
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i,
             decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
             decode_codes(v, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
@@ -297,7 +297,7 @@ def _attend_full_precision(
     v = tl.load(v_ptr + slot[:, None] * st + d[None, :] * sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
     visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
                           sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, EXCLUDE_SINKS)  # fmt: skip
-    return _attend_tile(q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
+    return attend_tile(q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
                         True, False, HAS_SOFTCAP, PRECISION)  # fmt: skip
 
 
