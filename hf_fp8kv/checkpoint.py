@@ -22,12 +22,14 @@ declared), where vLLM keeps the missing one at 1.0 (`kv_scale` counts as K there
 Only the files transformers loads are read: those of `model.safetensors.index.json`'s `weight_map`, else
 `model.safetensors` (plus hf_fp8kv's own `kv_cache_scales.safetensors`). When several towers have decoder
 layers (a multimodal checkpoint's vision and text towers), only the text decoder's scales are used: the tower
-beside `embed_tokens`, else the only one, else the one named `language_model`/`text_model`. The old vLLM/SGLang JSON (`{"kv_cache": {"dtype", "scaling_factor": {rank:
-{layer: scale}}}}`) is read from `kv_cache_scales.json` in the directory or an explicit path.
+beside `embed_tokens`, else the only one, else the one named `language_model`/`text_model`. The old
+vLLM/SGLang JSON (`{"kv_cache": {"dtype", "scaling_factor": {rank: {layer: scale}}}}`) is read from
+`kv_cache_scales.json` in the directory or an explicit path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,7 +37,7 @@ import shutil
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -142,21 +144,25 @@ def _read_json(path: Path) -> Any:
     return _parse_json(path.read_text(), str(path))
 
 
-def _safetensors_header(file: Path) -> tuple[dict[str, str], list[str]]:
-    """A safetensors file's metadata and tensor names; a missing or corrupt file is an error naming it."""
+@contextlib.contextmanager
+def _open_safetensors(file: Path) -> Iterator:
+    """`safe_open(file)`; a missing or corrupt file is an error naming it."""
     try:
         with safe_open(str(file), framework="pt") as handle:
-            return handle.metadata() or {}, list(handle.keys())
+            yield handle
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{file}: cannot read it as safetensors ({error})") from None
+
+
+def _safetensors_header(file: Path) -> tuple[dict[str, str], list[str]]:
+    """A safetensors file's metadata and tensor names."""
+    with _open_safetensors(file) as handle:
+        return handle.metadata() or {}, list(handle.keys())
 
 
 def _read_tensors(file: Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            return {name: handle.get_tensor(name) for name in names}
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{file}: cannot read it as safetensors ({error})") from None
+    with _open_safetensors(file) as handle:
+        return {name: handle.get_tensor(name) for name in names}
 
 
 def _weight_names(directory: Path) -> dict[str, Path]:

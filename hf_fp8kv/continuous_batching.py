@@ -462,12 +462,10 @@ def encode_rows(
     per-token-head ones), or the model-dtype values of a skipped layer; and whether an input was non-finite."""
     tokens = states.shape[2]
     rows = torch.empty(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
+    codes = _stored_values(rows, layout)
     if layout.fmt is None:
-        values = rows.view(layout.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
-        values.copy_(states.permute(2, 0, 1, 3))
+        codes.copy_(states)
         return rows, False
-    codes = rows[..., : layout.value_bytes].view(layout.fmt.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
-    codes = codes.permute(1, 2, 0, 3)  # [2, kv_heads, tokens, head_dim], a view of the rows
     if static is None:
         scale = rows[..., layout.value_bytes :].view(torch.float32).permute(1, 2, 0)[..., None]
     else:
@@ -475,13 +473,19 @@ def encode_rows(
     return rows, write_stacked(states, codes, scale, layout.fmt, static is None, stats)
 
 
+def _stored_values(rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """The codes (or a skipped layer's model-dtype values) of page rows `[tokens, 2, row bytes]`, viewed as
+    `[2, kv_heads, tokens, head_dim]`."""
+    dtype = layout.dtype if layout.fmt is None else layout.fmt.dtype
+    values = rows[..., : layout.value_bytes].view(dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
+    return values.permute(1, 2, 0, 3)
+
+
 def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static: torch.Tensor | None) -> torch.Tensor:
     """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]`."""
+    codes = _stored_values(rows, layout)
     if layout.fmt is None:
-        values = rows.view(layout.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
-        return values.permute(1, 2, 0, 3).float()
-    codes = rows[..., : layout.value_bytes].view(layout.fmt.dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
-    codes = codes.permute(1, 2, 0, 3)
+        return codes.float()
     if static is None:
         scale = rows[..., layout.value_bytes :].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
     else:
