@@ -6,8 +6,9 @@ transformers' `QuantizedCache(fp8)`; (d) decode step time vs context of a random
 model (bf16), `DynamicCache` against ours, with the fitted slopes; (e) causal prefill attention against SDPA,
 with and without a padding mask; (f) compiled + CUDA-graph decode steps, our static cache against StaticCache +
 SDPA at 4k and 32k; (g) continuous batching (`generate_batch`) on FP8 pages against native pages at one page
-budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers. Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench` medians after warm-up, inputs rotated over copies that together exceed the
-L2 cache. Everything printed is also written to `--out`.
+budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers. Every section runs even if one before
+it fails (one call yields every figure). Timing: `triton.testing.do_bench` medians after warm-up, inputs rotated
+over copies that together exceed the L2 cache. Everything printed is also written to `--out`.
 
     python benchmarks/gpu_check.py --out benchmarks/results/gpu_check-<date>-<device>.txt
     python benchmarks/gpu_check.py --dry-run   # CPU: the same code path on the Triton interpreter, toy sizes

@@ -36,7 +36,10 @@ def child(cache_name: str, tokens: int) -> dict:
 
     model, _ = load_smollm2(dtype=torch.float32)
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, tokens)
-    cache = DynamicCache(config=model.config) if cache_name == "DynamicCache" else QuantizedFP8Cache(model, scales="dynamic")
+    if cache_name == "DynamicCache":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = QuantizedFP8Cache(model, scales="dynamic")
     ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():  # touches the memory-mapped weights, which would otherwise count as growth
         model(input_ids=ids[:, :8], logits_to_keep=1)
