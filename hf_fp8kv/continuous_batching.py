@@ -163,7 +163,7 @@ def enable(
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
     setattr(model, SETTINGS_ATTRIBUTE, settings)
-    model.init_continuous_batching = types.MethodType(_init_continuous_batching, model)
+    model.init_continuous_batching = FP8InitContinuousBatching(model)
     return settings
 
 
@@ -225,11 +225,17 @@ def _rebind(function, **names):
     return rebound
 
 
-@torch.no_grad()
-def _init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None):
-    """`init_continuous_batching` of a model after `enable`: the same, building an `FP8ContinuousBatchingManager`."""
-    init = _rebind(ContinuousMixin.init_continuous_batching, ContinuousBatchingManager=FP8ContinuousBatchingManager)
-    return init(model, generation_config, continuous_batching_config, workload_hints)
+class FP8InitContinuousBatching:
+    """`model.init_continuous_batching` after `enable`: transformers' own, building an
+    `FP8ContinuousBatchingManager`. A plain object (not a bound function), so the model still pickles."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        init = _rebind(ContinuousMixin.init_continuous_batching, ContinuousBatchingManager=FP8ContinuousBatchingManager)
+        return init(self.model, generation_config, continuous_batching_config, workload_hints)
 
 
 # --- the manager and the cache ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 agreement with `generate` + `QuantizedFP8Cache` under vLLM's top-5 rule, queueing under a tight page budget,
 cancellation, streaming from the manager, sliding/full layer groups, the memory gain and the errors."""
 
+import pickle
 import warnings
 
 import pytest
@@ -71,7 +72,7 @@ def test_generate_batch_agrees_with_generate_under_top5_rule(model_and_tokenizer
         tokens = torch.tensor(output.generated_tokens)
         prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         with torch.inference_mode():
-            ref_tokens, ref_logits = greedy_with_logits(model, prompt, QuantizedFP8Cache(model, scales="dynamic"),
+            ref_tokens, ref_logits = greedy_with_logits(model, prompt, QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8),
                                                         NEW_TOKENS)  # fmt: skip
         at, _ = topk_rule(ref_tokens[0], ref_logits[0], tokens, ref_logits[0])
         if at is not None:  # the batch's own logits at the divergence
@@ -197,7 +198,7 @@ def test_sliding_and_full_groups_match_generate(scales, skip):
     for ids, output in zip(inputs, outputs.values()):
         prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         with torch.inference_mode():
-            ref = model.generate(**prompt, cache=QuantizedFP8Cache(model, scales=scales, skip_layers=skip),
+            ref = model.generate(**prompt, cache=QuantizedFP8Cache(model, scales=scales, skip_layers=skip, **PURE_FP8),
                                  max_new_tokens=NEW_TOKENS, do_sample=False)  # fmt: skip
         expected = ref[0, len(ids) :].tolist()  # generate stops at EOS, the batch (eos -1) goes on
         assert output.generated_tokens[: len(expected)] == expected
@@ -274,6 +275,19 @@ def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
         admitted = fp8.count_storable_requests([request] * 10_000)
         assert admitted >= least * native.count_storable_requests([request] * 10_000)
         del fp8
+    cb.disable(model)
+
+
+def test_enabled_model_pickles_and_serves_after_loading():
+    model = tiny_model("llama")
+    cb.enable(model, scales="dynamic")
+    loaded = pickle.loads(pickle.dumps(model))
+    assert isinstance(loaded.init_continuous_batching, cb.FP8InitContinuousBatching)
+    assert loaded.init_continuous_batching.model is loaded
+    ids = torch.randint(3, 128, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+    outputs = [m.generate_batch([ids], generation_config=GREEDY, continuous_batching_config=pages(page_size=4),
+                                warmup=False) for m in (model, loaded)]  # fmt: skip
+    assert [o.generated_tokens for o in outputs[0].values()] == [o.generated_tokens for o in outputs[1].values()]
     cb.disable(model)
 
 
