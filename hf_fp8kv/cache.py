@@ -16,7 +16,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from hf_fp8kv.attention import ATTENTION_NAME, is_fp8_attention, use_fp8_attention
+from hf_fp8kv.attention import ATTENTION_NAME, attention_implementation, is_fp8_attention, use_fp8_attention
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.ops import check_backend
@@ -158,7 +158,7 @@ class QuantizedFP8Cache(Cache):
     def _uses_fp8_attention(self) -> bool:
         caller = None if torch.compiler.is_compiling() else self._caller_config
         config = caller if caller is not None else self.attention_config
-        implementation = config._attn_implementation
+        implementation = attention_implementation(config)
         if is_fp8_attention(implementation) and not self._post_processing:
             return True
         if not self._slow_path_warned:

@@ -35,7 +35,16 @@ class StaticFP8Layer(FP8CacheLayer):
     def _forget(self) -> None:
         super()._forget()
         self.positions = torch.zeros(2, dtype=torch.int64)  # end, fp_start
-        self.end_host = 0  # the same as positions[0], for the eager-only paths (never read when compiling)
+        self.position_views = (self.positions[0], self.positions[1])
+        # `positions` on the host for the eager paths; None after a compiled step moved them (read back once)
+        self.host_positions: tuple[int, int] | None = (0, 0)
+        self.steps: dict[int, torch.Tensor] = {}  # fp_start's move (0 or 1) -> the device delta of a decode step
+
+    def _host_positions(self) -> tuple[int, int]:
+        if self.host_positions is None:
+            end, fp_start = self.positions.tolist()
+            self.host_positions = (end, fp_start)
+        return self.host_positions
 
     @property
     def ring_slots(self) -> int:
@@ -53,6 +62,7 @@ class StaticFP8Layer(FP8CacheLayer):
     def _allocate(self, batch: int, kv_heads: int, head_dim: int, slots: int = 0) -> None:
         super()._allocate(batch, kv_heads, head_dim, self.ring_slots + 1)  # + the spare slot
         self.positions = self.positions.to(self.device)
+        self.position_views = (self.positions[0], self.positions[1])
         if self.dynamic:
             self.scale.fill_(1.0)
         self.codes.view(torch.uint8).zero_()
@@ -77,17 +87,19 @@ class StaticFP8Layer(FP8CacheLayer):
         pass
 
     def view(self, start=None) -> KVView:
+        # views of `positions` made once: 3 us a step less, but a compiled graph takes its own (the buffer is static)
+        end, fp_start = (self.positions[0], self.positions[1]) if torch.compiler.is_compiling() else self.position_views
         return KVView(
-            self.codes, self.scale, self.fmt, 0, self.positions[0], self.positions[1], 0, self.recent,
+            self.codes, self.scale, self.fmt, 0, end, fp_start, 0, self.recent,
             self.sinks if self.sink_rows else None, self.sink_start, self.sink_count, None, self.key_channel_scale,
-            True, True, self.is_sliding, self.positions,
+            True, True, self.is_sliding, self.positions, memo=self.launch_memo,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
         return self.ring_slots
 
     def _host_end(self) -> int:
-        return self.end_host
+        return self._host_positions()[0]
 
     def _make_room(self, new_tokens: int) -> None:
         if new_tokens > self.max_cache_len and not self.is_sliding:
@@ -96,17 +108,29 @@ class StaticFP8Layer(FP8CacheLayer):
                 f"max_cache_len={self.max_cache_len}; build QuantizedFP8Cache(model, max_cache_len=...) larger"
             )
         if not torch.compiler.is_compiling() and not self.is_sliding:
-            if self.end_host + new_tokens > self.max_cache_len:
+            end = self._host_end()
+            if end + new_tokens > self.max_cache_len:
                 raise ValueError(
-                    f"layer {self.layer_idx}: {self.end_host} cached + {new_tokens} new tokens exceed this static "
-                    f"cache's max_cache_len={self.max_cache_len}"
+                    f"layer {self.layer_idx}: {end} cached + {new_tokens} new tokens exceed this static cache's "
+                    f"max_cache_len={self.max_cache_len}"
                 )
 
     def _advance(self, new_tokens: int) -> None:
-        self.positions[0] += new_tokens
-        torch.maximum(self.positions[1], self.positions[0] - self.recent_tokens, out=self.positions[1])
-        if not torch.compiler.is_compiling():
-            self.end_host += new_tokens
+        if torch.compiler.is_compiling():
+            self.positions[0] += new_tokens
+            torch.maximum(self.positions[1], self.positions[0] - self.recent_tokens, out=self.positions[1])
+            self.host_positions = None  # the host learns the new positions when it next needs them
+            return
+        end, fp_start = self._host_positions()
+        end, moved = end + new_tokens, max(fp_start, end + new_tokens - self.recent_tokens) - fp_start
+        if new_tokens == 1:  # an eager decode step: one in-place add of a delta kept on the device (1 op, not 5)
+            if moved not in self.steps:
+                self.steps[moved] = torch.tensor([1, moved], device=self.positions.device)
+            self.positions.add_(self.steps[moved])
+        else:
+            self.positions[0] = end
+            self.positions[1] = fp_start + moved
+        self.host_positions = (end, fp_start + moved)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -123,21 +147,21 @@ class StaticFP8Layer(FP8CacheLayer):
             return
         self.positions.zero_()
         self.stats.zero_()
-        self.end_host = 0
+        self.host_positions = (0, 0)
         self.sink_rows = None
         self.has_nan = False
 
-    def _crop_to(self, end) -> None:
-        self.positions[0] = end
-        torch.minimum(self.positions[1], self.positions[0], out=self.positions[1])
-        self.end_host = int(end)
+    def _crop_to(self, end: int) -> None:
+        fp_start = min(self._host_positions()[1], end)
+        self.positions[0], self.positions[1] = end, fp_start
+        self.host_positions = (end, fp_start)
         if self.sink_rows:
             self._sync_sink_tensors()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
-        self._crop_to(max(self.end_host + tokens_to_remove, 0))
+        self._crop_to(max(self._host_end() + tokens_to_remove, 0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder rows in place (the buffers keep their addresses)."""
@@ -170,9 +194,11 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         new_tokens = key_states.shape[2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if new_tokens == 1 or self.end_host + new_tokens <= self.ring_slots:
+        compiling = torch.compiler.is_compiling()
+        host = self.host_positions if compiling else self._host_positions()  # compiled: guarded, None once moved
+        if new_tokens == 1 or (host is not None and host[0] + new_tokens <= self.ring_slots):
             return super().update(key_states, value_states, *args, **kwargs)
-        if torch.compiler.is_compiling():
+        if compiling:
             raise RuntimeError(
                 f"layer {self.layer_idx}: a static sliding-window layer takes several tokens at once only outside "
                 "torch.compile (compile the decode step, as generate does)"
@@ -182,7 +208,8 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
     def _update_over_copy(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Several tokens once the ring is full: write them into a linear copy of the window, attend over it,
         then keep its last `ring_slots` tokens in the ring."""
-        new_tokens, end, slots = key_states.shape[2], self.end_host, self.ring_slots
+        new_tokens, slots = key_states.shape[2], self.ring_slots
+        end, fp_start = self._host_positions()
         first = max(end - (self.sliding_window - 1), 0)
         held = torch.arange(first, end, device=self.device)
         copy = FP8CacheLayer(self.fmt, self.scales, slots, self.requested_backend, self.fast_path, self.layer_idx,
@@ -193,7 +220,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         copy.codes = self.codes.view(torch.uint8).index_select(3, held % slots).view(self.fmt.dtype)
         copy.scale = self.scale.index_select(3, held % slots) if self.dynamic else self.scale
         copy.first = copy.offset = first
-        copy.end, copy.fp_start = end, int(self.positions[1])
+        copy.end, copy.fp_start = end, fp_start
         copy.is_initialized = True
         kv_copy = copy._store(key_states, value_states)
         # the copy's last `slots` tokens become the ring's

@@ -369,7 +369,7 @@ def _lay_recent(kv: torch.Tensor, view) -> None:
 def _lay_sinks(kv: torch.Tensor, view) -> None:
     """Replace the decoded codes of each row's sink tokens by their full-precision values."""
     if not view.static:  # the rows' spans are known on the host: one copy per distinct span
-        for (first, count), rows in view.sink_spans.items():
+        for (first, count), rows in view.sink_spans().items():
             index = torch.tensor(rows, device=kv.device) if len(rows) < kv.shape[1] else slice(None)
             column = slice(first - view.start, first - view.start + count)
             kv[:, index, :, column] = view.sinks[:, index, :, :count]

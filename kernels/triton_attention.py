@@ -474,7 +474,7 @@ class AttentionPlan:
         # fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out
         value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if view.dynamic else 1.0
         self.scalars = (window or 0, score_scale, code_factor, value_boost, code_factor / value_boost, softcap or 1.0)
-        self.constexprs = dict(
+        constexprs = dict(
             GROUP=group, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=self.block_d, IS_FLOAT=fmt.is_float,
             HW_CONVERT=self.hw_convert, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
             NAN_CODE=fmt.nan_code, PER_TOKEN_K=view.dynamic, PER_TOKEN_V=view.dynamic, STATIC=view.static,
@@ -483,6 +483,11 @@ class AttentionPlan:
             HAS_SINKS=sinks is not None, HAS_CHANNEL_SCALE=view.key_channel_scale is not None, DOT=dot,
             PRECISION="ieee" if dot == tl.float32 else "tf32", **options,
         )  # fmt: skip
+        self.launch_options = {split: {**constexprs, "SPLIT": split} for split in (False, True)}
+        self.sizes = (self.kv_heads, q_len, head_dim)
+        self.out_shape = (batch, q_heads, q_len, head_dim)
+        self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
+        self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
         self.num_splits = num_splits
         self.resident_slots = resident_slots
         if num_splits is None and self.row_blocks == 1 and query.is_cuda and not resident_slots:
@@ -492,12 +497,15 @@ class AttentionPlan:
             )
 
     def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, q_heads, q_len, head_dim = query.shape
-        out = query.new_empty(batch, q_len, q_heads, head_dim).transpose(1, 2)  # the layout attention returns
-        rows = batch * q_heads * q_len * splits if splits > 1 else 0
-        part_acc = torch.empty(max(rows * self.block_d, 1), device=query.device)
-        part_stats = torch.empty(max(rows * 2, 1), device=query.device)
-        return out, part_acc, part_stats
+        """The output, and the splits' partial results (kept from call to call: one allocation per step, the
+        output)."""
+        out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=query.device)
+        if splits == 1:
+            return out, out, out  # placeholders: a single split writes the output directly
+        rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * splits
+        if self.parts is None or self.parts[1].numel() < rows * 2:
+            self.parts = (torch.empty(rows * self.block_d, device=query.device), torch.empty(rows * 2, device=query.device))
+        return out, *self.parts
 
     def splits(self, query: torch.Tensor, view: KVView) -> int:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
@@ -518,27 +526,33 @@ class AttentionPlan:
         launches = self._attention(query, view, mask, sinks, splits, out, part_acc, part_stats)
         return out, launches
 
+    def _stored(self, view: KVView) -> tuple:
+        """The kernel arguments that depend only on the view's buffers (tensors, strides, slot counts)."""
+        placeholder = view.scales  # for a buffer the constexprs leave unread
+        tensors = (
+            *_codes(view, self.hw_convert), view.scales[0], view.scales[1], *_pair(view.recent, placeholder),
+            *_pair(view.sinks, placeholder), _or(view.sink_start, placeholder), _or(view.sink_count, placeholder),
+            _or(view.positions, placeholder),
+        )  # fmt: skip
+        strides = (*view.codes.stride()[1:], *_scale_strides(view), *_fp_strides(view.recent), *_fp_strides(view.sinks))
+        return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, (_slots(view.recent), _slots(view.sinks))
+
     def _attention(self, query, view, mask, sinks, splits, out, part_acc, part_stats) -> list[Launch]:
-        batch, q_heads, q_len, head_dim = query.shape
         if view.static:  # positions are read on the device
             start, end, fp_start, mask_start = view.start, 0, 0, 0
         else:
             start, end, fp_start = view.start, view.end, view.fp_start
             mask_start = view.mask_start if view.mask_start is not None else end - mask.shape[-1] if mask is not None else 0
         if mask is not None:
-            mask = _expand_mask(mask, batch, q_heads, q_len)
-        channel = view.key_channel_scale
-        launches = [Launch(_attention_kernel, (self.row_blocks, batch * self.kv_heads, splits), (
-            query, *_codes(view, self.hw_convert), view.scales[0], view.scales[1], *_pair(view.recent, query),
-            *_pair(view.sinks, query), _or(view.sink_start, query), _or(view.sink_count, query),
-            _or(view.positions, query), _or(mask, query), _or(sinks, query), _or(channel, query),
-            out, part_acc, part_stats,
-            *query.stride(), *view.codes.stride()[1:], *_scale_strides(view), *_fp_strides(view.recent),
-            *_fp_strides(view.sinks), *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            self.kv_heads, q_len, head_dim, splits, view.slots, view.offset, _slots(view.recent),
-            _slots(view.sinks), start, end, fp_start, mask_start, *self.scalars,
-        ), {**self.constexprs, "SPLIT": splits > 1})]  # fmt: skip
+            mask = _expand_mask(mask, *self.out_shape[:3])
+        tensors, channel, strides, slots, fp_slots = view.derived(self, self._stored)
+        launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
+            query, *tensors, _or(mask, query), _or(sinks, query), channel, out, part_acc, part_stats,
+            *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
+            *self.sizes, splits, slots, view.offset, *fp_slots, start, end, fp_start, mask_start, *self.scalars,
+        ), self.launch_options[splits > 1])]  # fmt: skip
         if splits > 1:
+            batch, q_heads, q_len, head_dim = self.out_shape
             out_rows = batch * q_heads * q_len
             reduce_rows = min(MIN_ROWS, REDUCE_ELEMENTS // self.block_d)
             launches.append(Launch(_reduce_kernel, (cdiv(out_rows, reduce_rows),), (

@@ -208,42 +208,43 @@ def plan_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bo
 
 
 class WritePlan:
-    """What stays the same from one write to the next of one kind: validation, tile sizes and constexprs."""
+    """What stays the same from one write to the next of one kind: validation, tile sizes, grids and constexprs."""
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor):
         _check_write(key, value, view, dynamic, stats)
-        new_tokens, head_dim = key.shape[2], key.shape[3]
+        batch, heads, new_tokens, head_dim = key.shape
         self.window = view.recent.shape[3] if view.recent is not None else 0
-        self.block_d = next_power_of_2(head_dim)
+        block_d = next_power_of_2(head_dim)
         common = dict(
             EVICT=0 < new_tokens <= self.window, WINDOW=self.window > 0, STATIC=view.static, RING=view.ring,
-            DYNAMIC=dynamic, CLIP=view.fmt.clip_bound, BLOCK_D=self.block_d, **encoding(view.fmt),
+            DYNAMIC=dynamic, CLIP=view.fmt.clip_bound, BLOCK_D=block_d, **encoding(view.fmt),
         )  # fmt: skip
-        self.modes = [(LEAVING, self.window)] if new_tokens > self.window > 0 else []
-        self.modes.append((NEW, new_tokens))
-        self.constexprs = [
-            dict(MODE=mode, BLOCK_T=min(next_power_of_2(tokens), max(1, MAX_TILE // self.block_d)), **common)
-            for mode, tokens in self.modes
-        ]
+        modes = [(LEAVING, self.window)] if new_tokens > self.window > 0 else []
+        modes.append((NEW, new_tokens))
+        self.sizes = (heads, new_tokens, head_dim)
+        self.kinds = []  # (grid, constexprs) of each launch
+        for mode, tokens in modes if new_tokens else ():
+            block_t = min(next_power_of_2(tokens), max(1, MAX_TILE // block_d))
+            self.kinds.append(((cdiv(tokens, block_t), batch * heads, 2), dict(MODE=mode, BLOCK_T=block_t, **common)))
 
     def launches(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> list[Launch]:
-        batch, heads, new_tokens, head_dim = key.shape
-        if new_tokens == 0:
-            return []
-        codes = view.codes.view(torch.uint8)
-        recent = view.recent
-        recent_args = (recent[0], recent[1], *recent.stride()[1:]) if recent is not None else (key, key, 0, 0, 0, 0)
+        tensors, strides, slots = view.derived(self, self._stored)
         end, fp_start = (0, 0) if view.static else (view.end, view.fp_start)
         args = (
-            key, value, codes[0], codes[1], view.scales[0], view.scales[1], *recent_args[:2], stats,
-            view.positions if view.positions is not None else stats,
-            *key.stride(), *value.stride(), *codes.stride()[1:], *view.scales[0].expand(batch, heads, -1).stride(),
-            *recent_args[2:], heads, new_tokens, head_dim, end, fp_start, view.offset, view.slots, self.window,
+            key, value, *tensors, stats, view.positions if view.positions is not None else stats, *key.stride(),
+            *value.stride(), *strides, *self.sizes, end, fp_start, view.offset, slots, self.window,
         )  # fmt: skip
-        return [
-            Launch(_write_kernel, (cdiv(tokens, constexprs["BLOCK_T"]), batch * heads, 2), args, constexprs)
-            for (_, tokens), constexprs in zip(self.modes, self.constexprs)
-        ]
+        return [Launch(_write_kernel, grid, args, constexprs) for grid, constexprs in self.kinds]
+
+    def _stored(self, view: KVView) -> tuple:
+        """The kernel arguments that depend only on the view's buffers (tensors, strides, slot count)."""
+        codes, recent = view.codes.view(torch.uint8), view.recent
+        batch, heads = view.codes.shape[1:3]
+        strides = (*codes.stride()[1:], *view.scales[0].expand(batch, heads, -1).stride())
+        if recent is None:  # placeholders: the constexprs leave them unread
+            return (codes[0], codes[1], view.scales[0], view.scales[1], codes, codes), (*strides, 0, 0, 0, 0), view.slots
+        tensors = (codes[0], codes[1], view.scales[0], view.scales[1], recent[0], recent[1])
+        return tensors, (*strides, *recent.stride()[1:]), view.slots
 
 
 def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor) -> None:

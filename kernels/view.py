@@ -17,6 +17,7 @@ every other one from the codes (so each token is read from exactly one place).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -38,13 +39,14 @@ class KVView:
     sinks: torch.Tensor | None = None
     sink_start: torch.Tensor | None = None
     sink_count: torch.Tensor | None = None
-    sink_spans: dict | None = None  # dynamic buffers: {(first token, count): [rows]} of the held sinks, on the host
+    sink_rows: list[int] | None = None  # dynamic buffers: each row's first sink token (-1: none yet), on the host
     key_channel_scale: torch.Tensor | None = None
     has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
     static: bool = False  # a static cache: positions are device tensors and the mask covers [0, max_len)
     ring: bool = False  # the codes are a ring (static sliding layers); else token t is at slot t - offset
     positions: torch.Tensor | None = None  # static: int64 [2] holding `end`, `fp_start` (which are views of it)
     mask_start: int | None = None  # the position of the mask's first column (None: the mask ends at `end`)
+    memo: dict | None = None  # launch arguments derived from the buffers, shared by the views of these buffers
 
     @property
     def slots(self) -> int:
@@ -54,3 +56,22 @@ class KVView:
     @property
     def dynamic(self) -> bool:
         return self.scales.shape[3] > 1
+
+    def sink_spans(self) -> dict[tuple[int, int], list[int]]:
+        """`{(first token, count): [rows]}` of the sink tokens held (dynamic buffers, from `sink_rows`)."""
+        spans: dict[tuple[int, int], list[int]] = {}
+        for row, first in enumerate(self.sink_rows or ()):
+            count = min(max(self.end - first, 0), self.sinks.shape[3]) if first >= 0 else 0
+            if count:
+                spans.setdefault((first, count), []).append(row)
+        return spans
+
+    def derived(self, owner: object, build: Callable[["KVView"], tuple]) -> tuple:
+        """`build(self)`: launch arguments that depend on the buffers alone, kept in `memo` under `owner` for the
+        next views of the same buffers (whoever replaces a buffer starts a new memo)."""
+        if self.memo is None:
+            return build(self)
+        entry = self.memo.get(owner)
+        if entry is None or entry[0] is not self.codes or entry[1] is not self.scales:
+            entry = self.memo[owner] = (self.codes, self.scales, build(self))
+        return entry[2]

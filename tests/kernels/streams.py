@@ -102,11 +102,7 @@ def attach_sinks(view: KVView, stream: Stream, kv: torch.Tensor) -> None:
     view.sinks = view.sinks.to(device)
     view.sink_start = torch.tensor(rows, device=device)
     view.sink_count = torch.tensor(counts, device=device)
-    spans: dict = {}
-    for row, (first, count) in enumerate(zip(rows, counts)):
-        if count:
-            spans.setdefault((first, count), []).append(row)
-    view.sink_spans = spans
+    view.sink_rows = rows
 
 
 def fill(stream: Stream, write, generator: torch.Generator, device="cpu", edges=None):
