@@ -17,7 +17,9 @@ two equal.
 
 from __future__ import annotations
 
+import functools
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +135,20 @@ def attention(
 
 
 # --- the CPU path: the same bits in few ops ------------------------------------------------------------------
+@functools.cache
+def constants(fmt: StorageFormat) -> SimpleNamespace:
+    """The CPU path's numbers as 0-dim tensors (never written): an op given a Python number wraps it in a tensor
+    first, 1.6 us of the 3 us such an op takes on a decode step's small tensors (1.3 us with a tensor)."""
+    with torch.inference_mode(False):  # ordinary tensors, usable inside and outside inference mode
+        return SimpleNamespace(
+            fp16_shift=torch.tensor(fmt.fp16_shift, dtype=torch.int16),
+            clear_bit_14=torch.tensor(~0x4000, dtype=torch.int16),
+            fp16_factor=torch.tensor(fmt.fp16_factor),
+            row_max=torch.tensor(fmt.row_max),
+            tiny_scale=torch.tensor(TINY_SCALE),
+        )
+
+
 def write_stacked(
     states: torch.Tensor,
     codes: torch.Tensor,
@@ -154,8 +170,8 @@ def write_stacked(
         finite = states.is_meta or math.isfinite(amax.sum().item())  # NaN or inf anywhere: a non-finite sum
         if not finite:
             amax = states.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)
-        row_scale = amax.div_(fmt.row_max).clamp_min_(TINY_SCALE)
-        scale.copy_(row_scale)
+        numbers = constants(fmt)
+        row_scale = torch.div(amax, numbers.row_max, out=scale).clamp_min_(numbers.tiny_scale)  # into the buffer
         scaled = states / row_scale
         ok = finite  # a finite row divided by its own amax never leaves the format's range
     else:
@@ -186,10 +202,11 @@ def dequantize_stacked(codes: torch.Tensor, scale: torch.Tensor, fmt: StorageFor
     """
     if not fmt.is_float:
         return codes * scale
-    bits = codes.view(torch.int8).to(torch.int16).bitwise_left_shift_(fmt.fp16_shift)
+    numbers = constants(fmt)
+    bits = codes.view(torch.int8).to(torch.int16).bitwise_left_shift_(numbers.fp16_shift)
     if fmt.fp16_shift == 7:  # e4m3: the sign landed on bit 14 too (sign extension); keep it on bit 15 only
-        bits.bitwise_and_(~0x4000)
-    values = bits.view(torch.float16) * (scale * fmt.fp16_factor if fmt.fp16_factor != 1.0 else scale)
+        bits.bitwise_and_(numbers.clear_bit_14)
+    values = bits.view(torch.float16) * (scale * numbers.fp16_factor if fmt.fp16_factor != 1.0 else scale)
     if has_nan and fmt.nan_code >= 0:
         code_bits = codes.view(torch.uint8) & fmt.nan_code_mask
         values = values.masked_fill_(code_bits == fmt.nan_code, math.nan)
@@ -235,20 +252,22 @@ def write(
         return True
     new_fp_start = max(fp_start, end + n - window)
     nonfinite = False
-
-    def quantize_into(rows: torch.Tensor, first: int) -> None:
-        nonlocal nonfinite
-        slots = slice(first - offset, first - offset + rows.shape[3])
-        scale = scales[:, :, :, slots, None] if dynamic else scales[..., None]
-        nonfinite |= write_stacked(rows, codes[:, :, :, slots], scale, fmt, dynamic, stats)
-
     for first, stop, slot in _pieces(fp_start, min(new_fp_start, end), window):  # leaving the window
-        quantize_into(recent[:, :, :, slot : slot + stop - first], first)
+        leaving = recent.narrow(3, slot, stop - first)
+        nonfinite |= _quantize_tokens(leaving, first - offset, codes, scales, fmt, dynamic, stats)
     if new_fp_start > end:  # new tokens that are not among the newest `window`
-        quantize_into(states[:, :, :, : new_fp_start - end], end)
+        direct = states.narrow(3, 0, new_fp_start - end)
+        nonfinite |= _quantize_tokens(direct, end - offset, codes, scales, fmt, dynamic, stats)
     for first, stop, slot in _pieces(max(end, new_fp_start), end + n, window):
-        recent[:, :, :, slot : slot + stop - first] = states[:, :, :, first - end : stop - end]
+        recent.narrow(3, slot, stop - first).copy_(states.narrow(3, first - end, stop - first))
     return nonfinite
+
+
+def _quantize_tokens(rows, slot: int, codes, scales, fmt: StorageFormat, dynamic: bool, stats) -> bool:
+    """`write_stacked` of tokens `rows` `[2, batch, kv_heads, n, head_dim]` into slots `[slot, slot + n)`."""
+    n = rows.shape[3]
+    scale = scales.narrow(3, slot, n) if dynamic else scales
+    return write_stacked(rows, codes.narrow(3, slot, n), scale.unsqueeze(-1), fmt, dynamic, stats)
 
 
 def _write_static(states, codes, scales, recent, end, fp_start, fmt, dynamic, stats, window, ring) -> None:
@@ -324,10 +343,10 @@ def materialize(view) -> tuple[torch.Tensor, torch.Tensor]:
     if view.static:  # every slot, the spare one included: it takes the writes below that have nowhere to go
         codes, scales = view.codes, view.scales
     else:
-        first = view.start - view.offset
-        codes = view.codes[:, :, :, first : view.end - view.offset]
-        scales = view.scales[..., first : view.end - view.offset] if view.dynamic else view.scales
-    kv = dequantize_stacked(codes, scales[..., None], view.fmt, view.has_nan)
+        first, tokens = view.start - view.offset, view.end - view.start
+        codes = view.codes.narrow(3, first, tokens)
+        scales = view.scales.narrow(3, first, tokens) if view.dynamic else view.scales
+    kv = dequantize_stacked(codes, scales.unsqueeze(-1), view.fmt, view.has_nan)
     if view.recent is not None:
         _lay_recent(kv, view)
     if view.sinks is not None:
@@ -336,7 +355,8 @@ def materialize(view) -> tuple[torch.Tensor, torch.Tensor]:
         kv = kv[:, :, :, : view.slots]
     if view.key_channel_scale is not None:
         kv[0] *= view.key_channel_scale[None, :, None, :]
-    return kv[0], kv[1]
+    keys, values = kv.unbind()
+    return keys, values
 
 
 def _static_positions(view) -> tuple[torch.Tensor, torch.Tensor]:
