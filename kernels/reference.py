@@ -167,11 +167,18 @@ def write_stacked(
     """
     if dynamic:
         amax = torch.linalg.vector_norm(states, math.inf, dim=-1, keepdim=True, dtype=torch.float32)
-        finite = states.is_meta or math.isfinite(amax.sum().item())  # NaN or inf anywhere: a non-finite sum
+        # NaN or inf anywhere: a non-finite largest amax; a row whose scale would fall below TINY_SCALE (all-zero
+        # rows): a smallest amax below TINY_SCALE * row_max. Neither (the rule): no clamp, one op less
+        finite, tiny_rows = True, True  # fake tensors (tracing): nothing to look at
+        if not states.is_meta:
+            low, high = torch.aminmax(amax)
+            finite, tiny_rows = math.isfinite(high.item()), not low.item() >= TINY_SCALE * fmt.row_max
         if not finite:
             amax = states.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)
         numbers = constants(fmt)
-        row_scale = torch.div(amax, numbers.row_max, out=scale).clamp_min_(numbers.tiny_scale)  # into the buffer
+        row_scale = torch.div(amax, numbers.row_max, out=scale)  # into the buffer
+        if tiny_rows or not finite:
+            row_scale.clamp_min_(numbers.tiny_scale)
         scaled = states / row_scale
         ok = finite  # a finite row divided by its own amax never leaves the format's range
     else:
