@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -135,18 +135,26 @@ def attention(
 
 
 # --- the CPU path: the same bits in few ops ------------------------------------------------------------------
-@functools.cache
-def constants(fmt: StorageFormat) -> SimpleNamespace:
+class Numbers(NamedTuple):
+    fp16_shift: int | torch.Tensor
+    clear_bit_14: int | torch.Tensor
+    fp16_factor: float | torch.Tensor
+    row_max: float | torch.Tensor
+    tiny_scale: float | torch.Tensor
+
+
+def constants(fmt: StorageFormat) -> Numbers:
     """The CPU path's numbers as 0-dim tensors (never written): an op given a Python number wraps it in a tensor
-    first, 1.6 us of the 3 us such an op takes on a decode step's small tensors (1.3 us with a tensor)."""
+    first, 1.6 us of the 3 us such an op takes on a decode step's small tensors (1.3 us with a tensor). Inside a
+    compiled graph, plain numbers (constants of the graph)."""
+    numbers = Numbers(fmt.fp16_shift, ~0x4000, fmt.fp16_factor, fmt.row_max, TINY_SCALE)
+    return numbers if torch.compiler.is_compiling() else _as_tensors(numbers)
+
+
+@functools.cache
+def _as_tensors(numbers: Numbers) -> Numbers:
     with torch.inference_mode(False):  # ordinary tensors, usable inside and outside inference mode
-        return SimpleNamespace(
-            fp16_shift=torch.tensor(fmt.fp16_shift, dtype=torch.int16),
-            clear_bit_14=torch.tensor(~0x4000, dtype=torch.int16),
-            fp16_factor=torch.tensor(fmt.fp16_factor),
-            row_max=torch.tensor(fmt.row_max),
-            tiny_scale=torch.tensor(TINY_SCALE),
-        )
+        return Numbers(*(torch.tensor(n, dtype=torch.int16 if isinstance(n, int) else torch.float32) for n in numbers))
 
 
 def write_stacked(
