@@ -53,7 +53,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from hf_fp8kv.kernels import triton_attention, triton_write  # noqa: E402
+from hf_fp8kv.kernels import triton_attention, triton_paged, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS  # noqa: E402
 from hf_fp8kv.kernels.triton_launch import Launch, blocks_per_sm  # noqa: E402
 from hf_fp8kv.kernels.view import KVView  # noqa: E402
@@ -81,7 +81,7 @@ class Case:
     """One call the launchers meet, described by the tensors it passes: a decode step (`q_len` 1) or a prefill
     over `context` cached tokens, or the write of `q_len` new tokens ending at `context`."""
 
-    kind: str  # "decode", "prefill" or "write"
+    kind: str  # "decode", "prefill", "write" or "paged" (continuous batching: `batch` requests on FP8 pages)
     batch: int = 1
     kv_heads: int = 8
     group: int = 8  # query heads per KV head
@@ -102,6 +102,8 @@ class Case:
         scales = "per-token" if self.per_token else "static"
         if self.kind == "write":
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
+        if self.kind == "paged":
+            return f"{dtype} d{self.head_dim} gqa{self.group} {scales} paged {self.batch} req q{self.q_len} ctx{self.context}"
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
         rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
         shape = f"b{self.batch} kvh{self.kv_heads}" + (f" q{self.q_len}" if self.q_len > 1 else "")
@@ -132,7 +134,14 @@ def cases(quick: bool = False) -> list[Case]:
     window = [Case("decode", per_token=True, recent=64, sinks=4), Case("prefill", q_len=500, context=500, recent=64)]
     write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
     write += [Case("write", per_token=True, q_len=n, recent=64) for n in (1, 500)]
-    return decode + no_split + few_heads + prefill + window + write
+    # continuous batching: a decode batch and a chunked prefill on FP8 pages
+    paged = [
+        Case("paged", batch=64, head_dim=d, per_token=p, context=4096, waves=False)
+        for d in (64, 128, 256)
+        for p in (False, True)
+    ]
+    paged.append(Case("paged", batch=4, q_len=256, per_token=True, context=4096, waves=False))
+    return decode + no_split + few_heads + prefill + window + write + paged
 
 
 def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
@@ -140,6 +149,8 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     the split count from the launcher's own rule for `slots` resident blocks (SMs x blocks per SM)."""
     fmt = FORMATS[case.fmt]
     dtype = getattr(torch, case.dtype)
+    if case.kind == "paged":
+        return [plan_paged(case, fmt, dtype, device)]
     capacity = -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
     codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
     if case.per_token:
@@ -168,6 +179,29 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
         query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots, cuda=True
     )
     return launches
+
+
+PAGE_SIZE, LAYERS = 256, 30  # transformers' continuous batching: tokens per page block; a 30-layer model (not a power of 2)
+
+
+def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
+    """The launch of `triton_paged.paged_attention` for `case.batch` requests of `case.q_len` new tokens after
+    `case.context` cached ones each."""
+    row_bytes = case.kv_heads * case.head_dim + (4 * case.kv_heads if case.per_token else 0)
+    tokens = case.batch * case.q_len
+    query = torch.empty(tokens, case.kv_heads * case.group, case.head_dim, dtype=dtype, device=device)
+    bytes_per_block = LAYERS * 2 * PAGE_SIZE * row_bytes
+    pages = torch.empty(16 * bytes_per_block, dtype=torch.uint8, device=device)
+    new_rows = torch.empty(tokens, 2, row_bytes, dtype=torch.uint8, device=device)
+    read_index = torch.empty(case.batch * case.context, dtype=torch.int64, device=device)
+    lengths = [torch.empty(case.batch + n, dtype=torch.int32, device=device) for n in (1, 0, 0)]  # cu_q, k_first, past
+    static = None if case.per_token else tuple(torch.ones(case.kv_heads, device=device) for _ in range(2))
+    _, launch = triton_paged.plan_paged_attention(
+        query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
+        layer_offset=3 * 2 * PAGE_SIZE * row_bytes, bytes_per_block=bytes_per_block, block_stride=LAYERS * 2 * PAGE_SIZE,
+        page_size=PAGE_SIZE, scaling=case.head_dim**-0.5, static_scales=static, max_q_len=case.q_len, cuda=True,
+    )  # fmt: skip
+    return launch
 
 
 # --- compiling --------------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from hf_fp8kv.cache import _validate_skip_layers, platform_dtype
 from hf_fp8kv.kernels.formats import StorageFormat, get_format
 from hf_fp8kv.kernels.ops import check_backend, resolve_backend
 from hf_fp8kv.kernels.reference import attention, dequantize_stacked, write_stacked
+from hf_fp8kv.kernels.triton_paged import row_size
 from hf_fp8kv.layer import QuantizedKV
 from hf_fp8kv.scales import (
     CALIBRATION_WARNING,
@@ -92,7 +93,13 @@ class RowLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.value_bytes + (4 * self.kv_heads if self.dynamic else 0)
+        """Bytes of the row, padded so that rows start on 16 bytes (the kernel loads 16-byte vectors)."""
+        return row_size(self.value_bytes, self.kv_heads if self.dynamic else 0)
+
+    @property
+    def scale_bytes(self) -> slice:
+        """Where a row's per-token-head scales lie."""
+        return slice(self.value_bytes, self.value_bytes + 4 * self.kv_heads)
 
 
 @dataclass
@@ -467,13 +474,13 @@ def encode_rows(
     written by `write_stacked` (the bits `QuantizedFP8Cache` stores; `static`: `[2, kv_heads]` scales, None for
     per-token-head ones), or the model-dtype values of a skipped layer; and whether an input was non-finite."""
     tokens = states.shape[2]
-    rows = torch.empty(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
+    rows = torch.zeros(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
     codes = _stored_values(rows, layout)
     if layout.fmt is None:
         codes.copy_(states)
         return rows, False
     if static is None:
-        scale = rows[..., layout.value_bytes :].view(torch.float32).permute(1, 2, 0)[..., None]
+        scale = rows[..., layout.scale_bytes].view(torch.float32).permute(1, 2, 0)[..., None]
     else:
         scale = static[:, :, None, None]
     return rows, write_stacked(states, codes, scale, layout.fmt, static is None, stats)
@@ -493,7 +500,7 @@ def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static: to
     if layout.fmt is None:
         return codes.float()
     if static is None:
-        scale = rows[..., layout.value_bytes :].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
+        scale = rows[..., layout.scale_bytes].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
     else:
         scale = static[:, :, None, None]
     kv = dequantize_stacked(codes, scale, layout.fmt, has_nan)

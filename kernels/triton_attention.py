@@ -60,12 +60,12 @@ def _as_dot(x, DOT: tl.constexpr):
     """Full-precision K/V as dot operands (clamped into fp16's range when the dot runs in fp16)."""
     x = x.to(tl.float32)
     if DOT == tl.float16:
-        x = _clamp_fp16(x)
+        x = clamp_fp16(x)
     return x.to(DOT)
 
 
 @triton.jit
-def _clamp_fp16(x):
+def clamp_fp16(x):
     """`x` clamped into fp16's finite range, NaN kept (the GPU's min/max would replace it)."""
     return tl.where(x > FP16_MAX, FP16_MAX, tl.where(x < -FP16_MAX, -FP16_MAX, x))
 
@@ -185,7 +185,7 @@ def _attention_kernel(
     if HAS_CHANNEL_SCALE:
         q = q * tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)[None, :]
     if DOT == tl.float16:  # the scaled query fits fp16 for any sane model; never let it become inf
-        q = _clamp_fp16(q)
+        q = clamp_fp16(q)
     q = q.to(DOT)
     if HAS_SINK_TOKENS:
         sink_lo = tl.load(sink_start_ptr + b)

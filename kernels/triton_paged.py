@@ -9,8 +9,11 @@ plane * page_size * row_bytes + (p % block_stride) * row_bytes` of the pages (pl
 Request r owns query rows `[cu_q[r], cu_q[r + 1])` and sees `past[r] + q_len` keys: the first `past[r]` from the
 pages through `read_index[k_first[r] : k_first[r] + past[r]]`, the last `q_len` from `new_rows` (this step's
 tokens, already encoded as rows `[tokens, 2, row_bytes]`), causally (query i is key `past + i`), and within
-`window` keys when it is > 0. One program handles `BLOCK_M` query rows of one request and one query head; codes
-are decoded by exact bit operations (`decode_codes`), dots run in fp32, scales multiply scores and probabilities.
+`window` keys when it is > 0. One program handles `BLOCK_M` rows of one request and one KV head, a row being a
+(query position, query head of the group) pair, so a GQA group reads each K/V tile once. As in
+`triton_attention`: codes are converted by the hardware on CUDA (e4m3fn, e5m2) or by exact bit operations
+(`decode_codes`), dots run in fp16 (fp32 for fp32 queries), per-token scales multiply scores and probabilities,
+per-head scales the query and the output.
 """
 
 from __future__ import annotations
@@ -22,26 +25,38 @@ import triton
 import triton.language as tl
 
 from .formats import StorageFormat
-from .triton_attention import attend_tile, decode_codes
-from .triton_launch import cdiv, next_power_of_2
+from .triton_attention import attend_tile, block_sizes, clamp_fp16, decode_codes
+from .triton_launch import Launch, cdiv, interpreting, launch_all, next_power_of_2
 from .triton_write import encode, encoding
 
-LOG2E = tl.constexpr(math.log2(math.e))
-BLOCK_M = 16
-BLOCK_N = 32
+LOG2E = math.log2(math.e)
+CODE_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}  # the hardware-converted ones
 BLOCK_T = 16  # tokens per program of the row encoder
+ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
+# instructions per KV byte in the decode loop and no pipelining, before)
+
+
+def row_size(value_bytes: int, scaled_heads: int) -> int:
+    """Bytes of one page row: `value_bytes` of codes, a 4-byte scale per head of `scaled_heads`, padded to
+    `ROW_ALIGNMENT`."""
+    return -(-(value_bytes + 4 * scaled_heads) // ROW_ALIGNMENT) * ROW_ALIGNMENT
 TINY_SCALE = 2.0**-126  # reference.TINY_SCALE: an all-zero row's scale
 
 
 @triton.jit
-def _row_scale(row_ptr, ok, value_bytes, kv_head):
-    """The fp32 scale stored after the codes of `row_ptr`'s rows (4 little-endian bytes per KV head)."""
+def _row_scale(row_ptr, ok, value_bytes, kv_head, ALIGNED: tl.constexpr = False):
+    """The fp32 scale stored after the codes of `row_ptr`'s rows (4 little-endian bytes per KV head); one 4-byte
+    load when the rows are `ALIGNED` (the scales then start on 4 bytes)."""
     base = row_ptr + value_bytes + 4 * kv_head
-    bits = tl.load(base, mask=ok, other=0).to(tl.int32)
-    bits |= tl.load(base + 1, mask=ok, other=0).to(tl.int32) << 8
-    bits |= tl.load(base + 2, mask=ok, other=0).to(tl.int32) << 16
-    bits |= tl.load(base + 3, mask=ok, other=0).to(tl.int32) << 24
-    return bits.to(tl.float32, bitcast=True)
+    if ALIGNED:
+        scale = tl.load(base.to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    else:
+        bits = tl.load(base, mask=ok, other=0).to(tl.int32)
+        bits |= tl.load(base + 1, mask=ok, other=0).to(tl.int32) << 8
+        bits |= tl.load(base + 2, mask=ok, other=0).to(tl.int32) << 16
+        bits |= tl.load(base + 3, mask=ok, other=0).to(tl.int32) << 24
+        scale = bits.to(tl.float32, bitcast=True)
+    return scale
 
 
 @triton.jit
@@ -98,100 +113,123 @@ def encode_rows(
         raise ValueError("states must be contiguous in its last dim (head_dim)")
     dynamic = static_scales is None
     value_bytes = kv_heads * head_dim
-    row_bytes = value_bytes + (4 * kv_heads if dynamic else 0)
-    rows = torch.empty(tokens, 2, row_bytes, dtype=torch.uint8, device=states.device)
+    row_bytes = row_size(value_bytes, kv_heads if dynamic else 0)
+    rows = torch.zeros(tokens, 2, row_bytes, dtype=torch.uint8, device=states.device)
     if tokens == 0:
         return rows
     k_scale, v_scale = static_scales if static_scales is not None else (stats, stats)
-    constants = encoding(fmt)
-    _encode_rows_kernel[(cdiv(tokens, BLOCK_T), kv_heads, 2)](
+    launch = Launch(_encode_rows_kernel, (cdiv(tokens, BLOCK_T), kv_heads, 2), (
         states, rows, stats, k_scale, v_scale, states.stride(0), states.stride(1), states.stride(2), tokens,
-        row_bytes, value_bytes, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T,
-        DYNAMIC=dynamic, CLIP=fmt.clip_bound, **constants,
-    )  # fmt: skip
+        row_bytes, value_bytes,
+    ), dict(
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, DYNAMIC=dynamic, CLIP=fmt.clip_bound,
+        **encoding(fmt),
+    ))  # fmt: skip
+    launch_all([launch], states.device)
     return rows
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, out_ptr, pages_ptr, new_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
-    q_st, q_sh, o_st, o_sh, scaling, window, layer_offset, bytes_per_block, block_stride, page_size, row_bytes,
-    value_bytes, code_factor,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr, IS_FLOAT: tl.constexpr, FP16_SHIFT: tl.constexpr,
-    NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q_ptr, out_ptr, pages_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
+    q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, page_size, row_bytes,
+    value_bytes, value_boost, out_factor, new_offset,
+    BLOCK_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr,
+    CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
+    """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
+    position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile."""
     request = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     first_row = tl.program_id(2) * BLOCK_M
     q_start = tl.load(cu_q_ptr + request)
     q_len = tl.load(cu_q_ptr + request + 1) - q_start
-    if first_row >= q_len:
+    if first_row >= q_len * GROUP:
         return
     past = tl.load(past_ptr + request)
     k_first = tl.load(k_first_ptr + request).to(tl.int64)
-    kv_head = head // GROUP
 
     rows = first_row + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
+    pos = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = rows < q_len * GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_rows = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * q_st + head * q_sh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)  # fmt: skip
-    q = q * (scaling * LOG2E * code_factor)
-    q_pos = past + rows  # each query's own key index
+    q_rows = (q_start + pos).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * q_st + head[:, None] * q_sh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
+    if not DYNAMIC:
+        q_scale *= tl.load(k_scale_ptr + kv_head)
+    q = q * q_scale
+    if DOT == tl.float16:
+        q = clamp_fp16(q)
+    q = q.to(DOT)
+    q_pos = past + pos  # each query's own key index
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_end = past + tl.minimum(q_len, first_row + BLOCK_M)  # no key after the block's last query
+    k_end = past + (tl.minimum(first_row + BLOCK_M, q_len * GROUP) - 1) // GROUP + 1  # none after the last query
     k_lo = 0
     if HAS_WINDOW:
-        k_lo = tl.maximum(past + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
-    if not DYNAMIC:
-        k_scale = tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
-    for n0 in range(k_lo, k_end, BLOCK_N):
+        k_lo = tl.maximum(past + first_row // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
+    # the page bytes as the codes `decode_codes` takes (a typed load, as in `_attention_kernel`): the fp8 type for
+    # the hardware conversion, else int8 bits
+    codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
+    k_column = kv_head * HEAD_DIM + d[:, None]
+    v_column = kv_head * HEAD_DIM + d[None, :]
+    for n0 in tl.range(k_lo, k_end, BLOCK_N, num_stages=STAGES):
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < k_end
         in_pages = t_ok & (t < past)
-        is_new = t_ok & (t >= past)
-        phys = tl.load(read_ptr + k_first + t, mask=in_pages, other=0)
-        page_row = (phys // block_stride) * bytes_per_block + layer_offset + (phys % block_stride) * row_bytes
-        new_row = (q_start + t - past).to(tl.int64) * 2 * row_bytes
-        k_page, k_new = pages_ptr + page_row, new_ptr + new_row
-        v_page, v_new = k_page + page_size * row_bytes, k_new + row_bytes
-        column = kv_head * HEAD_DIM + d[:, None]
-        k_codes = tl.load(k_page[None, :] + column, mask=in_pages[None, :] & d_ok[:, None], other=0) + tl.load(
-            k_new[None, :] + column, mask=is_new[None, :] & d_ok[:, None], other=0
-        )  # [D, N]: each token from exactly one place
-        v_column = kv_head * HEAD_DIM + d[None, :]
-        v_codes = tl.load(v_page[:, None] + v_column, mask=in_pages[:, None] & d_ok[None, :], other=0) + tl.load(
-            v_new[:, None] + v_column, mask=is_new[:, None] & d_ok[None, :], other=0
-        )  # [N, D]
-        k = decode_codes(k_codes.to(tl.int8, bitcast=True), IS_FLOAT, False, FP16_SHIFT, NAN_MASK, NAN_CODE,
-                         tl.float32)  # fmt: skip
-        v = decode_codes(v_codes.to(tl.int8, bitcast=True), IS_FLOAT, False, FP16_SHIFT, NAN_MASK, NAN_CODE,
-                         tl.float32)  # fmt: skip
+        phys = tl.load(read_ptr + k_first + t, mask=in_pages, other=0).to(tl.int32)  # 32-bit division below
+        # (a constant divisor: a multiply-high, where a runtime one took ~20 instructions per token)
+        page_row = (phys // BLOCK_STRIDE).to(tl.int64) * bytes_per_block + layer_offset + (phys % BLOCK_STRIDE) * row_bytes
+        new_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
+        # each token's K row as an offset from `pages_ptr`: in the pages, or among this step's new rows (one load
+        # per tile; a sum of two masked loads went through registers byte by byte, gpu_static)
+        k_row = tl.where(in_pages, page_row, new_row)
+        v_row = k_row + tl.where(in_pages, page_size * row_bytes, row_bytes)
+        if ALIGNED:  # rows start on 16 bytes: the codes load as 16-byte vectors, copied asynchronously
+            k_row = tl.multiple_of(k_row, 16)
+            v_row = tl.multiple_of(v_row, 16)
+        k_codes = tl.load(codes_ptr + k_row[None, :] + k_column, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+        v_codes = tl.load(codes_ptr + v_row[:, None] + v_column, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        k = decode_codes(k_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [D, N]
+        v = decode_codes(v_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [N, D]
         if DYNAMIC:
-            k_scale_t = _row_scale(k_page, in_pages, value_bytes, kv_head) + _row_scale(k_new, is_new, value_bytes,
-                                                                                         kv_head)  # fmt: skip
-            v_scale_t = _row_scale(v_page, in_pages, value_bytes, kv_head) + _row_scale(v_new, is_new, value_bytes,
-                                                                                         kv_head)  # fmt: skip
-        else:  # per head: the K scale as a per-token factor, the V scale applied to the output below
-            k_scale_t = tl.full([BLOCK_N], 1.0, tl.float32) * k_scale
-            v_scale_t = k_scale_t
+            k_scale = _row_scale(pages_ptr + k_row, t_ok, value_bytes, kv_head, ALIGNED)
+            v_scale = _row_scale(pages_ptr + v_row, t_ok, value_bytes, kv_head, ALIGNED) * value_boost
+        else:  # per head: folded into the query (K) and the output (V)
+            k_scale = 1.0
+            v_scale = 1.0
         visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :] & row_ok[:, None]
         if HAS_WINDOW:
             visible = visible & (t[None, :] > q_pos[:, None] - window)
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, k_scale_t, v_scale_t, visible, 1.0, True, DYNAMIC, False,
-                                     "ieee")  # fmt: skip
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, DYNAMIC, DYNAMIC, False,
+                                     PRECISION)  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * out_factor
     if not DYNAMIC:
-        out = out * v_scale
-    out = out * code_factor
-    tl.store(out_ptr + q_rows[:, None] * o_st + head * o_sh + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        out = out * tl.load(v_scale_ptr + kv_head)
+    tl.store(out_ptr + q_rows[:, None] * o_st + head[:, None] * o_sh + d[None, :], out,
+             mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+def paged_attention_tiles(rows: int, head_dim: int) -> tuple[int, int, int, dict]:
+    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` of the paged kernel for `rows` rows per KV head: those of
+    `_attention_kernel` but 64-row prefill programs of 4 warps, and 32-token tiles at head_dim 256. The paged
+    loop carries each token's page arithmetic besides the codes; gpu_static, sm_90, GQA 8: a 128-row prefill of 8
+    warps spilled 68-244 B (64 rows, 4 warps: 254 registers, no spill, 0.41 instructions per KV byte); at head_dim
+    256, 64-token tiles of 4 warps spilled 248 B and 8 warps fit one block per SM (32 tokens, 4 warps: 206
+    registers, 2 blocks, 0.263)."""
+    block_m, block_n, block_d, options = block_sizes(min(rows, 64), head_dim)
+    if next_power_of_2(head_dim) > 128:
+        block_n, options = 32, dict(options, num_warps=4)
+    return block_m, block_n, block_d, options
 
 
 def paged_attention(
@@ -221,15 +259,33 @@ def paged_attention(
     indices; `k_first` / `past`: int32 `[requests]`; `static_scales`: fp32 `[kv_heads]` K and V scales (None:
     per-token-head scales stored in the rows). Codes in the fp8 formats or int8.
     """
+    out, launch = plan_paged_attention(
+        query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=fmt, kv_heads=kv_heads,
+        layer_offset=layer_offset, bytes_per_block=bytes_per_block, block_stride=block_stride, page_size=page_size,
+        scaling=scaling, window=window, static_scales=static_scales, max_q_len=max_q_len,
+    )  # fmt: skip
+    if launch is not None:
+        launch_all([launch], query.device)
+    return out
+
+
+def plan_paged_attention(
+    query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, fmt: StorageFormat, kv_heads: int,
+    layer_offset: int, bytes_per_block: int, block_stride: int, page_size: int, scaling: float,
+    window: int | None = None, static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_q_len: int | None = None, cuda: bool | None = None,
+) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
+    """The output of `paged_attention` and the launch that fills it (None: nothing to attend); `cuda=True` plans
+    CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU (`benchmarks/gpu_static.py`)."""
     tokens, q_heads, head_dim = query.shape
     row_bytes = new_rows.shape[-1]
     value_bytes = kv_heads * head_dim
     dynamic = static_scales is None
-    if row_bytes != value_bytes + (4 * kv_heads if dynamic else 0):
+    if row_bytes != row_size(value_bytes, kv_heads if dynamic else 0):
         scale_bytes = " + 4 scale bytes per KV head" if dynamic else ""
         raise ValueError(
             f"new_rows has rows of {row_bytes} bytes: expected {value_bytes} codes{scale_bytes} ({kv_heads} heads x "
-            f"{head_dim})"
+            f"{head_dim}), padded to {ROW_ALIGNMENT} bytes"
         )
     if q_heads % kv_heads:
         raise ValueError(f"query has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
@@ -243,19 +299,32 @@ def paged_attention(
         max_q_len = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()) if requests else 0
     out = torch.zeros(tokens, q_heads, head_dim, dtype=torch.float32, device=query.device)
     if requests == 0 or max_q_len == 0:
-        return out
+        return out, None
+    group = q_heads // kv_heads
+    block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim)
+    on_cuda = query.is_cuda if cuda is None else cuda
+    hw_convert = on_cuda and not interpreting() and fmt.dtype in CODE_TYPES
+    code_factor = 1.0 if hw_convert or not fmt.is_float else fmt.fp16_factor  # the bit decode: value / factor
+    dot = tl.float32 if query.dtype == torch.float32 else tl.float16
+    # per-token V scales (~amax / max) boosted before the probabilities go to fp16 (as `AttentionPlan`)
+    value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if dynamic else 1.0
     k_scale, v_scale = static_scales if static_scales is not None else (out, out)
-    code_factor = fmt.fp16_factor if fmt.is_float else 1.0  # the bit decode gives value / fp16_factor
-    grid = (requests, q_heads, cdiv(max_q_len, BLOCK_M))
     if not read_index.numel():  # no cached tokens this step: a placeholder the kernel never reads
         read_index = past.new_zeros(1, dtype=torch.int64)
-    _paged_attention_kernel[grid](
-        query, out, pages, new_rows, read_index, cu_seq_lens_q, k_first, past,
-        k_scale, v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1), scaling, window or 0,
-        layer_offset, bytes_per_block, block_stride, page_size, row_bytes, value_bytes, code_factor,
-        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, DYNAMIC=dynamic, IS_FLOAT=fmt.is_float, FP16_SHIFT=fmt.fp16_shift,
-        NAN_MASK=fmt.nan_code_mask, NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window),
-        num_warps=8,  # sm_90, head_dim 128, per-token scales: 172 registers and no spill (4 warps: 255, 160 B spilled)
+    grid = (requests, kv_heads, cdiv(group * max_q_len, block_m))
+    # the new rows are read through `pages`' pointer, at their byte distance from it (one base for both)
+    new_offset = new_rows.data_ptr() - pages.data_ptr()
+    args = (
+        query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E * code_factor, window or 0, layer_offset,
+        bytes_per_block, page_size, row_bytes, value_bytes, value_boost, code_factor / value_boost,
+        new_offset,
     )  # fmt: skip
-    return out
+    constexprs = dict(
+        BLOCK_STRIDE=block_stride, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m, BLOCK_N=block_n,
+        DYNAMIC=dynamic, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert, CODE_TYPE=CODE_TYPES.get(fmt.dtype, tl.int8),
+        FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask, NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window),
+        ALIGNED=all(n % ROW_ALIGNMENT == 0 for n in (row_bytes, layer_offset, bytes_per_block, new_offset))
+        and value_bytes % 4 == 0, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32", **options,
+    )  # fmt: skip
+    return out, Launch(_paged_attention_kernel, grid, args, constexprs)

@@ -10,7 +10,7 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention
+from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention, row_size
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE_SIZE = 4
@@ -25,15 +25,16 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Ten
     parts = [codes.view(torch.uint8).flatten(1)]
     if static is None:
         parts.append(scale.contiguous().view(torch.uint8))
-    return torch.cat(parts, dim=1), values
+    rows = torch.cat(parts, dim=1)
+    padding = row_size(codes[0].numel(), 0 if static is not None else x.shape[1]) - rows.shape[1]
+    return torch.nn.functional.pad(rows, (0, padding)), values
 
 
 def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0):
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
-    value_bytes = kv_heads * head_dim
-    row_bytes = value_bytes + (4 * kv_heads if dynamic else 0)
+    row_bytes = row_size(kv_heads * head_dim, kv_heads if dynamic else 0)
     page_bytes = 2 * PAGE_SIZE * row_bytes
     layer_offset = page_bytes  # the first layer's page comes first
     bytes_per_block = LAYERS * page_bytes + 8  # padded, as a block of mixed layers may be
@@ -87,30 +88,43 @@ CASES = [
     ("fp8_e5m2", False, [(5, 1), (0, 18), (2, 2)], 1, 16, None),  # a prefill longer than a query block
     ("fp8_e4m3fnuz", False, [(11, 1), (4, 7)], 4, 32, 5),
     ("int8_per_token_head", True, [(6, 2), (33, 1)], 2, 16, None),  # past over several key tiles
+    # (query position, head) rows over several row blocks: 160 and 100 rows of 64, with and without a window
+    ("fp8_e4m3", True, [(5, 40), (2, 1)], 4, 16, None),
+    ("fp8_e4m3", False, [(30, 50), (0, 3)], 2, 32, 7),
 ]
 
 
-@pytest.mark.parametrize("name, dynamic, requests, group, head_dim, window", CASES)
-def test_paged_attention_matches_reference(name, dynamic, requests, group, head_dim, window):
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # fp32 dots, else fp16 dots
+DTYPE_CASES = [  # a model-dtype query: the query scaled and cast to fp16 once, both dots in fp16
+    (torch.bfloat16, ("fp8_e4m3", True, [(9, 3), (0, 1), (17, 1)], 4, 64, None)),
+    (torch.float16, ("fp8_e5m2", False, [(40, 1), (3, 20)], 2, 32, 9)),
+]
+
+
+@pytest.mark.parametrize("dtype, case", [(torch.float32, case) for case in CASES] + DTYPE_CASES)
+def test_paged_attention_matches_reference(dtype, case):
+    name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
     tensors, layout, static, expected = build(requests, fmt, kv_heads, head_dim, group, dynamic)
     scaling = head_dim**-0.5
     query, pages, new_rows, read_index, cu_q, k_first, past = (t.to(DEVICE) for t in tensors)
+    query = query.to(dtype)
+    expected = [(q.to(dtype).float(), k, v) for q, k, v in expected]  # the oracle sees the same rounded query
     out = paged_attention(
         query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt, scaling=scaling, window=window,
         static_scales=tuple(s.to(DEVICE) for s in static) if static else None, **layout,
     )  # fmt: skip
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
-    assert error < 1e-5, f"{name}: relative error {error}"
+    assert error < TOLERANCE[dtype], f"{name}: relative error {error}"
 
 
 def test_rows_of_the_wrong_size_are_refused():
     fmt = FORMATS["fp8_e4m3"]
     tensors, layout, _, _ = build([(2, 1)], fmt, 2, 16, 1, True)
     query, pages, new_rows, read_index, cu_q, k_first, past = tensors
-    with pytest.raises(ValueError, match="rows of 40 bytes"):
+    with pytest.raises(ValueError, match="rows of 48 bytes"):
         paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt, scaling=1.0,
                         static_scales=(torch.ones(2), torch.ones(2)), **layout)  # fmt: skip
 
@@ -131,10 +145,11 @@ def test_encoded_rows_are_the_reference_bits(name, dynamic):
     states[1, 2, 7] = 0.0  # an all-zero row: the tiny scale
     static = None if dynamic else (torch.tensor([0.5, 0.02, 1.0]), torch.tensor([0.1, 0.3, 0.05]))
     want_stats = torch.zeros(2, 2, dtype=torch.int64)
-    want = torch.zeros(tokens, 2, kv_heads * head_dim + (4 * kv_heads if dynamic else 0), dtype=torch.uint8)
-    codes = want[..., : kv_heads * head_dim].view(fmt.dtype).unflatten(-1, (kv_heads, head_dim)).permute(1, 2, 0, 3)
+    value_bytes = kv_heads * head_dim
+    want = torch.zeros(tokens, 2, row_size(value_bytes, kv_heads if dynamic else 0), dtype=torch.uint8)  # padded
+    codes = want[..., :value_bytes].view(fmt.dtype).unflatten(-1, (kv_heads, head_dim)).permute(1, 2, 0, 3)
     if dynamic:
-        scale = want[..., kv_heads * head_dim :].view(torch.float32).permute(1, 2, 0)[..., None]
+        scale = want[..., value_bytes : value_bytes + 4 * kv_heads].view(torch.float32).permute(1, 2, 0)[..., None]
     else:
         scale = torch.stack(static)[:, :, None, None]
     reference.write_stacked(states, codes, scale, fmt, dynamic, want_stats)
