@@ -1,6 +1,6 @@
 """Compiled-code report of the Triton kernels for sm_90 (H100/H200), no GPU needed.
 
-Each case below (decode, prefill, write) builds CPU tensors of a real call's shapes, dtypes and layouts and asks
+Each case below (decode, prefill, write, and continuous batching's paged attention) builds CPU tensors of a real call's shapes, dtypes and layouts and asks
 the kernel modules' `plan_*` functions for the `Launch` records the launcher would run. Every record is compiled
 for sm_90 with the specialization a real launch gets: Triton's own launcher binder is applied to the arguments
 (16-byte aligned pointers and ints divisible by 16 marked, ints equal to 1 as constexprs). From the result:
@@ -9,10 +9,11 @@ the main KV loop: instructions per KV byte, tiles in flight; for decode, the spl
 over batch x context and the issue-bound bandwidth ceiling. Exits 1 when a budget is missed: any spill; a decode
 loop above 0.18 SASS instructions per KV byte, with fewer than 2 tiles in flight, or a last wave below 85% full
 where another split count would take fewer tile-times (with whole KV tiles, batch 1 at 4k on 8 KV heads has 512
-tiles for 396 slots: 2 tile-times is the floor, so its 65%-full single wave is not a miss).
+tiles for 396 slots: 2 tile-times is the floor, so its 65%-full single wave is not a miss). The paged cases carry
+the spill budget only.
 
     python benchmarks/gpu_static.py                 # every case (a few minutes on 2 cores)
-    python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce) and one write
+    python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce), one write, one paged
     python benchmarks/gpu_static.py --no-budget --json report.json
 
 How the loop is read (see `main_loop`, `unroll_factor`, `tiles_in_flight`): the loops are the backward branches of
@@ -113,7 +114,7 @@ class Case:
 def cases(quick: bool = False) -> list[Case]:
     """The report's cases: every decode variant, hundreds of splits (few KV heads), prefill, writes."""
     if quick:
-        return [Case("decode"), Case("write")]
+        return [Case("decode"), Case("write"), Case("paged", batch=64, context=4096, waves=False)]
     decode = [
         Case("decode", group=group, head_dim=head_dim, dtype=dtype, per_token=per_token)
         for per_token in (False, True)
@@ -493,7 +494,7 @@ def run(selected: list[Case], jobs: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one decode case (attention + reduce) and one write")
+    parser.add_argument("--quick", action="store_true", help="one decode case (attention + reduce), one write, one paged")
     parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")
     parser.add_argument("--json", metavar="PATH", help="also write every figure (and the loop evidence) as JSON")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compiles")
