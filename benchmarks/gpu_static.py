@@ -141,7 +141,7 @@ def cases(quick: bool = False) -> list[Case]:
         for d in (64, 128, 256)
         for p in (False, True)
     ]
-    paged.append(Case("paged", batch=4, q_len=256, per_token=True, context=4096, waves=False))
+    paged += [Case("paged", batch=4, q_len=256, per_token=True, head_dim=d, context=4096, waves=False) for d in (128, 256)]
     return decode + no_split + few_heads + prefill + window + write + paged
 
 

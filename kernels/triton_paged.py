@@ -182,11 +182,17 @@ def _paged_attention_kernel(
     codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
     k_column = kv_head * HEAD_DIM + d[:, None]
     v_column = kv_head * HEAD_DIM + d[None, :]
+    # each tile's page indices are loaded one iteration ahead, into registers: loaded in the iteration that uses
+    # them, they left the codes' copies one tile in flight (gpu_static: `DEPBAR.LE SB0, 0`), two this way
+    n = tl.arange(0, BLOCK_N)
+    phys_next = tl.load(read_ptr + k_first + k_lo + n, mask=(k_lo + n < past) & (k_lo + n < k_end), other=0)
     for n0 in tl.range(k_lo, k_end, BLOCK_N, num_stages=STAGES):
-        t = n0 + tl.arange(0, BLOCK_N)
+        t = n0 + n
         t_ok = t < k_end
         in_pages = t_ok & (t < past)
-        phys = tl.load(read_ptr + k_first + t, mask=in_pages, other=0).to(tl.int32)  # 32-bit division below
+        phys = phys_next.to(tl.int32)  # 32-bit division below
+        t_next = t + BLOCK_N
+        phys_next = tl.load(read_ptr + k_first + t_next, mask=(t_next < past) & (t_next < k_end), other=0)
         # (a constant divisor: a multiply-high, where a runtime one took ~20 instructions per token)
         page_row = (phys // BLOCK_STRIDE).to(tl.int64) * bytes_per_block + layer_offset + (phys % BLOCK_STRIDE) * row_bytes
         new_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
@@ -221,13 +227,16 @@ def _paged_attention_kernel(
 
 def paged_attention_tiles(rows: int, head_dim: int) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` of the paged kernel for `rows` rows per KV head: those of
-    `_attention_kernel` but 64-row prefill programs of 4 warps, and 32-token tiles at head_dim 256. The paged
-    loop carries each token's page arithmetic besides the codes; gpu_static, sm_90, GQA 8: a 128-row prefill of 8
-    warps spilled 68-244 B (64 rows, 4 warps: 254 registers, no spill, 0.41 instructions per KV byte); at head_dim
-    256, 64-token tiles of 4 warps spilled 248 B and 8 warps fit one block per SM (32 tokens, 4 warps: 206
-    registers, 2 blocks, 0.263)."""
+    `_attention_kernel` for decode, but 32-token tiles of 4 warps at head_dim 256, and 32-row prefill programs. The
+    paged loop carries each token's page arithmetic and the next tile's page indices besides the codes.
+    gpu_static, sm_90, GQA 8, 3 stages: at head_dim 256, 64-token tiles of 4 warps spilled 248 B and 8 warps fit
+    one block per SM (32 tokens, 4 warps: 2 blocks, 0.24-0.27 instructions per KV byte); in prefill, 128 rows of 8
+    warps spilled 68-308 B, 64 rows of 4 warps 208-308 B (32 rows of 4 warps: no spill, 2 blocks per SM, 0.37 at
+    head_dim 128; at 256 with 32-token tiles, 0.32-0.35, where 64-token ones spilled 364 B)."""
     block_m, block_n, block_d, options = block_sizes(min(rows, 64), head_dim)
-    if next_power_of_2(head_dim) > 128:
+    if rows > 64:
+        block_m, options = 32, dict(options, num_warps=4)
+    if block_d > 128:
         block_n, options = 32, dict(options, num_warps=4)
     return block_m, block_n, block_d, options
 
