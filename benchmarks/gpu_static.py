@@ -1,8 +1,9 @@
 """Compiled-code report of the Triton kernels for sm_90 (H100/H200), no GPU needed.
 
-Each case below (decode, prefill, write, and continuous batching's paged attention) builds CPU tensors of a real call's shapes, dtypes and layouts and asks
-the kernel modules' `plan_*` functions for the `Launch` records the launcher would run. Every record is compiled
-for sm_90 with the specialization a real launch gets: Triton's own launcher binder is applied to the arguments
+Each case below (decode, prefill, write, and continuous batching's paged attention) builds CPU tensors of a real
+call's shapes, dtypes and layouts and asks the kernel modules' `plan_*` functions for the `Launch` records the
+launcher would run. Every record is compiled for sm_90 with the specialization a real launch gets: Triton's own
+launcher binder is applied to the arguments
 (16-byte aligned pointers and ints divisible by 16 marked, ints equal to 1 as constexprs). From the result:
 registers and spills (the log of Triton's own `ptxas -v` run), shared memory, blocks per SM, and from the SASS
 the main KV loop: instructions per KV byte, tiles in flight; for decode, the split-KV grid's last-wave efficiency
@@ -104,7 +105,8 @@ class Case:
         if self.kind == "write":
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
         if self.kind == "paged":
-            return f"{dtype} d{self.head_dim} gqa{self.group} {scales} paged {self.batch} req q{self.q_len} ctx{self.context}"
+            shape = f"{self.batch} req q{self.q_len} ctx{self.context}"
+            return f"{dtype} d{self.head_dim} gqa{self.group} {scales} paged {shape}"
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
         rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
         shape = f"b{self.batch} kvh{self.kv_heads}" + (f" q{self.q_len}" if self.q_len > 1 else "")
@@ -182,7 +184,8 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     return launches
 
 
-PAGE_SIZE, LAYERS = 256, 30  # transformers' continuous batching: tokens per page block; a 30-layer model (not a power of 2)
+# transformers' continuous batching: tokens per page block; a 30-layer model (a page-block stride not a power of 2)
+PAGE_SIZE, LAYERS = 256, 30
 
 
 def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
@@ -199,8 +202,9 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
     static = None if case.per_token else tuple(torch.ones(case.kv_heads, device=device) for _ in range(2))
     _, launch = triton_paged.plan_paged_attention(
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
-        layer_offset=3 * 2 * PAGE_SIZE * row_bytes, bytes_per_block=bytes_per_block, block_stride=LAYERS * 2 * PAGE_SIZE,
-        page_size=PAGE_SIZE, scaling=case.head_dim**-0.5, static_scales=static, max_q_len=case.q_len, cuda=True,
+        layer_offset=3 * 2 * PAGE_SIZE * row_bytes, bytes_per_block=bytes_per_block,
+        block_stride=LAYERS * 2 * PAGE_SIZE, page_size=PAGE_SIZE, scaling=case.head_dim**-0.5, static_scales=static,
+        max_q_len=case.q_len, cuda=True,
     )  # fmt: skip
     return launch
 
@@ -494,7 +498,9 @@ def run(selected: list[Case], jobs: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one decode case (attention + reduce), one write, one paged")
+    parser.add_argument(
+        "--quick", action="store_true", help="one decode case (attention + reduce), one write, one paged"
+    )
     parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")
     parser.add_argument("--json", metavar="PATH", help="also write every figure (and the loop evidence) as JSON")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compiles")

@@ -348,7 +348,6 @@ class FP8CacheLayer(CacheLayerMixin):
         index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         self._map_buffers(lambda t: t.index_select(1, index))
         self.sink_start, self.sink_count = self.sink_start[index], self.sink_count[index]
-        self.launch_memo = {}
         if self.sink_rows is not None:
             self.sink_rows = [self.sink_rows[r] for r in rows]
 

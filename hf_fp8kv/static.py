@@ -38,7 +38,7 @@ class StaticFP8Layer(FP8CacheLayer):
         self.position_views = (self.positions[0], self.positions[1])
         # `positions` on the host for the eager paths; None after a compiled step moved them (read back once)
         self.host_positions: tuple[int, int] | None = (0, 0)
-        self.steps: dict[int, torch.Tensor] = {}  # fp_start's move (0 or 1) -> the device delta of a decode step
+        self.step_deltas: dict[int, torch.Tensor] = {}  # fp_start's move (0 or 1) -> a decode step's device delta
 
     def _host_positions(self) -> tuple[int, int]:
         if self.host_positions is None:
@@ -124,9 +124,9 @@ class StaticFP8Layer(FP8CacheLayer):
         end, fp_start = self._host_positions()
         end, moved = end + new_tokens, max(fp_start, end + new_tokens - self.recent_tokens) - fp_start
         if new_tokens == 1:  # an eager decode step: one in-place add of a delta kept on the device (1 op, not 5)
-            if moved not in self.steps:
-                self.steps[moved] = torch.tensor([1, moved], device=self.positions.device)
-            self.positions.add_(self.steps[moved])
+            if moved not in self.step_deltas:
+                self.step_deltas[moved] = torch.tensor([1, moved], device=self.positions.device)
+            self.positions.add_(self.step_deltas[moved])
         else:
             self.positions[0] = end
             self.positions[1] = fp_start + moved

@@ -21,16 +21,20 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .formats import StorageFormat
-from .triton_launch import Launch, cdiv, compiled_occupancy, interpreting, launch_all, next_power_of_2, sm_count
+from .triton_launch import (
+    Launch, cdiv, compiled_occupancy, interpreting, launch_all, next_power_of_2, plane_strides, planes, sm_count,
+)
 from .view import KVView
 
 LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
+HW_CODE_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}  # converted by the hardware
 FP16_MAX = tl.constexpr(65504.0)
 MIN_ROWS = 16  # tl.dot needs 16 rows
 PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
@@ -405,6 +409,29 @@ def block_sizes(rows: int, head_dim: int, masked: bool = False) -> tuple[int, in
     return block_m, 64, block_d, dict(num_warps={64: 2, 256: 8}.get(block_d, 4), STAGES=3)
 
 
+class DecodeSettings(NamedTuple):
+    hw_convert: bool  # codes converted by the hardware (CUDA, e4m3fn / e5m2), else by exact bit operations
+    code_factor: float  # the bit decode gives value / code_factor (1.0 for the hardware and int8)
+    dot: object  # the dots' operand type: fp32 for fp32 queries, else fp16
+    value_boost: float  # per-token V scales times this before the probabilities go to fp16
+
+    @property
+    def precision(self) -> str:
+        return "ieee" if self.dot == tl.float32 else "tf32"
+
+
+def decode_settings(fmt: StorageFormat, query: torch.Tensor, dynamic: bool, cuda: bool | None = None) -> DecodeSettings:
+    """How an attention kernel decodes `fmt`'s codes and runs its dots for `query` (`cuda`: plan CUDA's path for
+    tensors not on a GPU). Per-token V scales (~amax / max) are boosted by a power of two near max before the
+    probabilities go to fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out."""
+    on_cuda = query.is_cuda if cuda is None else cuda
+    hw_convert = on_cuda and not interpreting() and fmt.dtype in HW_CODE_TYPES
+    code_factor = 1.0 if hw_convert or not fmt.is_float else fmt.fp16_factor
+    dot = tl.float32 if query.dtype == torch.float32 else tl.float16
+    value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if dynamic else 1.0
+    return DecodeSettings(hw_convert, code_factor, dot, value_boost)
+
+
 @functools.lru_cache(maxsize=4096)
 def split_count(programs: int, tiles: int, resident_slots: int) -> int:
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
@@ -464,15 +491,10 @@ class AttentionPlan:
         group = q_heads // self.kv_heads
         self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim, mask is not None)
         self.row_blocks = cdiv(group * q_len, self.block_m)
-        on_cuda = query.is_cuda if cuda is None else cuda
-        self.hw_convert = on_cuda and not interpreting() and fmt.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        code_factor = 1.0 if self.hw_convert or not fmt.is_float else fmt.fp16_factor
-        dot = tl.float32 if query.dtype == torch.float32 else tl.float16
+        decode = decode_settings(fmt, query, view.dynamic, cuda)
+        self.hw_convert, code_factor, dot, value_boost = decode
         # the fp16 decode of float codes is value / code_factor: the factor joins the score scale
         score_scale = scaling * code_factor * (1.0 if softcap is not None else LOG2E.value)
-        # per-token V scales (~amax / max) are boosted by a power of two near max before the probabilities go to
-        # fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out
-        value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if view.dynamic else 1.0
         self.scalars = (window or 0, score_scale, code_factor, value_boost, code_factor / value_boost, softcap or 1.0)
         constexprs = dict(
             GROUP=group, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=self.block_d, IS_FLOAT=fmt.is_float,
@@ -481,7 +503,7 @@ class AttentionPlan:
             RING=view.ring, HAS_RECENT=view.recent is not None, HAS_SINK_TOKENS=view.sinks is not None,
             HAS_MASK=mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
             HAS_SINKS=sinks is not None, HAS_CHANNEL_SCALE=view.key_channel_scale is not None, DOT=dot,
-            PRECISION="ieee" if dot == tl.float32 else "tf32", **options,
+            PRECISION=decode.precision, **options,
         )  # fmt: skip
         self.launch_options = {split: {**constexprs, "SPLIT": split} for split in (False, True)}
         self.sizes = (self.kv_heads, q_len, head_dim)
@@ -504,7 +526,8 @@ class AttentionPlan:
             return out, out, out  # placeholders: a single split writes the output directly
         rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * splits
         if self.parts is None or self.parts[1].numel() < rows * 2:
-            self.parts = (torch.empty(rows * self.block_d, device=query.device), torch.empty(rows * 2, device=query.device))
+            device = query.device
+            self.parts = (torch.empty(rows * self.block_d, device=device), torch.empty(rows * 2, device=device))
         return out, *self.parts
 
     def splits(self, query: torch.Tensor, view: KVView) -> int:
@@ -530,12 +553,15 @@ class AttentionPlan:
         """The kernel arguments that depend only on the view's buffers (tensors, strides, slot counts)."""
         placeholder = view.scales  # for a buffer the constexprs leave unread
         tensors = (
-            *_codes(view, self.hw_convert), view.scales[0], view.scales[1], *_pair(view.recent, placeholder),
-            *_pair(view.sinks, placeholder), _or(view.sink_start, placeholder), _or(view.sink_count, placeholder),
+            *_codes(view, self.hw_convert), view.scales[0], view.scales[1], *planes(view.recent, placeholder),
+            *planes(view.sinks, placeholder), _or(view.sink_start, placeholder), _or(view.sink_count, placeholder),
             _or(view.positions, placeholder),
         )  # fmt: skip
-        strides = (*view.codes.stride()[1:], *_scale_strides(view), *_fp_strides(view.recent), *_fp_strides(view.sinks))
-        return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, (_slots(view.recent), _slots(view.sinks))
+        strides = (
+            *view.codes.stride()[1:], *_scale_strides(view), *plane_strides(view.recent), *plane_strides(view.sinks)
+        )  # fmt: skip
+        fp_slots = (_slots(view.recent), _slots(view.sinks))
+        return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, fp_slots
 
     def _attention(self, query, view, mask, sinks, splits, out, part_acc, part_stats) -> list[Launch]:
         if view.static:  # positions are read on the device
@@ -570,16 +596,8 @@ def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
     return tensor if tensor is not None else placeholder
 
 
-def _pair(buffer: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (buffer[0], buffer[1]) if buffer is not None else (placeholder, placeholder)
-
-
 def _slots(buffer: torch.Tensor | None) -> int:
     return buffer.shape[3] if buffer is not None else 0
-
-
-def _fp_strides(buffer: torch.Tensor | None) -> tuple[int, ...]:
-    return buffer.stride()[1:] if buffer is not None else (0, 0, 0, 0)
 
 
 def _codes(view: KVView, hw_convert: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,17 @@ def launch_all(launches: list[Launch], device: torch.device) -> None:
         launch.run()
 
 
+def planes(buffer: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value planes of a stacked `[2, batch, heads, slots, head_dim]` buffer, or a placeholder
+    pointer twice for a buffer the kernel's constexprs leave unread."""
+    return (buffer[0], buffer[1]) if buffer is not None else (placeholder, placeholder)
+
+
+def plane_strides(buffer: torch.Tensor | None) -> tuple[int, ...]:
+    """Batch, head, slot and channel strides of a plane of `buffer` (zeros for an absent one)."""
+    return buffer.stride()[1:] if buffer is not None else (0, 0, 0, 0)
+
+
 def cdiv(a: int, b: int) -> int:
     """`triton.cdiv` without its constexpr-function wrapper (a few microseconds per call on the host)."""
     return -(-a // b)

@@ -18,19 +18,18 @@ per-head scales the query and the output.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from .formats import StorageFormat
-from .triton_attention import attend_tile, block_sizes, clamp_fp16, decode_codes
-from .triton_launch import Launch, cdiv, interpreting, launch_all, next_power_of_2
+from .triton_attention import (
+    HW_CODE_TYPES, LOG2E, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
+)
+from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
 from .triton_write import encode, encoding
 
-LOG2E = math.log2(math.e)
-CODE_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}  # the hardware-converted ones
 BLOCK_T = 16  # tokens per program of the row encoder
 ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
 # instructions per KV byte in the decode loop and no pipelining, before)
@@ -135,10 +134,10 @@ def _paged_attention_kernel(
     q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, page_size, row_bytes,
     value_bytes, value_boost, out_factor, new_offset,
     BLOCK_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr,
-    CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr, IS_FLOAT: tl.constexpr,
+    HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
+    NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile."""
@@ -194,7 +193,8 @@ def _paged_attention_kernel(
         t_next = t + BLOCK_N
         phys_next = tl.load(read_ptr + k_first + t_next, mask=(t_next < past) & (t_next < k_end), other=0)
         # (a constant divisor: a multiply-high, where a runtime one took ~20 instructions per token)
-        page_row = (phys // BLOCK_STRIDE).to(tl.int64) * bytes_per_block + layer_offset + (phys % BLOCK_STRIDE) * row_bytes
+        block, slot = phys // BLOCK_STRIDE, phys % BLOCK_STRIDE
+        page_row = block.to(tl.int64) * bytes_per_block + layer_offset + slot * row_bytes
         new_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
         # each token's K row as an offset from `pages_ptr`: in the pages, or among this step's new rows (one load
         # per tile; a sum of two masked loads went through registers byte by byte, gpu_static)
@@ -311,29 +311,27 @@ def plan_paged_attention(
         return out, None
     group = q_heads // kv_heads
     block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim)
-    on_cuda = query.is_cuda if cuda is None else cuda
-    hw_convert = on_cuda and not interpreting() and fmt.dtype in CODE_TYPES
-    code_factor = 1.0 if hw_convert or not fmt.is_float else fmt.fp16_factor  # the bit decode: value / factor
-    dot = tl.float32 if query.dtype == torch.float32 else tl.float16
-    # per-token V scales (~amax / max) boosted before the probabilities go to fp16 (as `AttentionPlan`)
-    value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if dynamic else 1.0
+    decode = decode_settings(fmt, query, dynamic, cuda)
+    hw_convert, code_factor, dot, value_boost = decode
     k_scale, v_scale = static_scales if static_scales is not None else (out, out)
     if not read_index.numel():  # no cached tokens this step: a placeholder the kernel never reads
         read_index = past.new_zeros(1, dtype=torch.int64)
     grid = (requests, kv_heads, cdiv(group * max_q_len, block_m))
     # the new rows are read through `pages`' pointer, at their byte distance from it (one base for both)
     new_offset = new_rows.data_ptr() - pages.data_ptr()
+    offsets = (row_bytes, layer_offset, bytes_per_block, new_offset)
+    aligned = all(n % ROW_ALIGNMENT == 0 for n in offsets) and value_bytes % 4 == 0  # 16-byte rows, 4-byte scales
     args = (
         query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, query.stride(0),
-        query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E * code_factor, window or 0, layer_offset,
+        query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E.value * code_factor, window or 0, layer_offset,
         bytes_per_block, page_size, row_bytes, value_bytes, value_boost, code_factor / value_boost,
         new_offset,
     )  # fmt: skip
     constexprs = dict(
-        BLOCK_STRIDE=block_stride, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m, BLOCK_N=block_n,
-        DYNAMIC=dynamic, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert, CODE_TYPE=CODE_TYPES.get(fmt.dtype, tl.int8),
-        FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask, NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window),
-        ALIGNED=all(n % ROW_ALIGNMENT == 0 for n in (row_bytes, layer_offset, bytes_per_block, new_offset))
-        and value_bytes % 4 == 0, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32", **options,
+        BLOCK_STRIDE=block_stride, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m,
+        BLOCK_N=block_n, DYNAMIC=dynamic, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert,
+        CODE_TYPE=HW_CODE_TYPES.get(fmt.dtype, tl.int8), FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
+        NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, DOT=dot, PRECISION=decode.precision,
+        **options,
     )  # fmt: skip
     return out, Launch(_paged_attention_kernel, grid, args, constexprs)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .formats import StorageFormat
-from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
+from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView
 
 FP32_ONE_BITS = 0x3F800000
@@ -238,13 +238,13 @@ class WritePlan:
 
     def _stored(self, view: KVView) -> tuple:
         """The kernel arguments that depend only on the view's buffers (tensors, strides, slot count)."""
-        codes, recent = view.codes.view(torch.uint8), view.recent
+        codes = view.codes.view(torch.uint8)
         batch, heads = view.codes.shape[1:3]
-        strides = (*codes.stride()[1:], *view.scales[0].expand(batch, heads, -1).stride())
-        if recent is None:  # placeholders: the constexprs leave them unread
-            return (codes[0], codes[1], view.scales[0], view.scales[1], codes, codes), (*strides, 0, 0, 0, 0), view.slots
-        tensors = (codes[0], codes[1], view.scales[0], view.scales[1], recent[0], recent[1])
-        return tensors, (*strides, *recent.stride()[1:]), view.slots
+        tensors = (codes[0], codes[1], view.scales[0], view.scales[1], *planes(view.recent, codes))
+        strides = (
+            *codes.stride()[1:], *view.scales[0].expand(batch, heads, -1).stride(), *plane_strides(view.recent)
+        )  # fmt: skip
+        return tensors, strides, view.slots
 
 
 def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor) -> None:
