@@ -10,7 +10,7 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention, row_size
+from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention, plan_paged_attention, row_size
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE_SIZE = 4
@@ -30,14 +30,14 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Ten
     return torch.nn.functional.pad(rows, (0, padding)), values
 
 
-def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0):
+def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8):
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
     row_bytes = row_size(kv_heads * head_dim, kv_heads if dynamic else 0)
     page_bytes = 2 * PAGE_SIZE * row_bytes
     layer_offset = page_bytes  # the first layer's page comes first
-    bytes_per_block = LAYERS * page_bytes + 8  # padded, as a block of mixed layers may be
+    bytes_per_block = LAYERS * page_bytes + block_padding  # padded, as a block of mixed layers may be
     block_stride = 2 * PAGE_SIZE * LAYERS
     total_pages = sum(-(-past // PAGE_SIZE) for past, _ in requests) + 2
     pages = torch.zeros(total_pages * bytes_per_block, dtype=torch.uint8)
@@ -101,23 +101,37 @@ DTYPE_CASES = [  # a model-dtype query: the query scaled and cast to fp16 once, 
 ]
 
 
-@pytest.mark.parametrize("dtype, case", [(torch.float32, case) for case in CASES] + DTYPE_CASES)
-def test_paged_attention_matches_reference(dtype, case):
+def check(dtype, case, block_padding: int = 8) -> bool:
+    """The kernel's output against the reference on `case`; returns whether it was told its rows are aligned."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
-    tensors, layout, static, expected = build(requests, fmt, kv_heads, head_dim, group, dynamic)
+    tensors, layout, static, expected = build(requests, fmt, kv_heads, head_dim, group, dynamic,
+                                              block_padding=block_padding)  # fmt: skip
     scaling = head_dim**-0.5
     query, pages, new_rows, read_index, cu_q, k_first, past = (t.to(DEVICE) for t in tensors)
     query = query.to(dtype)
     expected = [(q.to(dtype).float(), k, v) for q, k, v in expected]  # the oracle sees the same rounded query
-    out = paged_attention(
-        query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt, scaling=scaling, window=window,
-        static_scales=tuple(s.to(DEVICE) for s in static) if static else None, **layout,
-    )  # fmt: skip
+    static = tuple(s.to(DEVICE) for s in static) if static else None
+    out, launch = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
+                                       scaling=scaling, window=window, static_scales=static, **layout)  # fmt: skip
+    launch.run()
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
     assert error < TOLERANCE[dtype], f"{name}: relative error {error}"
+    return launch.kwargs["ALIGNED"]
+
+
+@pytest.mark.parametrize("dtype, case", [(torch.float32, case) for case in CASES] + DTYPE_CASES)
+def test_paged_attention_matches_reference(dtype, case):
+    assert not check(dtype, case)  # blocks of 8 padding bytes: byte-wise scale loads
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]])
+def test_aligned_rows_take_the_vector_path(case):
+    """Blocks of a multiple of 16 bytes: the kernel is told its rows are aligned (16-byte code loads, 4-byte
+    scale loads) and still gives the reference's output."""
+    assert check(torch.float32, case, block_padding=16)
 
 
 def test_rows_of_the_wrong_size_are_refused():
