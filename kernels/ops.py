@@ -65,10 +65,7 @@ def write(
 
         write_kv(key, value, view, dynamic, stats, plans)
         return True
-    return reference.write(
-        key, value, view.codes, view.scales, view.recent, view.end, view.fp_start, view.offset, view.fmt, dynamic,
-        stats, view.ring,
-    )  # fmt: skip
+    return reference.write(key, value, view, dynamic, stats)
 
 
 def attend(

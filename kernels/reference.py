@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .formats import StorageFormat
+from .formats import StorageFormat, get_format
 
 TINY_SCALE = 2.0**-126  # the smallest dynamic scale: an all-zero row gets it (its codes are 0 whatever it is)
 QUERY_BLOCK = 256  # query rows per block of the explicit-softmax path: its memory stays linear in the prompt
@@ -147,14 +147,22 @@ def constants(fmt: StorageFormat) -> Numbers:
     """The CPU path's numbers as 0-dim tensors (never written): an op given a Python number wraps it in a tensor
     first, 1.6 us of the 3 us such an op takes on a decode step's small tensors (1.3 us with a tensor). Inside a
     compiled graph, plain numbers (constants of the graph)."""
-    numbers = Numbers(fmt.fp16_shift, ~0x4000, fmt.fp16_factor, fmt.row_max, TINY_SCALE)
-    return numbers if torch.compiler.is_compiling() else _as_tensors(numbers)
+    if torch.compiler.is_compiling():
+        return _numbers(fmt)
+    return _as_tensors(fmt.name)  # looked up by name: hashing the format itself costs 2 us a call
+
+
+def _numbers(fmt: StorageFormat) -> Numbers:
+    return Numbers(fmt.fp16_shift, ~0x4000, fmt.fp16_factor, fmt.row_max, TINY_SCALE)
 
 
 @functools.cache
-def _as_tensors(numbers: Numbers) -> Numbers:
+def _as_tensors(name: str) -> Numbers:
     with torch.inference_mode(False):  # ordinary tensors, usable inside and outside inference mode
-        return Numbers(*(torch.tensor(n, dtype=torch.int16 if isinstance(n, int) else torch.float32) for n in numbers))
+        return Numbers(*(
+            torch.tensor(n, dtype=torch.int16 if isinstance(n, int) else torch.float32)
+            for n in _numbers(get_format(name))
+        ))  # fmt: skip
 
 
 def write_stacked(
@@ -238,56 +246,57 @@ def _pieces(first: int, stop: int, modulus: int):
         first += run
 
 
-def write(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    recent: torch.Tensor | None,
-    end,
-    fp_start,
-    offset: int,
-    fmt: StorageFormat,
-    dynamic: bool,
-    stats: torch.Tensor,
-    ring: bool = False,
-) -> bool:
-    """Store the new tokens `[end, end + n)` (`key`/`value` `[batch, kv_heads, n, head_dim]`) in a layer's
-    buffers (see `KVView`): each token that leaves the recent window (`recent`, R slots; all of them without
-    one) is quantized into the codes, once. `end` and `fp_start` are the positions before the update: Python
-    ints, or 0-dim device tensors for static buffers (one slot more than they hold, the last one taking the
-    writes that have nowhere to go), written without a host sync. Returns whether a non-finite input was seen
-    (always True for static buffers, which cannot check without a sync).
+def write(key: torch.Tensor, value: torch.Tensor, view, dynamic: bool, stats: torch.Tensor) -> bool:
+    """Store the new tokens `[view.end, view.end + n)` (`key`/`value` `[batch, kv_heads, n, head_dim]`) in the
+    buffers of `view` (a `KVView` before the update): each token that leaves the recent window (R slots; all of
+    them without one) is quantized into the codes, once. Static buffers (positions are 0-dim device tensors; one
+    slot more than they hold, the last one taking the writes that have nowhere to go) are written without a host
+    sync. Returns whether a non-finite input was seen (always True for static buffers, which cannot check
+    without a sync).
     """
     states = torch.stack((key, value))
-    window = recent.shape[3] if recent is not None else 0
-    n = states.shape[3]
-    if isinstance(end, torch.Tensor):
-        _write_static(states, codes, scales, recent, end, fp_start, fmt, dynamic, stats, window, ring)
+    if view.static:
+        _write_static(states, view, dynamic, stats)
         return True
-    new_fp_start = max(fp_start, end + n - window)
+    end, recent = view.end, view.recent
+    if recent is None:  # pure FP8: every new token goes straight to the codes
+        return _quantize_tokens(states, end, view, dynamic, stats)
+    window, n = recent.shape[3], states.shape[3]
+    new_fp_start = max(view.fp_start, end + n - window)
     nonfinite = False
-    for first, stop, slot in _pieces(fp_start, min(new_fp_start, end), window):  # leaving the window
-        leaving = recent.narrow(3, slot, stop - first)
-        nonfinite |= _quantize_tokens(leaving, first - offset, codes, scales, fmt, dynamic, stats)
+    for first, stop, slot in _pieces(view.fp_start, min(new_fp_start, end), window):  # leaving the window
+        nonfinite |= _quantize_tokens(recent.narrow(3, slot, stop - first), first, view, dynamic, stats)
     if new_fp_start > end:  # new tokens that are not among the newest `window`
-        direct = states.narrow(3, 0, new_fp_start - end)
-        nonfinite |= _quantize_tokens(direct, end - offset, codes, scales, fmt, dynamic, stats)
+        nonfinite |= _quantize_tokens(states.narrow(3, 0, new_fp_start - end), end, view, dynamic, stats)
     for first, stop, slot in _pieces(max(end, new_fp_start), end + n, window):
         recent.narrow(3, slot, stop - first).copy_(states.narrow(3, first - end, stop - first))
     return nonfinite
 
 
-def _quantize_tokens(rows, slot: int, codes, scales, fmt: StorageFormat, dynamic: bool, stats) -> bool:
-    """`write_stacked` of tokens `rows` `[2, batch, kv_heads, n, head_dim]` into slots `[slot, slot + n)`."""
-    n = rows.shape[3]
-    scale = scales.narrow(3, slot, n) if dynamic else scales
-    return write_stacked(rows, codes.narrow(3, slot, n), scale.unsqueeze(-1), fmt, dynamic, stats)
+def _quantize_tokens(rows: torch.Tensor, first: int, view, dynamic: bool, stats: torch.Tensor) -> bool:
+    """`write_stacked` of tokens `[first, first + n)` (`rows`, `[2, batch, kv_heads, n, head_dim]`)."""
+    n, slot = rows.shape[3], first - view.offset
+    scale = scale_columns(view)
+    return write_stacked(rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if dynamic else scale,
+                         view.fmt, dynamic, stats)  # fmt: skip
 
 
-def _write_static(states, codes, scales, recent, end, fp_start, fmt, dynamic, stats, window, ring) -> None:
+def scale_columns(view) -> torch.Tensor:
+    """`view.scales` with a trailing dim, to broadcast against the codes' rows (a view kept in the view's memo:
+    making it costs as much as a small op; a compiled graph makes its own)."""
+    if torch.compiler.is_compiling():
+        return _unsqueezed_scales(view)
+    return view.derived(scale_columns, _unsqueezed_scales)
+
+
+def _unsqueezed_scales(view) -> torch.Tensor:
+    return view.scales.unsqueeze(-1)
+
+
+def _write_static(states: torch.Tensor, view, dynamic: bool, stats: torch.Tensor) -> None:
     """`write` for static buffers: positions are device tensors, every index is computed, nothing syncs."""
-    n, slots = states.shape[3], codes.shape[3] - 1
+    codes, scales, recent, fmt, end, ring = view.codes, view.scales, view.recent, view.fmt, view.end, view.ring
+    n, slots, window = states.shape[3], codes.shape[3] - 1, recent.shape[3] if recent is not None else 0
     device = states.device
 
     def slot_of(t: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -306,7 +315,7 @@ def _write_static(states, codes, scales, recent, end, fp_start, fmt, dynamic, st
     if window:
         # the window's oldest tokens leave it: at most min(n, window) of them, those at or after fp_start
         leaving = end - window + torch.arange(min(n, window), device=device)
-        valid = leaving >= fp_start
+        valid = leaving >= view.fp_start
         quantize_into(recent.index_select(3, leaving % window), slot_of(leaving, valid))
     direct = max(n - window, 0)
     if direct:
@@ -349,19 +358,18 @@ def attend(
         first = mask.shape[-1] - keys.shape[2] if view.mask_start is None else view.start - view.mask_start
         mask = mask[..., first : first + keys.shape[2]]
     out = attention(query, keys, values, scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks)
-    return out.to(query.dtype)
+    return out if out.dtype == query.dtype else out.to(query.dtype)  # `to` costs 2 us even when it is a no-op
 
 
 def materialize(view) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 keys and values `[batch, kv_heads, tokens, head_dim]` of the visible tokens (`[start, end)` in
     order), or of every slot for static buffers (their positions: `_static_positions`)."""
-    if view.static:  # every slot, the spare one included: it takes the writes below that have nowhere to go
-        codes, scales = view.codes, view.scales
-    else:
+    codes, scales = view.codes, scale_columns(view)
+    if not view.static:  # (static buffers: every slot, the spare one too, which takes the writes with nowhere to go)
         first, tokens = view.start - view.offset, view.end - view.start
-        codes = view.codes.narrow(3, first, tokens)
-        scales = view.scales.narrow(3, first, tokens) if view.dynamic else view.scales
-    kv = dequantize_stacked(codes, scales.unsqueeze(-1), view.fmt, view.has_nan)
+        codes = codes.narrow(3, first, tokens)
+        scales = scales.narrow(3, first, tokens) if view.dynamic else scales
+    kv = dequantize_stacked(codes, scales, view.fmt, view.has_nan)
     if view.recent is not None:
         _lay_recent(kv, view)
     if view.sinks is not None:

@@ -124,7 +124,7 @@ STREAMS = [
 
 @pytest.mark.parametrize("stream", STREAMS, ids=str)
 def test_buffers_serve_each_token_quantized_once(stream):
-    view, kv, _ = fill(stream, _torch_write, torch.Generator().manual_seed(0))
+    view, kv, _ = fill(stream, reference.write, torch.Generator().manual_seed(0))
     keys, values = reference.materialize(view)
     expected = expected_kv(stream, kv, view)
     if view.static:
@@ -133,11 +133,6 @@ def test_buffers_serve_each_token_quantized_once(stream):
         expected = expected[:, :, :, positions[held]]
         keys, values = keys[:, :, held], values[:, :, held]
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
-
-
-def _torch_write(key, value, view, dynamic, stats):
-    reference.write(key, value, view.codes, view.scales, view.recent, view.end, view.fp_start, view.offset, view.fmt,
-                    dynamic, stats, view.ring)  # fmt: skip
 
 
 def naive_attention(q, k, v, mask, scaling, softcap=None, sinks=None):
@@ -158,7 +153,7 @@ def naive_attention(q, k, v, mask, scaling, softcap=None, sinks=None):
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_attend_is_naive_attention_over_the_served_tokens(stream, q_len):
     generator = torch.Generator().manual_seed(2)
-    view, kv, _ = fill(stream, _torch_write, generator)
+    view, kv, _ = fill(stream, reference.write, generator)
     expected_k, expected_v = expected_kv(stream, kv, view)
     query = torch.randn(stream.batch, 3 * stream.kv_heads, q_len, stream.head_dim, generator=generator)
     length = stream.length

@@ -91,7 +91,7 @@ def make_mask(case: Case, view, generator: torch.Generator) -> torch.Tensor | No
 def run(case: Case):
     generator = torch.Generator().manual_seed(0)
     stream = case.stream
-    view, _, _ = fill(stream, _torch_write, generator, DEVICE)
+    view, _, _ = fill(stream, reference.write, generator, DEVICE)
     q_heads = stream.kv_heads * case.group
     query = torch.randn(stream.batch, q_heads, case.q_len, stream.head_dim, generator=generator)
     mask = make_mask(case, view, generator)
@@ -108,11 +108,6 @@ def run(case: Case):
     expected = reference.attend(query.float(), view, **kwargs)
     got = attention(query, view, num_splits=case.splits, **kwargs)
     return got, expected
-
-
-def _torch_write(key, value, view, dynamic, stats):
-    reference.write(key, value, view.codes, view.scales, view.recent, view.end, view.fp_start, view.offset, view.fmt,
-                    dynamic, stats, view.ring)  # fmt: skip
 
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -139,7 +134,7 @@ def test_splits_agree_with_one_split():
 
 def test_nan_codes_read_as_nan_on_every_path():
     stream = Stream(updates=[20, 1])
-    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(3), DEVICE)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(3), DEVICE)
     view.codes.view(torch.uint8)[1, 0, 0, 5] = 0x7F  # a NaN value code in row 0
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     got = attention(query, view, scaling=0.1)
@@ -163,7 +158,7 @@ def test_static_grid_is_fixed():
     grids = []
     for updates in ([5], [40, 1]):
         stream = Stream(static=640, recent=4, updates=updates)
-        view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(0), DEVICE)
+        view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
         query = torch.randn(2, 6, 1, 80, device=DEVICE)
         _, launches = plan_attention(query, view, scaling=0.1, resident_slots=264)
         grids.append([launch.grid for launch in launches])
@@ -172,7 +167,7 @@ def test_static_grid_is_fixed():
 
 def test_bad_inputs_are_named():
     stream = Stream(updates=[70])
-    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(0), DEVICE)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     with pytest.raises(ValueError, match="not a multiple of the cache's 2 KV heads"):
         attention(query[:, :5], view, scaling=1.0)
@@ -194,7 +189,7 @@ def test_registered_op_is_the_launcher_on_a_static_view():
     from hf_fp8kv.kernels import ops
 
     stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1])
-    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(4), DEVICE)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(4), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
     direct = attention(query, view, scaling=0.1, mask=mask, num_splits=2)
@@ -206,7 +201,7 @@ def test_registered_op_traces_for_torch_compile():
     from hf_fp8kv.kernels import ops
 
     stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1])
-    view, _, _ = fill(stream, _torch_write, torch.Generator().manual_seed(4), DEVICE)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(4), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
     args = _op_args(view, query, mask, 2)

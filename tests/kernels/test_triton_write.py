@@ -60,11 +60,6 @@ def test_encode_is_the_reference_cast_on_hard_values(fmt):
     assert not mismatch.any(), f"{int(mismatch.sum())} codes differ, e.g. x={x[mismatch][:4].tolist()}"
 
 
-def torch_write(key, value, view, dynamic, stats):
-    reference.write(key, value, view.codes, view.scales, view.recent, view.end, view.fp_start, view.offset, view.fmt,
-                    dynamic, stats, view.ring)  # fmt: skip
-
-
 def with_edges(kv: torch.Tensor) -> torch.Tensor:
     """Keys and values with the edge values (NaN, inf, beyond max, ties) written into the first token's row."""
     kv = kv.clone()
@@ -98,7 +93,7 @@ def test_write_is_bit_identical_to_reference(stream):
             parts["scales"] = view.scales[:, :, :, slots]
         return parts
 
-    expected, got = buffers(torch_write), buffers(write_kv)
+    expected, got = buffers(reference.write), buffers(write_kv)
     for name in expected:
         assert torch.equal(got[name], expected[name]), f"{name} differ at {(got[name] != expected[name]).nonzero()[:4].tolist()}"
     assert (expected["stats"][:, 1] > 0).all()  # the edges did count: NaN and inf in keys and values
@@ -106,7 +101,7 @@ def test_write_is_bit_identical_to_reference(stream):
 
 def test_bad_buffers_are_named():
     stream = Stream(scales="per-tensor", updates=[4])
-    view, _, stats = fill(stream, torch_write, torch.Generator().manual_seed(0), DEVICE)
+    view, _, stats = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
     key = torch.randn(2, 2, 4, 80, device=DEVICE)
     with pytest.raises(ValueError, match="do not fit the code buffers"):
         write_kv(key[:, :1], key[:, :1], view, False, stats)
@@ -122,7 +117,7 @@ def test_bad_buffers_are_named():
 
 def _static_stream_view():
     stream = Stream(static=24, recent=4, updates=[7, 1])
-    return stream, *fill(stream, torch_write, torch.Generator().manual_seed(0), DEVICE)
+    return stream, *fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
 
 
 def test_registered_op_is_the_launcher_on_a_static_view():
