@@ -63,8 +63,10 @@ def triton_host_cost(cache_kwargs: dict, repeats: int) -> float:
         return median_us(step, repeats)
 
 
-def torch_step_ratio(steps: int) -> dict[str, float]:
-    """Decode step time of the 30-layer tiny Llama, relative to DynamicCache (torch path)."""
+def torch_step_ratio(steps: int, rounds: int) -> dict[str, float]:
+    """Decode step time of the 30-layer tiny Llama, relative to DynamicCache (torch path): the median over
+    rounds of each round's ratio (the variants of a round run back to back, each first in turn, so a machine that
+    slows down or speeds up between rounds moves both sides of a ratio alike)."""
     torch.manual_seed(0)
     model = tiny_model("llama", num_hidden_layers=30)
     ids = torch.randint(3, 120, (1, 32))
@@ -74,10 +76,14 @@ def torch_step_ratio(steps: int) -> dict[str, float]:
         "fp8 dynamic scales": lambda: QuantizedFP8Cache(model, scales="dynamic", **PURE),
         "fp8 dynamic + default window 32+4": lambda: QuantizedFP8Cache(model, scales="dynamic"),
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
+    base_times = []
     with torch.inference_mode():
-        for _ in range(5):  # interleaved rounds: machine noise hits every variant alike
-            for name, make in variants.items():
+        for round_index in range(rounds):
+            times = {}
+            names = list(variants)
+            for name in names[round_index % len(names):] + names[: round_index % len(names)]:  # each one first in turn
+                make = variants[name]
                 cache = make()
                 model(input_ids=ids, cache=cache)
                 token = ids[:, -1:]
@@ -88,15 +94,20 @@ def torch_step_ratio(steps: int) -> dict[str, float]:
                     start = time.perf_counter()
                     model(input_ids=token, cache=cache)
                     step_times.append(time.perf_counter() - start)
-                times[name].append(statistics.median(step_times))
-    base = statistics.median(times["DynamicCache"])
-    return {name: statistics.median(t) / base for name, t in times.items()} | {"DynamicCache ms": base * 1e3}
+                times[name] = statistics.median(step_times)
+            base_times.append(times["DynamicCache"])
+            for name, t in times.items():
+                ratios[name].append(t / times["DynamicCache"])
+    return {name: statistics.median(r) for name, r in ratios.items()} | {
+        "DynamicCache ms": statistics.median(base_times) * 1e3
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200, help="steps per round (5 rounds)")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds of the torch-path ratio")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of the torch-path steps (several threads on a busy "
         "machine make these tiny ops wait on each other: 12 ms instead of 6 us for one 40-token sdpa here)"
@@ -115,7 +126,7 @@ def main() -> None:
         print(f"  {name:34s} {triton_host_cost(kwargs, args.repeats):7.1f} us")
     torch.set_num_threads(args.threads)
     print(f"(2) torch path, 30-layer tiny Llama decode step at 32 tokens, vs DynamicCache ({args.threads} threads):")
-    for name, value in torch_step_ratio(args.steps).items():
+    for name, value in torch_step_ratio(args.steps, args.rounds).items():
         print(f"  {name:34s} {value:7.2f}" + ("" if name.endswith("ms") else "x"))
 
 

@@ -364,22 +364,65 @@ def attend(
 def materialize(view) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 keys and values `[batch, kv_heads, tokens, head_dim]` of the visible tokens (`[start, end)` in
     order), or of every slot for static buffers (their positions: `_static_positions`)."""
-    codes, scales = view.codes, scale_columns(view)
-    if not view.static:  # (static buffers: every slot, the spare one too, which takes the writes with nowhere to go)
-        first, tokens = view.start - view.offset, view.end - view.start
-        codes = codes.narrow(3, first, tokens)
-        scales = scales.narrow(3, first, tokens) if view.dynamic else scales
-    kv = dequantize_stacked(codes, scales, view.fmt, view.has_nan)
-    if view.recent is not None:
-        _lay_recent(kv, view)
-    if view.sinks is not None:
-        _lay_sinks(kv, view)
-    if view.static:
+    if view.static:  # every slot, the spare one included: it takes the writes that have nowhere to go
+        kv = dequantize_stacked(view.codes, scale_columns(view), view.fmt, view.has_nan)
+        _lay_full_precision(kv, view)
         kv = kv[:, :, :, : view.slots]
+    else:
+        kv = _timeline(view)
     if view.key_channel_scale is not None:
         kv[0] *= view.key_channel_scale[None, :, None, :]
     keys, values = kv.unbind()
     return keys, values
+
+
+def _timeline(view) -> torch.Tensor:
+    """The K/V of dynamic buffers' tokens `[start, end)`. When the rows share their sinks (no sinks, or all from
+    `start`: no padding), the sinks, the codes decoded up to the recent window and the window's pieces are
+    joined by one `cat`; else every code is decoded and the full-precision tokens laid over them (a copy per
+    piece: 11 us more a layer-step at the tiny Llama's shapes of `benchmarks/host_overhead.py`)."""
+    start, end = view.start, view.end
+    sinks = _shared_sinks(view)
+    if sinks is None:
+        kv = _decode(view, start, end)
+        _lay_full_precision(kv, view)
+        return kv
+    coded_start = start + sinks
+    coded_end = end if view.recent is None else min(max(view.fp_start, coded_start), end)
+    first = [view.sinks.narrow(3, 0, sinks)] if sinks else []
+    last = [] if view.recent is None else [
+        view.recent.narrow(3, slot, stop - lo) for lo, stop, slot in _pieces(coded_end, end, view.recent.shape[3])
+    ]  # fmt: skip
+    if not first and not last:
+        return _decode(view, start, end)
+    middle = [_decode(view, coded_start, coded_end)] if coded_end > coded_start else []
+    kv = torch.cat(first + middle + last, dim=3)  # mixed dtypes promote to fp32
+    return kv if kv.dtype == torch.float32 else kv.float()
+
+
+def _shared_sinks(view) -> int | None:
+    """The sink tokens every row holds from `start` on (0 without sinks); None when the rows differ."""
+    rows = view.sink_rows if view.sinks is not None else None
+    if not rows or rows[0] < 0 and rows.count(-1) == len(rows):
+        return 0
+    if rows.count(rows[0]) != len(rows) or rows[0] != view.start:
+        return None
+    return min(view.end - view.start, view.sinks.shape[3])
+
+
+def _decode(view, first: int, stop: int) -> torch.Tensor:
+    """fp32 K/V of the codes of tokens `[first, stop)` (dynamic buffers)."""
+    slot, scales = first - view.offset, scale_columns(view)
+    codes = view.codes.narrow(3, slot, stop - first)
+    return dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.dynamic else scales, view.fmt,
+                              view.has_nan)  # fmt: skip
+
+
+def _lay_full_precision(kv: torch.Tensor, view) -> None:
+    if view.recent is not None:
+        _lay_recent(kv, view)
+    if view.sinks is not None:
+        _lay_sinks(kv, view)
 
 
 def _static_positions(view) -> tuple[torch.Tensor, torch.Tensor]:
