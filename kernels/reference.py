@@ -217,19 +217,23 @@ def write_stacked(
     return nonfinite
 
 
-def dequantize_stacked(codes: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat, has_nan: bool) -> torch.Tensor:
-    """`codes * scale` in fp32 (exactly `dequantize`), for codes `[2, ...]` and a broadcasting `scale`.
+def dequantize_stacked(
+    codes: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat, has_nan: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`codes * scale` in fp32 (exactly `dequantize`), for codes `[2, ...]` and a broadcasting `scale` (into
+    `out` when given).
 
     Float codes are decoded through int16 bit operations and an fp16 view (see `StorageFormat`), the fp16
     factor folded into the scale multiply; `has_nan` adds the select that reads NaN codes as NaN.
     """
     if not fmt.is_float:
-        return codes * scale
+        return torch.mul(codes, scale, out=out)
     numbers = constants(fmt)
     bits = codes.view(torch.int8).to(torch.int16).bitwise_left_shift_(numbers.fp16_shift)
     if fmt.fp16_shift == 7:  # e4m3: the sign landed on bit 14 too (sign extension); keep it on bit 15 only
         bits.bitwise_and_(numbers.clear_bit_14)
-    values = bits.view(torch.float16) * (scale * numbers.fp16_factor if fmt.fp16_factor != 1.0 else scale)
+    scale = scale * numbers.fp16_factor if fmt.fp16_factor != 1.0 else scale
+    values = torch.mul(bits.view(torch.float16), scale, out=out)
     if has_nan and fmt.nan_code >= 0:
         code_bits = codes.view(torch.uint8) & fmt.nan_code_mask
         values = values.masked_fill_(code_bits == fmt.nan_code, math.nan)
@@ -377,27 +381,29 @@ def materialize(view) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _timeline(view) -> torch.Tensor:
-    """The K/V of dynamic buffers' tokens `[start, end)`. When the rows share their sinks (no sinks, or all from
-    `start`: no padding), the sinks, the codes decoded up to the recent window and the window's pieces are
-    joined by one `cat`; else every code is decoded and the full-precision tokens laid over them (a copy per
-    piece: 11 us more a layer-step at the tiny Llama's shapes of `benchmarks/host_overhead.py`)."""
+    """The fp32 K/V of dynamic buffers' tokens `[start, end)`. When the rows share their sinks (no sinks, or all
+    from `start`: no padding), the codes between the sinks and the recent window are decoded straight into the
+    result and the full-precision tokens copied beside them; else every code is decoded and the full-precision
+    tokens laid over them. Decoding only the codes it needs took a window layer-step from 108 to 103-105 us at
+    the tiny Llama's shapes (`benchmarks/host_overhead.py`), from 2.7 to 1.7-2.0 ms at SmolLM2's at 4k tokens;
+    a `cat` of the pieces was 98 us at the first but 5.0 ms at the second (one more pass over the result)."""
     start, end = view.start, view.end
     sinks = _shared_sinks(view)
-    if sinks is None:
+    if sinks is None or not sinks and view.recent is None:
         kv = _decode(view, start, end)
         _lay_full_precision(kv, view)
         return kv
+    codes = view.codes
+    kv = torch.empty(2, *codes.shape[1:3], end - start, codes.shape[4], device=codes.device)
     coded_start = start + sinks
     coded_end = end if view.recent is None else min(max(view.fp_start, coded_start), end)
-    first = [view.sinks.narrow(3, 0, sinks)] if sinks else []
-    last = [] if view.recent is None else [
-        view.recent.narrow(3, slot, stop - lo) for lo, stop, slot in _pieces(coded_end, end, view.recent.shape[3])
-    ]  # fmt: skip
-    if not first and not last:
-        return _decode(view, start, end)
-    middle = [_decode(view, coded_start, coded_end)] if coded_end > coded_start else []
-    kv = torch.cat(first + middle + last, dim=3)  # mixed dtypes promote to fp32
-    return kv if kv.dtype == torch.float32 else kv.float()
+    if sinks:
+        kv.narrow(3, 0, sinks).copy_(view.sinks.narrow(3, 0, sinks))
+    if coded_end > coded_start:
+        _decode(view, coded_start, coded_end, out=kv.narrow(3, sinks, coded_end - coded_start))
+    for first, stop, slot in _pieces(coded_end, end, view.recent.shape[3]) if view.recent is not None else ():
+        kv.narrow(3, first - start, stop - first).copy_(view.recent.narrow(3, slot, stop - first))
+    return kv
 
 
 def _shared_sinks(view) -> int | None:
@@ -410,12 +416,12 @@ def _shared_sinks(view) -> int | None:
     return min(view.end - view.start, view.sinks.shape[3])
 
 
-def _decode(view, first: int, stop: int) -> torch.Tensor:
-    """fp32 K/V of the codes of tokens `[first, stop)` (dynamic buffers)."""
+def _decode(view, first: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 K/V of the codes of tokens `[first, stop)` (dynamic buffers), into `out` when given."""
     slot, scales = first - view.offset, scale_columns(view)
     codes = view.codes.narrow(3, slot, stop - first)
     return dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.dynamic else scales, view.fmt,
-                              view.has_nan)  # fmt: skip
+                              view.has_nan, out)  # fmt: skip
 
 
 def _lay_full_precision(kv: torch.Tensor, view) -> None:
