@@ -118,7 +118,7 @@ STREAMS = [
     Stream(recent=6, sinks=3, sink_rows=[0, 5], scales="per-tensor", fmt="fp8_e5m2"),
     Stream(recent=5, fmt="int8_per_token_head", dtype=torch.bfloat16),
     # rows sharing their sinks: the sinks, the codes and the window are joined, not laid over a decode of all
-    Stream(recent=6, sinks=3, updates=[20, 1, 1, 5, 1], dtype=torch.bfloat16),
+    Stream(recent=6, sinks=3, updates=[60, 1, 1, 5, 1], dtype=torch.bfloat16),  # (decoded into the result: large)
     Stream(recent=6, sinks=4, updates=[2, 1, 3, 1, 1]),  # the sinks overlap the window, then the codes start
     Stream(sinks=2, scales="per-head", updates=[1, 1, 9, 1]),  # sinks without a window
     Stream(static=64, recent=4, sinks=2, sink_rows=[2, 0], updates=[20, 1, 1, 6, 1]),
