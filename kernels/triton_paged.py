@@ -33,13 +33,18 @@ from .triton_write import encode, encoding
 BLOCK_T = 16  # tokens per program of the row encoder
 ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
 # instructions per KV byte in the decode loop and no pipelining, before)
+TINY_SCALE = 2.0**-126  # reference.TINY_SCALE: an all-zero row's scale
+# head_dim (its power of 2) from which the paged kernel loads V tiles as columns, as K's: each token's page row
+# is then worked out in one register layout, where two layouts each did it for their tokens (gpu_static, sm_90,
+# 64 decode requests, static / per-token scales: d128 0.240 / 0.296 -> 0.217 / 0.282 SASS instructions per KV
+# byte, d256 0.241 / 0.270 -> 0.216 / 0.255; at d64 the transposition costs more than it saves, 0.173 -> 0.209)
+V_AS_COLUMNS_FROM = 128
 
 
 def row_size(value_bytes: int, scaled_heads: int) -> int:
     """Bytes of one page row: `value_bytes` of codes, a 4-byte scale per head of `scaled_heads`, padded to
     `ROW_ALIGNMENT`."""
     return -(-(value_bytes + 4 * scaled_heads) // ROW_ALIGNMENT) * ROW_ALIGNMENT
-TINY_SCALE = 2.0**-126  # reference.TINY_SCALE: an all-zero row's scale
 
 
 @triton.jit
@@ -136,8 +141,8 @@ def _paged_attention_kernel(
     BLOCK_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
-    NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, DOT: tl.constexpr,
-    PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile."""
@@ -204,7 +209,11 @@ def _paged_attention_kernel(
             k_row = tl.multiple_of(k_row, 16)
             v_row = tl.multiple_of(v_row, 16)
         k_codes = tl.load(codes_ptr + k_row[None, :] + k_column, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
-        v_codes = tl.load(codes_ptr + v_row[:, None] + v_column, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        if V_AS_COLUMNS:  # the V tile loaded as K's, [D, N]: the tokens' rows are computed in one layout only
+            v_codes = tl.trans(tl.load(codes_ptr + v_row[None, :] + k_column, mask=t_ok[None, :] & d_ok[:, None],
+                                       other=0.0))  # fmt: skip
+        else:
+            v_codes = tl.load(codes_ptr + v_row[:, None] + v_column, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         k = decode_codes(k_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [D, N]
         v = decode_codes(v_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [N, D]
         if DYNAMIC:
@@ -331,7 +340,7 @@ def plan_paged_attention(
         BLOCK_STRIDE=block_stride, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m,
         BLOCK_N=block_n, DYNAMIC=dynamic, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert,
         CODE_TYPE=HW_CODE_TYPES.get(fmt.dtype, tl.int8), FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
-        NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, DOT=dot, PRECISION=decode.precision,
-        **options,
+        NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
+        DOT=dot, PRECISION=decode.precision, **options,
     )  # fmt: skip
     return out, Launch(_paged_attention_kernel, grid, args, constexprs)

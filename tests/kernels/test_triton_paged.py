@@ -91,6 +91,9 @@ CASES = [
     # (query position, head) rows over several row blocks: 160 and 100 rows of 64, with and without a window
     ("fp8_e4m3", True, [(5, 40), (2, 1)], 4, 16, None),
     ("fp8_e4m3", False, [(30, 50), (0, 3)], 2, 32, 7),
+    # head_dim >= V_AS_COLUMNS_FROM: V tiles loaded as K's and transposed
+    ("fp8_e4m3", True, [(9, 2), (20, 1)], 2, 128, None),
+    ("fp8_e5m2", False, [(3, 5), (14, 1)], 1, 160, 6),
 ]
 
 
