@@ -149,6 +149,21 @@ class Rotation:
         return step
 
 
+def host_ms(step, device: torch.device, repeats: int) -> float:
+    """Median milliseconds `step` keeps the CPU busy, each call starting with the GPU's queue empty (what the
+    GPU time hides as long as it is the larger: Python, dispatch and kernel launches, Triton's own included)."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(times) * 1e3
+
+
 def short_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -317,13 +332,17 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
 
             with torch.inference_mode():
                 ms = bench(step, dry_run)
+                host = host_ms(step, device, repeats=2 if dry_run else 20)
             times[name].append(ms)
             row[f"{name} ms"] = f"{ms:.3f}"
+            row[f"{name} host us/layer"] = f"{host * 1e3 / layers:.1f}"
             del cache
             free_memory()
         rows.append(row)
     params = sum(p.numel() for p in model.parameters()) / 1e9
     report(f"## (d) decode step of a random {layers}-layer Llama ({params:.2f} B params, {dtype}), batch 1")
+    report("(host us/layer: the CPU time of a step, Python and launches, from an empty queue to the return of the "
+           "forward, GPU not awaited, per layer; a step whose host time reaches its ms is host-bound)")
     report.table(rows)
     slopes = {name: numpy.polyfit(sizes.model_contexts, ms, 1)[0] * 1e3 for name, ms in times.items()}
     for name, slope in slopes.items():

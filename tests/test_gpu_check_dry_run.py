@@ -25,4 +25,5 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     for method in ("ours e4m3 static", "ours e4m3 per-token-head", "SDPA float32", "QuantizedCache(fp8)"):
         assert method in report
     assert re.search(r"slope ratio ours / DynamicCache: -?\d+\.\d+", report)
+    assert "ours e4m3 per-token-head host us/layer" in report  # the host side of a decode step, per layer
     assert "FAILED" not in report
