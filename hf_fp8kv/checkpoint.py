@@ -331,7 +331,7 @@ def _load_legacy_json(path: Path) -> KVScales:
     scales = KVScales()
     for layer, values in per_layer.items():
         name = f"{path.name}: kv_cache.scaling_factor[{layer}]"
-        tensor = check_scale_values(torch.tensor([max(values)]), None, name)
+        tensor = check_scale_values(torch.tensor([max(values)], dtype=torch.float32), None, name)
         scales.key[layer], scales.value[layer] = tensor, tensor.clone()
         scales.names[layer], scales.sources[layer] = (name, name), f"{name} (K and V)"
     return scales

@@ -435,10 +435,12 @@ class Comparison:
 
     def _plot_kl(self, ax) -> None:
         last = int(self.positions.max()) + 1
-        counts = torch.zeros(last).index_add_(0, self.positions, torch.ones(len(self.positions)))
+        ones = torch.ones(len(self.positions), dtype=torch.float64)
+        counts = torch.zeros(last, dtype=torch.float64).index_add_(0, self.positions, ones)
         window = max(1, len(counts.nonzero()) // 32)
         for variant in self.variants[1:]:
-            sums = torch.zeros(last).index_add_(0, self.positions, self.scores[variant.name].kl)
+            kl = self.scores[variant.name].kl.double()
+            sums = torch.zeros(last, dtype=torch.float64).index_add_(0, self.positions, kl)
             seen = counts > 0
             mean = sums[seen] / counts[seen]
             smooth = torch.nn.functional.avg_pool1d(mean[None, None], window, 1, 0, count_include_pad=False)[0, 0]

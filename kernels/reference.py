@@ -289,17 +289,17 @@ def write(key: torch.Tensor, value: torch.Tensor, view, dynamic: bool, stats: to
 def _quantize_tokens(rows: torch.Tensor, first: int, view, dynamic: bool, stats: torch.Tensor) -> bool:
     """`write_stacked` of tokens `[first, first + n)` (`rows`, `[2, batch, kv_heads, n, head_dim]`)."""
     n, slot = rows.shape[3], first - view.offset
-    scale = scale_columns(view)
+    scale = _scale_columns(view)
     return write_stacked(rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if dynamic else scale,
                          view.fmt, dynamic, stats)  # fmt: skip
 
 
-def scale_columns(view) -> torch.Tensor:
+def _scale_columns(view) -> torch.Tensor:
     """`view.scales` with a trailing dim, to broadcast against the codes' rows (a view kept in the view's memo:
     making it costs as much as a small op; a compiled graph makes its own)."""
     if torch.compiler.is_compiling():
         return _unsqueezed_scales(view)
-    return view.derived(scale_columns, _unsqueezed_scales)
+    return view.derived(_scale_columns, _unsqueezed_scales)
 
 
 def _unsqueezed_scales(view) -> torch.Tensor:
@@ -378,7 +378,7 @@ def materialize(view) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 keys and values `[batch, kv_heads, tokens, head_dim]` of the visible tokens (`[start, end)` in
     order), or of every slot for static buffers (their positions: `_static_positions`)."""
     if view.static:  # every slot, the spare one included: it takes the writes that have nowhere to go
-        kv = dequantize_stacked(view.codes, scale_columns(view), view.fmt, view.has_nan)
+        kv = dequantize_stacked(view.codes, _scale_columns(view), view.fmt, view.has_nan)
         _lay_full_precision(kv, view)
         kv = kv[:, :, :, : view.slots]
     else:
@@ -403,7 +403,7 @@ def _timeline(view) -> torch.Tensor:
         _lay_full_precision(kv, view)
         return kv
     codes = view.codes
-    kv = torch.empty(2, *codes.shape[1:3], end - start, codes.shape[4], device=codes.device)
+    kv = torch.empty(2, *codes.shape[1:3], end - start, codes.shape[4], dtype=torch.float32, device=codes.device)
     coded_start = start + sinks
     coded_end = end if view.recent is None else min(max(view.fp_start, coded_start), end)
     if sinks:
@@ -427,7 +427,7 @@ def _shared_sinks(view) -> int | None:
 
 def _decode(view, first: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 K/V of the codes of tokens `[first, stop)` (dynamic buffers), into `out` when given."""
-    slot, scales = first - view.offset, scale_columns(view)
+    slot, scales = first - view.offset, _scale_columns(view)
     codes = view.codes.narrow(3, slot, stop - first)
     return dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.dynamic else scales, view.fmt,
                               view.has_nan, out)  # fmt: skip

@@ -527,7 +527,8 @@ class AttentionPlan:
         rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * splits
         if self.parts is None or self.parts[1].numel() < rows * 2:
             device = query.device
-            self.parts = (torch.empty(rows * self.block_d, device=device), torch.empty(rows * 2, device=device))
+            sizes = (rows * self.block_d, rows * 2)  # fp32 whatever torch's default dtype
+            self.parts = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
         return out, *self.parts
 
     def splits(self, query: torch.Tensor, view: KVView) -> int:

@@ -139,6 +139,19 @@ def test_buffers_serve_each_token_quantized_once(stream):
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
 
 
+def test_materialize_is_fp32_whatever_the_default_dtype():
+    """The K/V built for the attention are fp32 even when a user made bf16 torch's default dtype."""
+    view, _, _ = fill(Stream(recent=6, sinks=3, updates=[60, 1]), reference.write, torch.Generator().manual_seed(0))
+    want = reference.materialize(view)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = reference.materialize(view)
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(torch.equal(g, w) and g.dtype == torch.float32 for g, w in zip(got, want))
+
+
 def naive_attention(q, k, v, mask, scaling, softcap=None, sinks=None):
     """Textbook attention over full-precision K/V: repeat KV heads, softmax with optional sink column."""
     group = q.shape[1] // k.shape[1]

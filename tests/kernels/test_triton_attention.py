@@ -132,6 +132,19 @@ def test_splits_agree_with_one_split():
         assert_close(run(case)[0], one, torch.float32)
 
 
+def test_split_partials_are_fp32_whatever_the_default_dtype():
+    view, _, _ = fill(Stream(updates=[200, 1]), reference.write, torch.Generator().manual_seed(0), DEVICE)
+    query = torch.randn(2, 8, 1, 80, device=DEVICE)
+    want = attention(query, view, scaling=0.1, num_splits=4)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # a user's setting: the splits' partial results stay fp32
+    try:
+        got = attention(query, view, scaling=0.1, num_splits=4)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(got, want)
+
+
 def test_nan_codes_read_as_nan_on_every_path():
     stream = Stream(updates=[20, 1])
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(3), DEVICE)
