@@ -191,7 +191,7 @@ PAGE_SIZE, LAYERS = 256, 30
 def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
     """The launch of `triton_paged.paged_attention` for `case.batch` requests of `case.q_len` new tokens after
     `case.context` cached ones each."""
-    row_bytes = case.kv_heads * case.head_dim + (4 * case.kv_heads if case.per_token else 0)
+    row_bytes = triton_paged.row_size(case.kv_heads * case.head_dim, case.kv_heads if case.per_token else 0)
     tokens = case.batch * case.q_len
     query = torch.empty(tokens, case.kv_heads * case.group, case.head_dim, dtype=dtype, device=device)
     bytes_per_block = LAYERS * 2 * PAGE_SIZE * row_bytes

@@ -23,14 +23,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # plans are built for the CPU; n
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from models import tiny_model  # noqa: E402
+from models import PURE_FP8, tiny_model  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from hf_fp8kv import QuantizedFP8Cache  # noqa: E402
 from hf_fp8kv.attention import fp8kv_attention  # noqa: E402
 from hf_fp8kv.kernels import triton_launch  # noqa: E402
 
-PURE = dict(recent_tokens=0, sink_tokens=0)  # every token stored as codes at once
 
 def median_us(fn, repeats: int, rounds: int = 5) -> float:
     times = []
@@ -72,8 +71,8 @@ def torch_step_ratio(steps: int, rounds: int) -> dict[str, float]:
     ids = torch.randint(3, 120, (1, 32))
     variants = {
         "DynamicCache": lambda: DynamicCache(config=model.config),
-        "fp8 static scales": lambda: QuantizedFP8Cache(model, scales=1.0, **PURE),
-        "fp8 dynamic scales": lambda: QuantizedFP8Cache(model, scales="dynamic", **PURE),
+        "fp8 static scales": lambda: QuantizedFP8Cache(model, scales=1.0, **PURE_FP8),
+        "fp8 dynamic scales": lambda: QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8),
         "fp8 dynamic + default window 32+4": lambda: QuantizedFP8Cache(model, scales="dynamic"),
     }
     ratios: dict[str, list[float]] = {name: [] for name in variants}
@@ -118,10 +117,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     print("(1) Triton path, Python per layer per decode step (write + attend, launches stubbed):")
     for name, kwargs in {
-        "dynamic cache, per-token scales": dict(scales="dynamic", **PURE),
-        "dynamic cache, static scale": dict(scales=1.0, **PURE),
+        "dynamic cache, per-token scales": dict(scales="dynamic", **PURE_FP8),
+        "dynamic cache, static scale": dict(scales=1.0, **PURE_FP8),
         "dynamic cache, default window 32+4": dict(scales="dynamic"),
-        "static cache (max_cache_len=4096)": dict(scales="dynamic", max_cache_len=4096, **PURE),
+        "static cache (max_cache_len=4096)": dict(scales="dynamic", max_cache_len=4096, **PURE_FP8),
     }.items():
         print(f"  {name:34s} {triton_host_cost(kwargs, args.repeats):7.1f} us")
     torch.set_num_threads(args.threads)

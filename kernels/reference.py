@@ -397,7 +397,7 @@ def _timeline(view) -> torch.Tensor:
     the tiny Llama's shapes (`benchmarks/host_overhead.py`), from 2.7 to 1.7-2.0 ms at SmolLM2's at 4k tokens;
     a `cat` of the pieces was 98 us at the first but 5.0 ms at the second (one more pass over the result)."""
     start, end = view.start, view.end
-    sinks = _shared_sinks(view)
+    sinks = view.shared_sink_count()
     if sinks is None or not sinks and view.recent is None:
         kv = _decode(view, start, end)
         _lay_full_precision(kv, view)
@@ -413,16 +413,6 @@ def _timeline(view) -> torch.Tensor:
     for first, stop, slot in _pieces(coded_end, end, view.recent.shape[3]) if view.recent is not None else ():
         kv.narrow(3, first - start, stop - first).copy_(view.recent.narrow(3, slot, stop - first))
     return kv
-
-
-def _shared_sinks(view) -> int | None:
-    """The sink tokens every row holds from `start` on (0 without sinks); None when the rows differ."""
-    rows = view.sink_rows if view.sinks is not None else None
-    if not rows or rows[0] < 0 and rows.count(-1) == len(rows):
-        return 0
-    if rows.count(rows[0]) != len(rows) or rows[0] != view.start:
-        return None
-    return min(view.end - view.start, view.sinks.shape[3])
 
 
 def _decode(view, first: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,6 @@ per-head scales the query and the output.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

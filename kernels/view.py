@@ -17,12 +17,13 @@ every other one from the codes (so each token is read from exactly one place).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from .formats import StorageFormat
 
+Derived = TypeVar("Derived")  # what `KVView.derived` builds
 Position = int | torch.Tensor  # a Python int, or a 0-dim int64 device tensor (static caches, CUDA graphs)
 
 
@@ -66,9 +67,19 @@ class KVView:
                 spans.setdefault((first, count), []).append(row)
         return spans
 
-    def derived(self, owner: object, build: Callable[["KVView"], tuple]) -> tuple:
-        """`build(self)`: launch arguments that depend on the buffers alone, kept in `memo` under `owner` for the
-        next views of the same buffers (whoever replaces a buffer starts a new memo)."""
+    def shared_sink_count(self) -> int | None:
+        """The sink tokens every row holds from `start` on (0 without sinks; dynamic buffers, from `sink_rows`, as
+        `sink_spans` counts them), or None when the rows' sinks differ."""
+        rows = self.sink_rows if self.sinks is not None else None
+        if not rows or rows[0] < 0 and rows.count(-1) == len(rows):
+            return 0
+        if rows.count(rows[0]) != len(rows) or rows[0] != self.start:
+            return None
+        return min(self.end - self.start, self.sinks.shape[3])
+
+    def derived(self, owner: object, build: Callable[["KVView"], Derived]) -> Derived:
+        """`build(self)`: what depends on the buffers alone (launch arguments, views of them), kept in `memo`
+        under `owner` for the next views of the same buffers (whoever replaces a buffer starts a new memo)."""
         if self.memo is None:
             return build(self)
         entry = self.memo.get(owner)
