@@ -115,6 +115,8 @@ def attention(
     query, keys, values = query.float(), keys.float(), values.float()
     if mask is None and (window is not None or 1 < q_len < kv_len):
         mask = causal_mask(q_len, kv_len, window, query.device)
+    if mask is not None:
+        keys, values = _without_unseen(keys, values, mask)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling,
@@ -137,6 +139,18 @@ def attention(
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row attends to nothing
         out[:, :, rows] = probs[..., :kv_len] @ values
     return out
+
+
+def _without_unseen(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keys`/`values` with zeros in the columns no query row may see (padding, slots outside the window): a
+    masked column contributes exactly nothing, where a NaN or inf there would reach every row (0 x NaN)."""
+    seen = mask.any(dim=-2)  # [..., columns]
+    if seen.dim() == 3 and seen.shape[1] not in (1, keys.shape[1]):  # one row per query head: per KV head
+        seen = seen.unflatten(1, (keys.shape[1], -1)).any(dim=2)
+    if not torch.compiler.is_compiling() and bool(seen.all()):
+        return keys, values
+    seen = seen[..., None]
+    return keys.where(seen, 0.0), values.where(seen, 0.0)
 
 
 # --- the CPU path: the same bits in few ops ------------------------------------------------------------------
@@ -463,7 +477,7 @@ def _lay_sinks(kv: torch.Tensor, view) -> None:
         for (first, count), rows in view.sink_spans().items():
             index = torch.tensor(rows, device=kv.device) if len(rows) < kv.shape[1] else slice(None)
             column = slice(first - view.start, first - view.start + count)
-            kv[:, index, :, column] = view.sinks[:, index, :, :count]
+            kv[:, index, :, column] = view.sinks[:, index, :, :count].float()
         return
     s = torch.arange(view.sinks.shape[3], device=kv.device)
     t = view.sink_start[:, None] + s  # [batch, S]

@@ -85,9 +85,17 @@ def _tanh(x):
 def attend_tile(
     q, acc, m_i, l_i, k, v, scores_scale, v_scale, visible, softcap,
     PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    DROP_UNSEEN: tl.constexpr,
 ):  # fmt: skip
     """One tile of the online softmax: `k` `[D, N]` and `v` `[N, D]` already in the dot dtype; `scores_scale` /
-    `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]`."""
+    `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]`. DROP_UNSEEN:
+    the values of columns no row sees are zeroed (a masked NaN would otherwise reach every row: 0 x NaN); without
+    it the caller never loads such a column (its load mask leaves them 0)."""
+    if DROP_UNSEEN:
+        seen = tl.max(visible.to(tl.int32), axis=0) > 0
+        v = tl.where(seen[:, None], v, 0.0)
+        if PER_TOKEN_V:
+            v_scale = tl.where(seen, v_scale, 0.0)
     scores = tl.dot(q, k, input_precision=PRECISION)
     if PER_TOKEN_K:
         scores = scores * scores_scale[None, :]
@@ -148,7 +156,7 @@ def _attention_kernel(
     STATIC: tl.constexpr, RING: tl.constexpr, HAS_RECENT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -218,6 +226,8 @@ def _attention_kernel(
     for tile in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         t = tile + n
         t_ok = t < hi
+        if not HAS_MASK and HAS_WINDOW:  # the first tile's columns before every row's window are never read
+            t_ok = t_ok & (t > first_pos - window)
         if RING:
             slot = (t % slots).to(tl.int64)
         else:
@@ -238,7 +248,7 @@ def _attention_kernel(
             q, acc, m_i, l_i,
             decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
             decode_codes(v, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
-            k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION,
+            k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION, DROP_UNSEEN,
         )  # fmt: skip
 
     # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
@@ -302,7 +312,7 @@ def _attend_full_precision(
     visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
                           sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, EXCLUDE_SINKS)  # fmt: skip
     return attend_tile(q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
-                        True, False, HAS_SOFTCAP, PRECISION)  # fmt: skip
+                        True, False, HAS_SOFTCAP, PRECISION, True)  # fmt: skip
 
 
 @triton.jit
@@ -388,7 +398,7 @@ def attention(
     else:
         key = (*settings, query.shape, query.dtype, query.device, view.codes.shape[:3], view.dynamic, view.static,
                view.ring, view.recent is not None, view.sinks is not None, view.key_channel_scale is not None,
-               None if mask is None else mask.shape[:-1], sinks is not None)  # fmt: skip
+               None if mask is None else mask.shape[:-1], sinks is not None, view.has_nan)  # fmt: skip
         plan = plans.get(key)
         if plan is None:
             plan = plans[key] = AttentionPlan(query, view, mask, sinks, *settings)
@@ -504,6 +514,9 @@ class AttentionPlan:
             HAS_MASK=mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
             HAS_SINKS=sinks is not None, HAS_CHANNEL_SCALE=view.key_channel_scale is not None, DOT=dot,
             PRECISION=decode.precision, **options,
+            # masked columns' values zeroed only where NaN codes may exist: the rows' reduction took a masked
+            # 128-row prefill tile from 0.505 to 0.597 SASS instructions per KV byte (gpu_static)
+            DROP_UNSEEN=mask is not None and view.has_nan,
         )  # fmt: skip
         self.launch_options = {split: {**constexprs, "SPLIT": split} for split in (False, True)}
         self.sizes = (self.kv_heads, q_len, head_dim)

@@ -179,7 +179,8 @@ def _paged_attention_kernel(
     k_end = past + (tl.minimum(first_row + BLOCK_M, q_len * GROUP) - 1) // GROUP + 1  # none after the last query
     k_lo = 0
     if HAS_WINDOW:
-        k_lo = tl.maximum(past + first_row // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
+        window_lo = past + first_row // GROUP - window + 1
+        k_lo = tl.maximum(window_lo, 0) // BLOCK_N * BLOCK_N
     # the page bytes as the codes `decode_codes` takes (a typed load, as in `_attention_kernel`): the fp8 type for
     # the hardware conversion, else int8 bits
     codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
@@ -192,6 +193,8 @@ def _paged_attention_kernel(
     for n0 in tl.range(k_lo, k_end, BLOCK_N, num_stages=STAGES):
         t = n0 + n
         t_ok = t < k_end
+        if HAS_WINDOW:  # the first tile's keys before every row's window are never read
+            t_ok = t_ok & (t >= window_lo)
         in_pages = t_ok & (t < past)
         phys = phys_next.to(tl.int32)  # 32-bit division below
         t_next = t + BLOCK_N
@@ -225,7 +228,7 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             visible = visible & (t[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, DYNAMIC, DYNAMIC, False,
-                                     PRECISION)  # fmt: skip
+                                     PRECISION, False)  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * out_factor
     if not DYNAMIC:
         out = out * tl.load(v_scale_ptr + kv_head)

@@ -194,7 +194,8 @@ def write_kv(
     if plans is None:
         plan = WritePlan(key, value, view, dynamic, stats)
     else:
-        shape = (key.shape, key.dtype, key.device, view.codes.shape[:3], view.static, view.ring, dynamic)
+        recent_slots = 0 if view.recent is None else view.recent.shape[3]
+        shape = (key.shape, key.dtype, key.device, view.codes.shape[:3], view.static, view.ring, dynamic, recent_slots)
         plan = plans.get(shape)
         if plan is None:
             plan = plans[shape] = WritePlan(key, value, view, dynamic, stats)

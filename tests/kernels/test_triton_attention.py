@@ -219,3 +219,60 @@ def test_registered_op_traces_for_torch_compile():
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
     args = _op_args(view, query, mask, 2)
     torch.library.opcheck(ops.triton_ops().attend.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def poison_unseen(case: Case, view, mask: torch.Tensor | None) -> int:
+    """NaN in every slot (codes, per-token scales, recent and sink buffers) of the tokens no query row of a batch
+    row may see, as garbage in a padded row's slots or outside the window; returns how many tokens."""
+    stream, end = case.stream, case.stream.length
+    positions = torch.arange(end)
+    if mask is not None:
+        q_heads = stream.kv_heads * case.group
+        seen = mask.expand(stream.batch, q_heads, case.q_len, mask.shape[-1]).any(2)
+        seen = seen.unflatten(1, (stream.kv_heads, case.group)).any(2)  # [batch, kv_heads, columns]
+        first_column = 0 if view.static else end - mask.shape[-1]
+        seen = seen[..., positions - first_column] & (positions >= first_column)
+    else:
+        seen = (positions > end - case.q_len - case.options["window"]).expand(stream.batch, stream.kv_heads, end)
+    start = max(int(view.start), end - view.slots) if view.ring else int(view.start)
+    unseen = (~seen) & (positions >= start)
+    nan_code = view.fmt.nan_code if view.fmt.nan_code >= 0 else (0x7F if view.fmt.is_float else None)
+    fp_start = int(view.fp_start)
+    for b, h, t in unseen.nonzero().tolist():
+        slot = t % view.slots if view.ring else t - view.offset
+        if nan_code is not None:
+            view.codes.view(torch.uint8)[:, b, h, slot] = nan_code
+        if view.dynamic:
+            view.scales[:, b, h, slot] = float("nan")
+        if view.recent is not None and t >= fp_start:
+            view.recent[:, b, h, t % view.recent.shape[3]] = float("nan")
+        if view.sinks is not None and 0 <= t - int(view.sink_start[b]) < int(view.sink_count[b]):
+            view.sinks[:, b, h, t - int(view.sink_start[b])] = float("nan")
+    return int(unseen.sum())
+
+
+# (the random per-head mask leaves no token unseen by every row; the ring as wide as its window holds none)
+UNSEEN_CASES = [
+    case for case in CASES if case.mask not in (None, "per-head") or "window" in case.options and not case.stream.ring
+]
+
+
+@pytest.mark.parametrize("case", UNSEEN_CASES, ids=str)
+def test_tokens_no_row_sees_contribute_nothing(case):
+    """NaN in the slots of masked tokens (a padded row's, outside the window) reaches no output, on both paths
+    (vLLM's kernels never read a masked value either): the output is the one over clean buffers."""
+    generator = torch.Generator().manual_seed(0)
+    stream = case.stream
+    view, _, _ = fill(stream, reference.write, generator, DEVICE)
+    query = torch.randn(stream.batch, stream.kv_heads * case.group, case.q_len, stream.head_dim, generator=generator)
+    mask = make_mask(case, view, generator)
+    kwargs = dict(scaling=stream.head_dim**-0.5, mask=None if mask is None else mask.to(DEVICE),
+                  window=case.options.get("window"), softcap=case.options.get("softcap"))  # fmt: skip
+    query = query.to(DEVICE, case.dtype)
+    clean = reference.attend(query.float(), view, **kwargs)
+    assert poison_unseen(case, view, mask) > 0
+    poisoned_reference = reference.attend(query.float(), view, **kwargs)
+    got = attention(query, view, num_splits=case.splits, **kwargs)
+    assert not poisoned_reference.isnan().any() and not got.isnan().any()
+    assert torch.equal(poisoned_reference, clean)
+    assert_close(got, clean, case.dtype)

@@ -30,7 +30,9 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Ten
     return torch.nn.functional.pad(rows, (0, padding)), values
 
 
-def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8):
+def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None):
+    """Pages and new rows of `requests` (`(past, q_len)` each); `garbage_before`: a window, whose cached rows
+    before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed page's filler."""
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
@@ -54,9 +56,10 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
         for t in range(past):
             block, slot = blocks[t // PAGE_SIZE], t % PAGE_SIZE
             read_index.append(block * block_stride + slot)
+            unseen = garbage_before is not None and t <= past - garbage_before
             for plane, rows in ((0, k_rows), (1, v_rows)):
                 at = block * bytes_per_block + layer_offset + plane * PAGE_SIZE * row_bytes + slot * row_bytes
-                pages[at : at + row_bytes] = rows[t]
+                pages[at : at + row_bytes] = 0xFF if unseen else rows[t]
         new_rows.append(torch.stack((k_rows[past:], v_rows[past:]), dim=1))
         query = torch.randn(q_len, kv_heads * group, head_dim, generator=generator)
         queries.append(query)
@@ -104,13 +107,14 @@ DTYPE_CASES = [  # a model-dtype query: the query scaled and cast to fp16 once, 
 ]
 
 
-def check(dtype, case, block_padding: int = 8) -> bool:
-    """The kernel's output against the reference on `case`; returns whether it was told its rows are aligned."""
+def check(dtype, case, block_padding: int = 8, garbage: bool = False) -> bool:
+    """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window);
+    returns whether it was told its rows are aligned."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
     tensors, layout, static, expected = build(requests, fmt, kv_heads, head_dim, group, dynamic,
-                                              block_padding=block_padding)  # fmt: skip
+                                              block_padding=block_padding, garbage_before=window if garbage else None)  # fmt: skip
     scaling = head_dim**-0.5
     query, pages, new_rows, read_index, cu_q, k_first, past = (t.to(DEVICE) for t in tensors)
     query = query.to(dtype)
@@ -174,3 +178,10 @@ def test_encoded_rows_are_the_reference_bits(name, dynamic):
     rows = encode_rows(states.to(DEVICE), fmt, stats, tuple(s.to(DEVICE) for s in static) if static else None)
     assert torch.equal(rows.cpu(), want)
     assert torch.equal(stats.cpu(), want_stats) and want_stats[0, 1] == 3  # inf, -inf, NaN
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case[-1] is not None], ids=str)
+def test_rows_before_the_window_are_never_read(case):
+    """NaN filler in the cached rows no query's window reaches (what a freed or recycled page holds) reaches no
+    output: the first key tile starts before the window, its earlier rows are masked out of the loads."""
+    check(torch.float32, case, garbage=True)
