@@ -55,6 +55,7 @@ _ATTENTION = re.compile(
     r"(?:self_attn|self_attention|attention|attn))\.(?P<suffix>.+)$"
 )
 TEXT_TOWER_NAMES = ("language_model", "text_model")
+OTHER_TOWER_MARKERS = ("vision", "visual", "image", "audio", "speech")  # in the name of a tower that is not text
 # suffix after the attention module -> which scale it is ("kv": one scale for both)
 SCALE_SUFFIXES = {
     "k_scale": "k", "v_scale": "v", "attn.k_scale": "k", "attn.v_scale": "v", "kv_scale": "kv",
@@ -186,17 +187,24 @@ def _weight_names(directory: Path) -> dict[str, Path]:
 
 
 def _text_tower(names: Iterable[str], where: str) -> str | None:
-    """The layer stack (e.g. `model.language_model.layers`) of the text decoder among the towers of `names`."""
+    """The layer stack (e.g. `model.language_model.layers`) of the text decoder among the towers of `names`: the
+    one beside the token embeddings, else the one named as a language model, else the only one, unless its name
+    says it is another modality's or the token embeddings lie elsewhere (then none: no tower's scales are the
+    text decoder's)."""
     names = list(names)
     towers = sorted({match["tower"] for match in map(_ATTENTION.match, names) if match})
-    if len(towers) <= 1:
-        return towers[0] if towers else None
+    embeddings = [n for n in names if ".embed_tokens." in f".{n}"]
     beside_embeddings = [t for t in towers if any(n.startswith(t.rsplit(".", 1)[0] + ".embed_tokens.") for n in names)]
     if len(beside_embeddings) == 1:
         return beside_embeddings[0]
     named = [t for t in towers if any(part in t.split(".") for part in TEXT_TOWER_NAMES)]
     if len(named) == 1:
         return named[0]
+    if len(towers) == 1:
+        other_modality = any(marker in part for part in towers[0].split(".") for marker in OTHER_TOWER_MARKERS)
+        return None if other_modality or embeddings else towers[0]
+    if not towers:
+        return None
     raise ValueError(f"{where}: decoder layers in several towers ({', '.join(towers)}); cannot tell the text model's")
 
 
@@ -210,8 +218,9 @@ def _text_scale_names(names: Iterable[str], where: Path) -> list[str]:
     kept = [name for name in scale_names if _ATTENTION.match(name)["tower"] == tower]
     if len(kept) < len(scale_names):
         other = next(name for name in scale_names if name not in kept)
-        warnings.warn(f"{where}: {len(scale_names) - len(kept)} scales outside the text decoder {tower} (e.g. {other}) "
-                      "are ignored")  # fmt: skip
+        decoder = f"the text decoder {tower}" if tower else "the text decoder (not found among the layer stacks)"
+        warnings.warn(f"{where}: {len(scale_names) - len(kept)} scales outside {decoder} (e.g. {other}) are "
+                      "ignored")  # fmt: skip
     return kept
 
 

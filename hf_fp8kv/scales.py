@@ -245,7 +245,11 @@ def _static(
                 "head_dim]"
             )
         granularity += " + key channels"
-    return StaticScales(k * fmt.ocp_scale_factor, v * fmt.ocp_scale_factor, granularity, source, key_channel)
+    if fmt.ocp_scale_factor != 1.0:  # the adjusted scales must still be usable (2e38 doubled is inf)
+        adjusted = f" x{fmt.ocp_scale_factor:g} ({fmt.name} doubles OCP-calibrated scales)"
+        k = check_scale_values(k * fmt.ocp_scale_factor, layer, names[0] + adjusted)
+        v = check_scale_values(v * fmt.ocp_scale_factor, layer, names[1] + adjusted)
+    return StaticScales(k, v, granularity, source, key_channel)
 
 
 def check_scale_values(tensor: torch.Tensor, layer: int | None, name: str) -> torch.Tensor:

@@ -283,15 +283,17 @@ def test_lone_k_scale_under_compressed_tensors_leaves_v_at_one(saved, tmp_path):
     assert (dense.key[0].item(), dense.value[0].item()) == (0.5, 0.5)
 
 
-def _two_tower_checkpoint(directory, text="model.language_model", vision="model.vision_tower.encoder", text_scales=True):
+def _two_tower_checkpoint(directory, text="model.language_model", vision="model.vision_tower.encoder", text_scales=True,
+                          text_layers=True):  # fmt: skip
     """A fabricated multimodal safetensors checkpoint: a text decoder beside its embeddings, and a vision encoder
-    with more layers; both towers carry k/v scales."""
+    with more layers; both towers carry k/v scales (`text_layers=False`: the text decoder's layers hold no
+    attention tensor, so only the vision tower's layer names are found)."""
     directory.mkdir(parents=True)
     tensors = {f"{text}.embed_tokens.weight": torch.zeros(8, 4), f"{vision}.patch_embedding.weight": torch.zeros(4, 4)}
     for i in range(3):
         tensors[f"{vision}.layers.{i}.self_attn.k_scale"] = scale(9.0, dtype=torch.float32)
         tensors[f"{vision}.layers.{i}.self_attn.v_scale"] = scale(9.0, dtype=torch.float32)
-    for i in range(2):
+    for i in range(2 if text_layers else 0):
         tensors[f"{text}.layers.{i}.self_attn.q_proj.weight"] = torch.zeros(4, 4)
     for i in range(2 if text_scales else 0):
         tensors[f"{text}.layers.{i}.self_attn.k_scale"] = scale(0.5 + i, dtype=torch.float32)
@@ -316,6 +318,19 @@ def test_multimodal_checkpoint_uses_the_text_decoders_scales_only(tmp_path, text
     with pytest.warns(UserWarning, match="ignored"):
         out = exported.export_for_vllm(vision_only, tmp_path / "out")
     assert sorted(load_file(out / SCALES_FILE))[0] == f"{text}.layers.0.self_attn.k_scale"
+
+
+@pytest.mark.parametrize("embeddings", [True, False])
+def test_scales_of_a_vision_tower_alone_are_never_the_text_decoders(tmp_path, embeddings):
+    """Only the vision tower's layers are named in the checkpoint: its scales are still not the text decoder's,
+    whether or not the text embeddings are there to say so (the tower is named vision)."""
+    directory = _two_tower_checkpoint(tmp_path / "vision", text_scales=False, text_layers=False)
+    if not embeddings:
+        tensors = {n: t for n, t in load_file(directory / "model.safetensors").items() if "embed_tokens" not in n}
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"6 scales outside the text decoder \(not found.*vision_tower.*ignored"):
+        with pytest.raises(FileNotFoundError, match="no KV cache scales"):
+            KVScales.from_pretrained(directory)
 
 
 def test_auto_reads_only_the_files_transformers_reads(saved, tmp_path):

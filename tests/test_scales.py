@@ -50,6 +50,15 @@ def test_fnuz_codes_decode_like_e4m3fn_with_doubled_scale():
     torch.testing.assert_close(fnuz.dequantized()[0], keys, rtol=2**-4, atol=0.05 * 2**-9)
 
 
+def test_fnuz_checks_the_doubled_scales():
+    """A finite scale whose double is not (2e38 -> inf) is refused naming the tensor and the adjustment, before a
+    single step could give non-finite logits."""
+    for scales in (2e38, {0: (1.0, 1.0), 1: (1.0, 2e38)}):
+        with pytest.raises(ValueError, match=r"k_scale x2 \(fp8_e4m3fnuz doubles|layer 1 v_scale x2"):
+            QuantizedFP8Cache(tiny_model(), kv_cache_dtype="fp8_e4m3fnuz", scales=scales)
+    QuantizedFP8Cache(tiny_model(), kv_cache_dtype="fp8_e4m3", scales=2e38)  # fine where nothing is doubled
+
+
 def test_rocm_picks_fnuz_for_fp8(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
     assert QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt is get_format("fp8_e4m3fnuz")
