@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 import warnings
 from typing import Iterable
@@ -98,13 +99,18 @@ class QuantizedFP8Cache(Cache):
         if model is None and config is None:
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
         config = config if config is not None else model.config
-        for name, count in (("recent_tokens", recent_tokens), ("sink_tokens", sink_tokens)):
-            _check_count(name, count)
-        if max_cache_len is not None:
-            _check_count("max_cache_len", max_cache_len, minimum=1)
-        _check_count("block_size", block_size, minimum=1)
-        check_backend(backend)
         text_config = config.get_text_config(decoder=True)
+        context = getattr(text_config, "max_position_embeddings", None)
+        recent_tokens = _check_count("recent_tokens", recent_tokens, maximum=context)
+        sink_tokens = _check_count("sink_tokens", sink_tokens, maximum=context)
+        block_size = _check_count("block_size", block_size, minimum=1)
+        if max_cache_len is not None:
+            max_cache_len = _check_count("max_cache_len", max_cache_len, minimum=1)
+        if max_batch_size is not None:
+            if max_cache_len is None:
+                raise ValueError("max_batch_size applies to a static cache: pass max_cache_len too")
+            max_batch_size = _check_count("max_batch_size", max_batch_size, minimum=1)
+        check_backend(backend)
         self.fmt = get_format(platform_dtype(kv_cache_dtype))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         skip = _validate_skip_layers(skip_layers, layer_types)
@@ -172,6 +178,33 @@ class QuantizedFP8Cache(Cache):
             warnings.warn(SLOW_PATH_WARNING.format(name=ATTENTION_NAME, reason=reason), stacklevel=4)
             self._slow_path_warned = True
         return False
+
+    # --- what a generate call will ask, checked before its first step ---------------------------------------
+    def check_generation(self, max_cache_length: int, batch_size: int, assisted: bool) -> None:
+        """Refuse, before the model runs, a generate call this cache cannot serve: more tokens than a static
+        cache holds (`max_cache_length`: prompt + new tokens - 1), a larger batch (rows x beams or returned
+        sequences) than its buffers, or assisted / prompt-lookup decoding on layers that cannot roll back."""
+        static = [layer for layer in self.layers if isinstance(layer, StaticFP8Layer)]
+        limit = min((layer.max_cache_len for layer in static), default=None)
+        if limit is not None and max_cache_length > limit:
+            raise ValueError(
+                f"this generate call may hold {max_cache_length} tokens (prompt + max_new_tokens - 1) but this static "
+                f"cache holds max_cache_len={limit}: build QuantizedFP8Cache(model, max_cache_len={max_cache_length}) "
+                "or lower max_new_tokens"
+            )
+        rows = [layer.max_batch_size for layer in static if layer.max_batch_size is not None]
+        if rows and batch_size > min(rows):
+            raise ValueError(
+                f"this generate call runs {batch_size} rows (batch x beams or returned sequences) but this static "
+                f"cache holds max_batch_size={min(rows)}"
+            )
+        if assisted and not self.is_croppable:
+            layer = next(i for i, layer in enumerate(self.layers) if not layer.is_croppable)
+            raise ValueError(
+                f"assisted and prompt-lookup decoding roll the cache back after each draft, but layer {layer} cannot "
+                "roll back: a static cache's sliding-window layers are rings that overwrite the tokens it would "
+                "need (max_cache_len > sliding_window). Use the dynamic cache (no max_cache_len) for assisted decoding"
+            )
 
     # --- generate's batch and rollback operations also keep the token history in step ----------------------
     def reset(self) -> None:
@@ -253,9 +286,16 @@ def _module_config(frame):
     return getattr(caller, "config", None) if isinstance(caller, torch.nn.Module) else None
 
 
-def _check_count(name: str, value, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_count(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
+    """`value` as an int (any integral number: numpy's too), checked against its bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(
+            f"{name}={value!r} exceeds the model's context (max_position_embeddings={maximum}); to keep every token "
+            "in the model's dtype, skip the layers (skip_layers) or use transformers' DynamicCache"
+        )
+    return int(value)
 
 
 def _validate_skip_layers(skip_layers: str | Iterable[int | str], layer_types: list[str]) -> set[int]:

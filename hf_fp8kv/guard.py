@@ -155,9 +155,35 @@ class RecordForwardTokens:
         return None
 
 
+class CheckedCachePreparation:
+    """`model._prepare_cache_for_generation` of a guarded model: before the first step, a cache of ours checks
+    what the generate call will ask of it (`check_generation`: length, batch, rollback), then the class's method
+    runs. A plain object, so the model still pickles."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        method = type(self.model)._prepare_cache_for_generation
+        call = inspect.signature(method).bind(self.model, *args, **kwargs).arguments
+        model_kwargs, config = call.get("model_kwargs") or {}, call.get("generation_config")
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if hasattr(cache, "check_generation") and config is not None and "max_cache_length" in call:
+            mode = call.get("generation_mode")
+            sequences = max(config.num_beams or 1, config.num_return_sequences or 1)
+            cache.check_generation(
+                call["max_cache_length"], call.get("batch_size", 1) * sequences,
+                getattr(mode, "value", mode) == "assisted_generation",
+            )  # fmt: skip
+        return method(self.model, *args, **kwargs)
+
+
 def install_generation_guard(model: torch.nn.Module) -> None:
-    """Feed our caches' token histories from `model`'s generate steps and forwards (once per model)."""
+    """Feed our caches' token histories from `model`'s generate steps and forwards, and let them check a generate
+    call before its first step (once per model)."""
     if isinstance(vars(model).get("prepare_inputs_for_generation"), GuardedPrepareInputs):
         return
     model.prepare_inputs_for_generation = GuardedPrepareInputs(model)
+    if hasattr(type(model), "_prepare_cache_for_generation"):
+        model._prepare_cache_for_generation = CheckedCachePreparation(model)
     model.register_forward_pre_hook(RecordForwardTokens(), with_kwargs=True)

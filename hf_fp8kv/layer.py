@@ -10,19 +10,35 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from hf_fp8kv.kernels import ops
 from hf_fp8kv.kernels.formats import StorageFormat
-from hf_fp8kv.kernels.reference import materialize
+from hf_fp8kv.kernels.reference import _pieces, materialize
 from hf_fp8kv.kernels.view import KVView
 from hf_fp8kv.scales import DynamicScales, LayerScales
 
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless, reentrant
+
+
+class Float8Bits(NamedTuple):
+    """A float8 tensor as its bits (pickling)."""
+
+    bits: torch.Tensor
+    dtype: torch.dtype
+
+
+def _map_float8(value, fn):
+    """`value` with `fn` applied to every float8 tensor (or `Float8Bits`) in it, dicts included."""
+    if isinstance(value, Float8Bits) or isinstance(value, torch.Tensor) and value.dtype.itemsize == 1 and value.dtype.is_floating_point:
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_float8(item, fn) for key, item in value.items()}
+    return value
 
 
 class QuantizedKV:
@@ -39,6 +55,8 @@ class QuantizedKV:
 
     def attend(self, query: torch.Tensor, *, scaling: float, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """`[batch, q_heads, q_len, head_dim]` attention output of `query` over the cached tokens."""
+        if torch.compiler.is_compiling() and not self.layer.is_compileable:
+            return _eager_attend(self, query, scaling=scaling, mask=mask, **kwargs)
         layer = self.layer
         layer.capture_sinks(self, mask)
         if layer.static and layer.decode_splits is None and not torch.compiler.is_compiling():
@@ -102,6 +120,19 @@ class FP8CacheLayer(CacheLayerMixin):
     @property
     def dynamic(self) -> bool:
         return isinstance(self.scales, DynamicScales)
+
+    # --- pickling: torch pickles a float8 tensor it cannot load back (it has no typed storage), so the codes
+    # travel as their uint8 bits; launch plans and memos are rebuilt on use
+    def __getstate__(self) -> dict:
+        state = {**self.__dict__, "plans": {}, "launch_memo": {}}
+        memo: dict[int, Float8Bits] = {}
+        return {name: _map_float8(value, lambda t: memo.setdefault(id(t), Float8Bits(t.view(torch.uint8), t.dtype)))
+                for name, value in state.items()}  # fmt: skip
+
+    def __setstate__(self, state: dict) -> None:
+        memo: dict[int, torch.Tensor] = {}
+        restore = lambda bits: memo.setdefault(id(bits), bits.bits.view(bits.dtype))  # noqa: E731
+        self.__dict__.update({name: _map_float8(value, restore) for name, value in state.items()})
 
     @property
     def key_codes(self) -> torch.Tensor:
@@ -167,14 +198,42 @@ class FP8CacheLayer(CacheLayerMixin):
         else:
             self.scale = torch.stack([self.scales.key, self.scales.value]).reshape(2, 1, kv_heads, 1).to(self.device)
         shape = (2, batch, kv_heads)
-        self.recent = self._fp_buffer(*shape, self.recent_tokens, head_dim) if self.recent_tokens else None
-        self.sinks = self._fp_buffer(*shape, self.sink_tokens, head_dim) if self.sink_tokens else None
+        self.recent = self._fp_buffer(*shape, self._fp_slots(self.recent_tokens), head_dim) if self.recent_tokens else None
+        self.sinks = self._fp_buffer(*shape, self._fp_slots(self.sink_tokens), head_dim) if self.sink_tokens else None
         self.sink_start = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.sink_count = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.launch_memo = {}
 
     def _fp_buffer(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def _fp_slots(self, tokens: int, held: int = 0) -> int:
+        """Slots of a full-precision buffer of at most `tokens` tokens that must hold `held` now: grown with the
+        context a block at a time, like the codes. The recent window's token t is at slot t % slots: with fewer
+        slots than `recent_tokens`, all the window's tokens still fit, so none leaves it early."""
+        return min(tokens, max(math.ceil(held / self.block_size), 1) * self.block_size)
+
+    def _fit_full_precision(self, end: int) -> None:
+        """Resize the recent and sink buffers for tokens up to `end` (grow before a write, shrink after a crop),
+        keeping the tokens they hold."""
+        for name, tokens, held in (("recent", self.recent_tokens, end - self.fp_start), ("sinks", self.sink_tokens, end)):
+            buffer = getattr(self, name)
+            slots = self._fp_slots(tokens, held)
+            if buffer is None or buffer.shape[3] == slots:
+                continue
+            resized = buffer.new_zeros(*buffer.shape[:3], slots, buffer.shape[4])
+            if name == "sinks":  # a row's sink token t is at slot t - sink_start, whatever the slots
+                held = min(slots, buffer.shape[3])
+                resized[:, :, :, :held] = buffer[:, :, :, :held]
+            else:
+                for first, stop, slot in _pieces(max(self.fp_start, self.end - slots), self.end, buffer.shape[3]):
+                    for piece_first, piece_stop, new_slot in _pieces(first, stop, slots):
+                        old_slot = slot + piece_first - first
+                        resized[:, :, :, new_slot : new_slot + piece_stop - piece_first] = (
+                            buffer[:, :, :, old_slot : old_slot + piece_stop - piece_first]
+                        )
+            setattr(self, name, resized)
+            self.launch_memo = {}
 
     # --- what the attention reads --------------------------------------------------------------------------
     def view(self, start=None) -> KVView:
@@ -243,6 +302,7 @@ class FP8CacheLayer(CacheLayerMixin):
         used = self.end - self.first
         if needed > self.capacity or self.capacity - (used + new_tokens) > self.block_size:
             self._reallocate(math.ceil((used + new_tokens) / self.block_size) * self.block_size)
+        self._fit_full_precision(self.end + new_tokens)
 
     def _reallocate(self, capacity: int) -> None:
         """Move the stored tokens `[first, end)` to the front of new buffers of `capacity` slots."""
@@ -269,17 +329,22 @@ class FP8CacheLayer(CacheLayerMixin):
 
     # --- the cache protocol ------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling() and not self.is_compileable:
+            return _eager_update(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.codes.shape[1] or key_states.shape[1] != self.codes.shape[2]:
-            raise ValueError(
-                f"layer {self.layer_idx}: new key states {tuple(key_states.shape)} do not fit the cache's batch "
-                f"{self.codes.shape[1]} x {self.codes.shape[2]} KV heads; use a fresh cache per batch"
-            )
+            raise self._batch_error(key_states)
         kv = self._store(key_states, value_states)
         if self.fast_path():
             return kv, kv
         return kv.dequantized()
+
+    def _batch_error(self, key_states: torch.Tensor) -> ValueError:
+        return ValueError(
+            f"layer {self.layer_idx}: new key states {tuple(key_states.shape)} do not fit the cache's batch "
+            f"{self.codes.shape[1]} x {self.codes.shape[2]} KV heads; use a fresh cache per batch"
+        )
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> QuantizedKV:
         """Write the new tokens; the tokens this update's queries attend to."""
@@ -369,3 +434,8 @@ class FP8CacheLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         if self.is_initialized and self.codes.device != self.device:
             self._map_buffers(lambda t: t.to(self.device, non_blocking=True))
+
+
+# a dynamic layer's Python positions cannot be traced: under torch.compile it runs eagerly (a graph break)
+_eager_attend = torch.compiler.disable(QuantizedKV.attend)
+_eager_update = torch.compiler.disable(FP8CacheLayer.update)

@@ -40,6 +40,7 @@ class FP8SlidingWindowLayer(FP8CacheLayer):
         target = (math.ceil(used / self.block_size) + 1) * self.block_size
         if self.end + new_tokens - self.offset > self.capacity or self.capacity > target:
             self._reallocate(target)
+        self._fit_full_precision(self.end + new_tokens)
 
     def _keep_last(self, tokens: int) -> None:
         self.first = max(self.first, self.end - tokens)

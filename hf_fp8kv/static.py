@@ -31,6 +31,10 @@ class StaticFP8Layer(FP8CacheLayer):
         super().__init__(*args, **kwargs)
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
+        self.recent_tokens = min(self.recent_tokens, max_cache_len)  # no more tokens than the cache holds
+
+    def _fp_slots(self, tokens: int, held: int = 0) -> int:
+        return tokens  # allocated once: the addresses stay
 
     def _forget(self) -> None:
         super()._forget()
@@ -39,6 +43,7 @@ class StaticFP8Layer(FP8CacheLayer):
         # `positions` on the host for the eager paths; None after a compiled step moved them (read back once)
         self.host_positions: tuple[int, int] | None = (0, 0)
         self.step_deltas: dict[int, torch.Tensor] = {}  # fp_start's move (0 or 1) -> a decode step's device delta
+        self.rows: int | None = None  # the batch served (None: the next update's)
 
     def _host_positions(self) -> tuple[int, int]:
         if self.host_positions is None:
@@ -50,25 +55,91 @@ class StaticFP8Layer(FP8CacheLayer):
     def ring_slots(self) -> int:
         return self.max_cache_len
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch = key_states.shape[0]
-        if self.max_batch_size is not None and batch > self.max_batch_size:
-            raise ValueError(
-                f"layer {self.layer_idx}: a batch of {batch} rows exceeds this static cache's max_batch_size="
-                f"{self.max_batch_size}"
-            )
-        super().lazy_initialization(key_states, value_states)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and self.rows is None:  # the first update since `reset`: any batch that fits
+            self._use_rows(key_states.shape[0])
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _batch_error(self, key_states: torch.Tensor) -> ValueError:
+        return ValueError(
+            f"layer {self.layer_idx}: new key states {tuple(key_states.shape)} do not fit this static cache's batch of "
+            f"{self.rows} rows x {self.codes.shape[2]} KV heads; call cache.reset() before another batch (of at most "
+            f"{self.allocated_rows} rows)"
+        )
 
     def _allocate(self, batch: int, kv_heads: int, head_dim: int, slots: int = 0) -> None:
-        super()._allocate(batch, kv_heads, head_dim, self.ring_slots + 1)  # + the spare slot
+        # buffers for max_batch_size rows (default: the first batch), of which the current batch uses the first
+        rows = self.max_batch_size if self.max_batch_size is not None else batch
+        super()._allocate(rows, kv_heads, head_dim, self.ring_slots + 1)  # + the spare slot
         self.positions = self.positions.to(self.device)
         self.position_views = (self.positions[0], self.positions[1])
         if self.dynamic:
             self.scale.fill_(1.0)
         self.codes.view(torch.uint8).zero_()
+        self.storage = {name: getattr(self, name) for name in (*self._buffers(), "sink_start", "sink_count")}
+        self.row_views: dict[int, dict[str, torch.Tensor]] = {}
         if not torch.compiler.is_compiling():  # fixed addresses: no recompilation, CUDA graphs can replay
-            for name in (*self._buffers(), "positions", "stats", "sink_start", "sink_count"):
+            for name in ("positions", "stats"):
                 torch._dynamo.mark_static_address(getattr(self, name))
+        self._use_rows(batch)
+
+    def __getstate__(self) -> dict:
+        # views are rebuilt on load (plain pickle copies each tensor's storage: views would come back detached)
+        state = super().__getstate__()
+        for name in ("position_views", "row_views", *getattr(self, "storage", {})):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.position_views = (self.positions[0], self.positions[1])
+        if self.is_initialized:
+            rows, self.rows, self.row_views = self.rows, None, {}
+            self._use_rows(rows if rows is not None else self.allocated_rows)
+            self.rows = rows
+
+    @property
+    def allocated_rows(self) -> int:
+        return self.storage["codes"].shape[1]
+
+    def _use_rows(self, rows: int) -> None:
+        """Serve a batch of `rows` rows from the first rows of the buffers (the same views for the same batch
+        size: compiled graphs keep their inputs)."""
+        if rows > self.allocated_rows:
+            limit = "max_batch_size" if self.max_batch_size is not None else "its first batch (max_batch_size unset)"
+            raise ValueError(
+                f"layer {self.layer_idx}: a batch of {rows} rows exceeds this static cache's {self.allocated_rows} "
+                f"rows ({limit}); build QuantizedFP8Cache(model, max_cache_len=..., max_batch_size={rows})"
+            )
+        if rows not in self.row_views:
+            views = {name: buffer.narrow(_batch_dim(buffer), 0, rows) for name, buffer in self.storage.items()}
+            if not torch.compiler.is_compiling():  # fixed addresses: no recompilation, CUDA graphs can replay
+                for view in views.values():
+                    torch._dynamo.mark_static_address(view)
+            self.row_views[rows] = views
+        for name, view in self.row_views[rows].items():
+            setattr(self, name, view)
+        self.launch_memo = {}
+        self.rows = rows
+
+    def _select_rows(self, rows: list[int]) -> None:
+        """Keep batch rows `rows` (in that order, repeats allowed), in place in the first rows of the buffers."""
+        if not self.is_initialized:
+            return
+        if len(rows) > self.allocated_rows:
+            self._use_rows(len(rows))  # raises, naming max_batch_size
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        picked = {name: getattr(self, name).index_select(_batch_dim(buffer), index) for name, buffer in self.storage.items()}
+        for name, buffer in self.storage.items():
+            buffer.narrow(_batch_dim(buffer), 0, len(rows)).copy_(picked[name])
+        self._use_rows(len(rows))
+        if self.sink_rows is not None:
+            self.sink_rows = [self.sink_rows[r] for r in rows]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers allocated (for `max_batch_size` rows, `max_cache_len` tokens)."""
+        return sum(self.storage[name].nbytes for name in self._buffers()) if self.is_initialized else 0
 
     @property
     def end(self):
@@ -102,12 +173,14 @@ class StaticFP8Layer(FP8CacheLayer):
         return self._host_positions()[0]
 
     def _make_room(self, new_tokens: int) -> None:
-        if new_tokens > self.max_cache_len and not self.is_sliding:
+        """A static cache holds at most `max_cache_len` tokens, on every layer (a sliding layer's mask columns are
+        positions `[0, max_cache_len)` too)."""
+        if new_tokens > self.max_cache_len:
             raise ValueError(
                 f"layer {self.layer_idx}: {new_tokens} new tokens do not fit this static cache's "
                 f"max_cache_len={self.max_cache_len}; build QuantizedFP8Cache(model, max_cache_len=...) larger"
             )
-        if not torch.compiler.is_compiling() and not self.is_sliding:
+        if not torch.compiler.is_compiling():
             end = self._host_end()
             if end + new_tokens > self.max_cache_len:
                 raise ValueError(
@@ -150,6 +223,7 @@ class StaticFP8Layer(FP8CacheLayer):
         self.host_positions = (0, 0)
         self.sink_rows = None
         self.has_nan = False
+        self.rows = None
 
     def _crop_to(self, end: int) -> None:
         fp_start = min(self._host_positions()[1], end)
@@ -163,18 +237,6 @@ class StaticFP8Layer(FP8CacheLayer):
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
         self._crop_to(max(self._host_end() + tokens_to_remove, 0))
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder rows in place (the buffers keep their addresses)."""
-        if self.is_initialized:
-            rows = beam_idx.tolist()
-            index = beam_idx.to(self.device)
-            for name in self._buffers():
-                buffer = getattr(self, name)
-                buffer.copy_(buffer.index_select(1, index))
-            self.sink_start.copy_(self.sink_start[index])
-            self.sink_count.copy_(self.sink_count[index])
-            if self.sink_rows is not None:
-                self.sink_rows = [self.sink_rows[r] for r in rows]
 
 
 class StaticFP8SlidingLayer(StaticFP8Layer):
@@ -190,10 +252,35 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
     def ring_slots(self) -> int:
         return min(self.sliding_window, self.max_cache_len)
 
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can always roll the layer back: only when its ring never wraps (`max_cache_len <=
+        sliding_window`), as for transformers' static sliding layer; else `crop` refuses to drop tokens whose ring
+        slots overwrote tokens still needed."""
+        return self.max_cache_len <= self.sliding_window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.is_initialized:
+            end = self._host_end()
+            needed = max(end + tokens_to_remove - (self.sliding_window - 1), 0)  # the oldest token seen next
+            held = max(end - self.ring_slots, 0)  # the oldest token the ring still holds
+            if needed < held:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: after crop({tokens_to_remove}) the next token sees tokens from {needed} "
+                    f"on, but this static sliding-window layer's ring of {self.ring_slots} slots has overwritten "
+                    f"tokens {needed}..{held - 1}. A "
+                    "static cache on a sliding-window model cannot roll back once its ring is full (assisted or "
+                    "prompt-lookup decoding): use the dynamic cache (no max_cache_len), or max_cache_len <= "
+                    f"sliding_window ({self.sliding_window})"
+                )
+        super().crop(tokens_to_remove)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new_tokens = key_states.shape[2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif self.rows is not None and key_states.shape[0] != self.rows:
+            raise self._batch_error(key_states)
         compiling = torch.compiler.is_compiling()
         host = self.host_positions if compiling else self._host_positions()  # compiled: guarded, None once moved
         if new_tokens == 1 or (host is not None and host[0] + new_tokens <= self.ring_slots):
@@ -209,11 +296,14 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         """Several tokens once the ring is full: write them into a linear copy of the window, attend over it,
         then keep its last `ring_slots` tokens in the ring."""
         new_tokens, slots = key_states.shape[2], self.ring_slots
+        self._make_room(new_tokens)
         end, fp_start = self._host_positions()
-        first = max(end - (self.sliding_window - 1), 0)
+        # the tokens the new ones may see, and those of the recent window that leave it now (each has its ring slot)
+        first = min(max(end - (self.sliding_window - 1), 0), fp_start)
         held = torch.arange(first, end, device=self.device)
-        copy = FP8CacheLayer(self.fmt, self.scales, slots, self.requested_backend, self.fast_path, self.layer_idx,
-                      self.recent_tokens, 0)  # fmt: skip
+        # (blocks of at least the recent window: the copy keeps the ring's recent buffer as it is)
+        copy = FP8CacheLayer(self.fmt, self.scales, max(slots, self.recent_tokens), self.requested_backend,
+                             self.fast_path, self.layer_idx, self.recent_tokens, 0)  # fmt: skip
         for name in ("device", "dtype", "backend", "key_channel_scale", "stats", "has_nan", "recent", "sinks",
                      "sink_start", "sink_count"):  # fmt: skip
             setattr(copy, name, getattr(self, name))
@@ -236,3 +326,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         kv_copy.view.mask_start = 0  # the static mask covers [0, max_cache_len)
         kv = QuantizedKV(self, kv_copy.view, kv_copy.new_key, kv_copy.new_value)
         return (kv, kv) if self.fast_path() else kv.dequantized()
+
+
+def _batch_dim(buffer: torch.Tensor) -> int:
+    return 0 if buffer.dim() == 1 else 1  # sink_start / sink_count [batch]; the others [2, batch, ...]

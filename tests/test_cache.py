@@ -203,3 +203,40 @@ def test_reused_cache_with_unrelated_prompt_raises_and_continuation_works():
         greedy(model, cache, ids=PROMPT)
     cache.reset()
     assert torch.equal(greedy(model, cache, new=4), first)
+
+
+HALF_WINDOWS = {
+    "pure": dict(scales="dynamic", **PURE_FP8),
+    "sinks only": dict(scales="dynamic", recent_tokens=0, sink_tokens=4),
+    "recent only": dict(scales="dynamic", recent_tokens=4, sink_tokens=0),
+    "default": {},  # QuantizedFP8Cache(model): scale 1.0 (warned), window 32 + 4
+}
+
+
+# every window setting on the torch path; the interpreted Triton kernels (slow) with and without sinks
+HALF_CASES = [(name, "torch") for name in HALF_WINDOWS] + [("default", "triton"), ("recent only", "triton")]
+
+
+@pytest.mark.parametrize("window,backend", HALF_CASES, ids=[f"{w}-{b}" for w, b in HALF_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_left_padded_half_precision_batch_reads_each_prompt_alone(dtype, window, backend):
+    """A batch of two prompts, one left-padded, on a bf16 / fp16 model (the README's first usage line): the padded
+    row's logits are the prompt's alone up to rounding, far from what attending to the padding would give."""
+    model = tiny_model().to(dtype)
+    long, short = PROMPT, PROMPT[:, 3:]
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+
+    def scores(ids, attention_mask):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the default's calibration warning
+            cache = QuantizedFP8Cache(model, backend=backend, **HALF_WINDOWS[window])
+        out = model.generate(input_ids=ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False,
+                             cache=cache, output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+        return torch.stack(out.scores, dim=1).float()
+
+    alone = scores(short, torch.ones_like(short))[0]
+    padded_gap = (scores(batch, mask)[1] - alone).abs().max().item()
+    unmasked_gap = (scores(batch, torch.ones_like(mask))[1] - alone).abs().max().item()
+    assert padded_gap < unmasked_gap / 10, (padded_gap, unmasked_gap)

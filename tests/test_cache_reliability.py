@@ -198,3 +198,33 @@ def test_cache_of_another_config_or_model_takes_the_warned_slow_path():
             got = model(input_ids=PROMPT, cache=cache).logits
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert model.config._attn_implementation == "sdpa"
+
+
+def test_integral_lengths_of_any_type_are_accepted():
+    """numpy integers (a length read from an array) are lengths as transformers takes them; floats are not."""
+    import numpy as np
+
+    model = tiny_model()
+    lengths = dict(recent_tokens=np.int64(4), sink_tokens=np.int32(2), block_size=np.int16(16))
+    expected = model.generate(input_ids=PROMPT, max_new_tokens=4, do_sample=False,
+                              cache=QuantizedFP8Cache(model, scales="dynamic", recent_tokens=4, sink_tokens=2))  # fmt: skip
+    for static in ({}, dict(max_cache_len=np.int64(32), max_batch_size=np.int64(1))):
+        cache = QuantizedFP8Cache(model, scales="dynamic", **lengths, **static)
+        assert type(cache.layers[0].recent_tokens) is int
+        got = model.generate(input_ids=PROMPT, max_new_tokens=4, do_sample=False, cache=cache)
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="max_cache_len=32.0 must be an int"):
+        QuantizedFP8Cache(model, max_cache_len=32.0)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_filled_cache_pickles_and_continues_where_it_was(static):
+    import pickle
+
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=3, max_cache_len=40 if static else None)
+    with torch.no_grad():
+        model(input_ids=PROMPT, cache=cache)
+        restored = pickle.loads(pickle.dumps(cache))
+        step = PROMPT[:, :1]
+        assert torch.equal(model(input_ids=step, cache=restored).logits, model(input_ids=step, cache=cache).logits)

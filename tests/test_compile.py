@@ -96,3 +96,28 @@ def test_eager_turn_after_compiled_steps(model_type):
     # inductor's own drift on these logits (max 0.5) is ~1e-3; stale positions gave 0.04 (llama), 0.37 (gemma3)
     eager = run(model.forward)
     torch.testing.assert_close(run(torch.compile(model.forward, fullgraph=True)), eager, atol=5e-3, rtol=0)
+
+
+def test_compiled_forward_with_the_dynamic_cache():
+    """`torch.compile(model.forward)` over the dynamic cache (Python positions: its update and attention run
+    eagerly, a graph break each) decodes the eager tokens, and compiles nothing more for a longer generation."""
+    torch._dynamo.reset()
+    model = model_of("llama")
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
+
+    def run(forward, steps: int) -> list[int]:
+        cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=4, sink_tokens=2)
+        tokens = []
+        with torch.no_grad():
+            out = forward(input_ids=prompt, cache=cache)
+            for _ in range(steps):  # past the window
+                token = out.logits[:, -1:].argmax(-1)
+                tokens.append(int(token))
+                out = forward(input_ids=token, cache=cache)
+        return tokens
+
+    compiled = torch.compile(model.forward)
+    assert run(compiled, 4) == run(model.forward, 4)
+    counters.clear()
+    assert run(compiled, 12) == run(model.forward, 12)
+    assert not counters["stats"]["unique_graphs"]  # no recompilation per token

@@ -117,3 +117,70 @@ def test_bad_window_arguments_are_named():
         for bad in (-1, 2.5, "4"):
             with pytest.raises(ValueError, match=name):
                 QuantizedFP8Cache(model, **{name: bad})
+
+
+WINDOW_SETTINGS = [dict(recent_tokens=r, sink_tokens=s) for r, s in ((0, 0), (0, 4), (32, 4), (500, 0), (100, 100))]
+
+
+def used_bytes(layer) -> int:
+    """What the tokens a dynamic layer holds need: a code slot (codes and per-token scales) for each, plus the
+    model-dtype copies of the recent window's and the sinks' tokens."""
+    batch, heads, head_dim = layer.codes.shape[1], layer.codes.shape[2], layer.codes.shape[4]
+    per_code = 2 * batch * heads * (head_dim + 4)  # keys and values, fp8 codes + an fp32 scale
+    per_fp = 2 * batch * heads * head_dim * layer.dtype.itemsize
+    window = min(layer.end - layer.fp_start, layer.recent_tokens)
+    sinks = min(layer.end, layer.sink_tokens)
+    return layer.length * per_code + (window + sinks) * per_fp, per_code, per_fp
+
+
+@pytest.mark.parametrize("window", WINDOW_SETTINGS, ids=lambda w: f"{w['recent_tokens']}+{w['sink_tokens']}")
+def test_bytes_held_stay_within_one_block_of_bytes_used(window):
+    """Every buffer (codes, recent window, sinks) grows with the context a block at a time and shrinks after a
+    crop: a short prompt holds no full-size window, and 400 tokens cropped to 10 release their buffers at the
+    next update."""
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic", block_size=16, **window)
+    layer = cache.layers[0]
+    ids = torch.randint(3, 120, (1, 400), generator=torch.Generator().manual_seed(0))
+
+    def assert_within_a_block():
+        used, per_code, per_fp = used_bytes(layer)
+        slack = 16 * (per_code + per_fp * ((layer.recent is not None) + (layer.sinks is not None)))
+        assert used <= layer.nbytes <= used + slack, (layer.end, layer.nbytes, used, slack)
+
+    with torch.no_grad():
+        model(input_ids=ids[:, :14], cache=cache)
+        assert_within_a_block()
+        model(input_ids=ids[:, 14:], cache=cache)
+        assert_within_a_block()
+        cache.crop(-390)
+        for step in range(20):
+            model(input_ids=ids[:, 10 + step : 11 + step], cache=cache)
+            assert_within_a_block()
+
+
+def test_a_window_beyond_the_models_context_is_refused():
+    model = tiny_model()  # max_position_embeddings 512
+    for name in ("recent_tokens", "sink_tokens"):
+        with pytest.raises(ValueError, match=rf"{name}=1000000 exceeds the model's context.*512"):
+            QuantizedFP8Cache(model, **{name: 1_000_000})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_growing_and_cropping_the_window_keeps_its_tokens(backend):
+    """Across the window buffers' growth (a block at a time) and a crop that shrinks them: the logits of a window
+    wider than the whole text are DynamicCache's."""
+    model = tiny_model()
+    ids = torch.randint(3, 120, (1, 60), generator=torch.Generator().manual_seed(2))
+    caches = [DynamicCache(config=model.config),
+              QuantizedFP8Cache(model, scales="dynamic", block_size=8, recent_tokens=100, sink_tokens=2,
+                                backend=backend)]  # fmt: skip
+    logits = []
+    for cache in caches:
+        with torch.no_grad():
+            model(input_ids=ids[:, :5], cache=cache)
+            for t in range(5, 20):
+                model(input_ids=ids[:, t : t + 1], cache=cache)
+            cache.crop(-11)
+            logits.append(torch.cat([model(input_ids=ids[:, t : t + 1], cache=cache).logits for t in range(9, 14)]))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

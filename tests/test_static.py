@@ -1,0 +1,121 @@
+"""The static cache (`max_cache_len`) where its modes cross: sliding rings x crop x the recent window, batches up to
+`max_batch_size`, and generate calls it cannot serve refused before the first step."""
+
+import pytest
+import torch
+
+from hf_fp8kv import QuantizedFP8Cache
+from tests.models import PURE_FP8, tiny_model
+
+WINDOWS = {"pure": PURE_FP8, "recent 4": dict(recent_tokens=4, sink_tokens=0), "default": {}}
+IDS = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(0))
+LOOKUP_PROMPT = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+
+
+def gemma(sliding_window: int = 8):
+    return tiny_model("gemma3_text", num_hidden_layers=2, sliding_window=sliding_window,
+                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+
+
+def chat(model, cache, crop: int = 0) -> torch.Tensor:
+    """A prompt past the sliding window, a turn of 4 tokens, an optional crop, then a turn of 2 (several tokens
+    at once once the ring is full); the last logits."""
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(input_ids=IDS[:, :20], cache=cache)
+        model(input_ids=IDS[:, 20:24], cache=cache)
+        cache.crop(-crop)
+        start = 24 - crop
+        return model(input_ids=IDS[:, start : start + 2], cache=cache).logits
+
+
+@pytest.mark.parametrize("recent_tokens", [0, 4, 7, 8, 9, 32])
+def test_several_tokens_into_a_full_ring_with_any_recent_window(recent_tokens):
+    """A chat turn once the ring is full, whatever the recent window (as large as the ring or larger: clamped to the
+    layer's window) and with a crop that keeps what the next token sees: the dynamic cache's logits."""
+    model = gemma()
+    window = dict(recent_tokens=recent_tokens, sink_tokens=0)
+    for crop in (0, 1):
+        expected = chat(model, QuantizedFP8Cache(model, scales="dynamic", **window), crop)
+        got = chat(model, QuantizedFP8Cache(model, scales="dynamic", max_cache_len=64, **window), crop)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
+def test_crop_past_what_the_ring_holds_is_refused(window):
+    """The ring overwrote tokens the next step would see: `crop` refuses, naming the layer and the way out, and
+    the cache says it is not croppable (as transformers' static sliding layer)."""
+    model = gemma()
+    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=64, **window)
+    assert not cache.is_croppable
+    with pytest.raises(RuntimeError, match=r"layer 0: after crop\(-3\).*overwritten.*dynamic cache"):
+        chat(model, cache, crop=3)
+    assert QuantizedFP8Cache(model, scales="dynamic", max_cache_len=8).is_croppable  # the ring never wraps
+
+
+def test_assisted_decoding_on_a_ring_that_can_wrap_is_refused_before_the_model_runs():
+    model = gemma()
+    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=64)
+    with pytest.raises(ValueError, match="assisted and prompt-lookup decoding.*layer 0 cannot roll back"):
+        model.generate(input_ids=LOOKUP_PROMPT, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                       cache=cache)  # fmt: skip
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
+def test_prompt_lookup_on_a_static_ring_that_never_wraps_is_greedy(window):
+    """max_cache_len <= sliding_window: the ring never wraps, so prompt lookup rolls back exactly."""
+    model = gemma(sliding_window=32)
+    tokens = {}
+    for lookup in (None, 3):
+        cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=32, **window)
+        tokens[lookup] = model.generate(input_ids=LOOKUP_PROMPT, max_new_tokens=12, do_sample=False,
+                                        prompt_lookup_num_tokens=lookup, cache=cache)  # fmt: skip
+    assert torch.equal(tokens[3], tokens[None])
+
+
+def test_any_batch_up_to_max_batch_size():
+    """Buffers sized from max_batch_size: a batch of 2, then (after reset) one of 4, each as a fresh cache gives;
+    a batch beyond it is refused naming max_batch_size."""
+    model = tiny_model()
+    prompts = torch.randint(3, 120, (4, 6), generator=torch.Generator().manual_seed(1))
+    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=16, max_batch_size=4)
+    for rows in (2, 4, 1):
+        cache.reset()
+        got = model.generate(input_ids=prompts[:rows], max_new_tokens=4, do_sample=False, cache=cache)
+        fresh = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=16, max_batch_size=4)
+        expected = model.generate(input_ids=prompts[:rows], max_new_tokens=4, do_sample=False, cache=fresh)
+        assert torch.equal(got, expected)
+        assert cache.nbytes == fresh.nbytes  # 4 rows allocated from the first update
+    cache.reset()
+    with pytest.raises(ValueError, match="max_batch_size=4"):
+        model.generate(input_ids=torch.cat([prompts, prompts[:1]]), max_new_tokens=2, cache=cache)
+    with pytest.raises(ValueError, match="max_batch_size applies to a static cache"):
+        QuantizedFP8Cache(model, max_batch_size=4)
+
+
+def test_beams_on_the_static_cache_keep_the_buffers_in_place():
+    model = tiny_model()
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 5, 17, 42]])
+    outputs = {}
+    for name, kwargs in (("dynamic", {}), ("static", dict(max_cache_len=16, max_batch_size=2))):
+        cache = QuantizedFP8Cache(model, scales="dynamic", **kwargs)
+        outputs[name] = model.generate(input_ids=prompt, max_new_tokens=6, num_beams=2, do_sample=False, cache=cache)
+    assert torch.equal(outputs["static"], outputs["dynamic"])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile_config"])
+def test_generate_past_max_cache_len_is_refused_before_the_first_step(compiled):
+    """generate knows prompt + max_new_tokens before it runs: refused naming max_cache_len, nothing written (a
+    compiled decode step would otherwise fail inside Inductor mid-generation)."""
+    from transformers import CompileConfig
+
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=12)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # generate compiles on CUDA by itself; on the CPU only when asked
+    extra = dict(compile_config=config) if compiled else dict(disable_compile=True)
+    with pytest.raises(ValueError, match=r"may hold 14 tokens.*max_cache_len=12"):
+        model.generate(input_ids=IDS[:, :6], max_new_tokens=9, do_sample=False, cache=cache, **extra)
+    assert cache.get_seq_length() == 0
+    model.generate(input_ids=IDS[:, :6], max_new_tokens=7, do_sample=False, cache=cache)  # 12 tokens: fits
