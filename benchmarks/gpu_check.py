@@ -406,6 +406,7 @@ def compiled_decode(report: Report, sizes: Sizes, device: torch.device, dry_run:
     # the GPU: inductor with CUDA graphs; the dry run traces only (inductor's CPU compile takes minutes)
     options = dict(backend="eager") if dry_run else dict(mode="reduce-overhead")
     rows = []
+    torch._dynamo.reset()  # no code object left at its recompile limit by an earlier compile in this process
     for context in sizes.compiled_contexts:
         row = {"context": context}
         variants = {

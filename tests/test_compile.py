@@ -99,25 +99,27 @@ def test_eager_turn_after_compiled_steps(model_type):
 
 
 def test_compiled_forward_with_the_dynamic_cache():
-    """`torch.compile(model.forward)` over the dynamic cache (Python positions: its update and attention run
-    eagerly, a graph break each) decodes the eager tokens, and compiles nothing more for a longer generation."""
+    """`torch.compile(model.forward)` over the dynamic cache decodes the eager tokens: its update and attention run
+    eagerly (Python positions cannot be traced: a graph break each), the model's other ops compiled where dynamo
+    keeps them (the static cache is the compiled path: one graph, no break)."""
     torch._dynamo.reset()
     model = model_of("llama")
     prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
 
-    def run(forward, steps: int) -> list[int]:
+    def run(forward) -> list[int]:
         cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=4, sink_tokens=2)
         tokens = []
         with torch.no_grad():
             out = forward(input_ids=prompt, cache=cache)
-            for _ in range(steps):  # past the window
+            for _ in range(12):  # past the recent tokens
                 token = out.logits[:, -1:].argmax(-1)
                 tokens.append(int(token))
                 out = forward(input_ids=token, cache=cache)
         return tokens
 
-    compiled = torch.compile(model.forward)
-    assert run(compiled, 4) == run(model.forward, 4)
     counters.clear()
-    assert run(compiled, 12) == run(model.forward, 12)
-    assert not counters["stats"]["unique_graphs"]  # no recompilation per token
+    try:
+        assert run(torch.compile(model.forward)) == run(model.forward)
+        assert counters["stats"]["unique_graphs"] >= 1 and counters["graph_break"]  # compiled, broken at the cache
+    finally:
+        torch._dynamo.reset()  # its recompiles of transformers' shared decorator code must not reach other tests
