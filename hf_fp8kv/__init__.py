@@ -3,7 +3,7 @@
 from hf_fp8kv.attention import ATTENTION_NAME
 from hf_fp8kv.cache import QuantizedFP8Cache
 from hf_fp8kv.calibration import calibrate
-from hf_fp8kv.compare import compare
+from hf_fp8kv.comparison import compare
 from hf_fp8kv.guard import CacheReuseError
 from hf_fp8kv.scales import KVScales, UncalibratedScalesWarning
 from hf_fp8kv.sensitivity import layer_sensitivity
