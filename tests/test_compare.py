@@ -3,6 +3,8 @@
 import dataclasses
 import functools
 import html
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -215,6 +217,21 @@ def test_smollm2_per_token_head_fp8_and_int8_are_close_and_broken_scales_diverge
         assert summary[name]["kl_mean"] < 0.02 and summary[name]["top1_%"] >= 90
     assert summary["broken"]["verdict"] == "FAILS top-k rule" and summary["broken"]["kl_mean"] > 1
     assert 0 < summary["fp8_per_token_head"]["kv_vs_ref_%"] < 60
+
+
+def test_import_hf_fp8kv_loads_the_comparison_only_when_compare_is_used():
+    """`import hf_fp8kv` imports neither the comparison package nor matplotlib; `hf_fp8kv.compare` is the function,
+    also after `hf_fp8kv.comparison` was imported first."""
+    code = (
+        "import sys, hf_fp8kv\n"
+        "print([m for m in ('matplotlib', 'hf_fp8kv.comparison') if m in sys.modules])\n"
+        "import hf_fp8kv.comparison\n"
+        "from hf_fp8kv import compare\n"
+        "print(hf_fp8kv.compare is compare is hf_fp8kv.comparison.compare, 'compare' in dir(hf_fp8kv))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["[]", "True True"]
 
 
 # --- bad input ----------------------------------------------------------------------------------------------
