@@ -246,16 +246,16 @@ class Comparison:
         last = int(self.positions.max()) + 1
         ones = torch.ones(len(self.positions), dtype=torch.float64)
         counts = torch.zeros(last, dtype=torch.float64).index_add_(0, self.positions, ones)
-        window = max(1, len(counts.nonzero()) // 32)
+        span = max(1, len(counts.nonzero()) // 32)
         for variant in self.variants[1:]:
             kl = self.scores[variant.name].kl.double()
             sums = torch.zeros(last, dtype=torch.float64).index_add_(0, self.positions, kl)
             seen = counts > 0
             mean = sums[seen] / counts[seen]
-            smooth = torch.nn.functional.avg_pool1d(mean[None, None], window, 1, 0, count_include_pad=False)[0, 0]
-            x = seen.nonzero()[:, 0][window - 1 :]
+            smooth = torch.nn.functional.avg_pool1d(mean[None, None], span, 1, 0, count_include_pad=False)[0, 0]
+            x = seen.nonzero()[:, 0][span - 1 :]
             ax.plot(x.numpy(), smooth.clamp_min(1e-9).numpy(), label=variant.name)
-        ax.set(yscale="log", xlabel="context position (tokens)", ylabel=f"KL vs {self.reference} (mean of {window})")
+        ax.set(yscale="log", xlabel="context position (tokens)", ylabel=f"KL vs {self.reference} (mean of {span})")
         ax.set_title("Decode-mode KL by position")
         _legend(ax)
 

@@ -17,7 +17,7 @@ VariantSpec = Union[str, CacheFactory, Mapping[str, Any]]
 REFERENCE = "native"
 HF_FP8 = "hf_quantized_fp8"
 # The configuration the report recommends: its first lines say what it gains against REFERENCE and HF_FP8.
-RECOMMENDED = "fp8_window"
+RECOMMENDED = "fp8_recent"
 
 
 @dataclass(frozen=True)
