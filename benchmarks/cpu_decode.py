@@ -18,7 +18,7 @@ from transformers import DynamicCache, QuantizedCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.bundled import load_smollm2
-from hf_fp8kv.compare import kv_bytes
+from hf_fp8kv.comparison import kv_bytes
 from hf_fp8kv.table import format_table
 
 VARIANTS = {

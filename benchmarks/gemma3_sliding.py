@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.bundled import load_gemma3
-from hf_fp8kv.compare import kv_bytes
+from hf_fp8kv.comparison import kv_bytes
 from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
 from hf_fp8kv.table import format_table
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from hf_fp8kv.compare import BUILTIN_VARIANTS, RECOMMENDED, compare, read_lines, resolve_variants
+from hf_fp8kv.comparison import BUILTIN_VARIANTS, RECOMMENDED, compare, read_lines, resolve_variants
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

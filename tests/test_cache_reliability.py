@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_fp8kv import QuantizedFP8Cache
-from hf_fp8kv.compare import _LiveTensorBytes
+from hf_fp8kv.comparison import LiveTensorBytes
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.sliding import FP8SlidingWindowLayer
 from hf_fp8kv.scales import DynamicScales
@@ -49,7 +49,7 @@ def test_two_threads_with_two_caches_get_the_sequential_logits():
 
 def _peak_prefill_bytes(model, tokens: int, cache) -> int:
     ids = torch.randint(3, 120, (1, tokens), generator=torch.Generator().manual_seed(tokens))
-    with torch.no_grad(), _LiveTensorBytes([]) as live:
+    with torch.no_grad(), LiveTensorBytes([]) as live:
         model(input_ids=ids, cache=cache, logits_to_keep=1)
     return live.peak
 

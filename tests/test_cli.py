@@ -30,11 +30,11 @@ def run(capsys, *args):
 
 
 def test_default_model_prints_the_tables_and_writes_the_plots(capsys, tmp_path, prompts_file):
-    status, out, _ = run(capsys, *SMALL, "--variants", "fp8_window", "--prompts-file", str(prompts_file),
+    status, out, _ = run(capsys, *SMALL, "--variants", "fp8_recent", "--prompts-file", str(prompts_file),
                          "--out", str(tmp_path))
     assert status == 0
     # what the recommended variant gains opens the report and, after the tables, closes the output
-    assert out.startswith("== Summary ==\nRecommended: fp8_window = QuantizedFP8Cache(model, scales='dynamic')")
+    assert out.startswith("== Summary ==\nRecommended: fp8_recent = QuantizedFP8Cache(model, scales='dynamic')")
     assert out.count("Against the native cache (native): ") == 2
     assert out.rstrip().splitlines()[-1].startswith("Against the native cache (native): ")
     assert "prompt 1: Say hello." in out
@@ -53,7 +53,7 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
                            "--prompts-file", str(prompts_file), "--text-file", str(text), "--out", str(tmp_path / "out"))
     assert status == 0
     assert all(name in out for name in ("native", "fp8_e4m3", "hf_quantized_fp8", "Cost (batch 1)"))
-    assert "Recommended" not in out  # fp8_window was not compared
+    assert "Recommended" not in out  # fp8_recent was not compared
     # the scale-1.0 variant's warning is summarized once in the report, not printed raw
     assert out.count("fp8_e4m3 warned (UncalibratedScalesWarning): ") == 1 and "Warning" not in err
 
@@ -62,7 +62,7 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
     "args,message",
     [
         (["--model", "/no/such/model"], "'/no/such/model' is neither a local model directory nor a model in the"),
-        (["--variants", "fp8_e4m3,fp9"], "unknown variant 'fp9'; valid names: native, fp8_window, fp8_per_token_head, int8"),
+        (["--variants", "fp8_e4m3,fp9"], "unknown variant 'fp9'; valid names: native, fp8_recent, fp8_per_token_head, int8"),
         (["--prompts-file", "EMPTY"], "prompts is empty"),
         (["--text-file", "SHORT", "--prefill", "64"], r"text 1 has \d+ tokens, no more than prefill=64"),
         (["--gguf-file", "model.gguf"], "--gguf-file needs --model"),

@@ -3,6 +3,8 @@
 import dataclasses
 import functools
 import html
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -11,16 +13,16 @@ from transformers import AutoTokenizer, DynamicCache
 
 from hf_fp8kv import compare
 from hf_fp8kv.bundled import smollm2_dir
-from hf_fp8kv.compare import (
+from hf_fp8kv.comparison import (
     BUILTIN_VARIANTS,
     HF_FP8,
     RECOMMENDED,
     RaisedWarning,
-    _relative,
     builtin_text,
     kv_bytes,
     resolve_variants,
 )
+from hf_fp8kv.comparison.report import relative
 from tests.models import PURE_FP8, smollm2, tiny_model
 
 PROMPTS = ["Name three colours of the sea.", "Write one line about a lighthouse."]
@@ -133,7 +135,7 @@ def test_report_opens_with_the_recommended_variant_and_its_gains(tiny_result):
     assert headline[1] == (
         f"Against the native cache (native): {native.kv_bytes / ours_cost.kv_bytes:.1f}x smaller KV cache, "
         f"mean KL {ours['kl_mean']:.2g} and {ours['top1_%']:.1f}% top-1 agreement with it, "
-        f"{_relative(ours_cost.step_ms, native.step_ms, 'less', 'more')} time per decode step "
+        f"{relative(ours_cost.step_ms, native.step_ms, 'less', 'more')} time per decode step "
         f"({ours_cost.step_ms:.3g} vs {native.step_ms:.3g} ms; both at 200 tokens, batch 1)."
     )
     hf = summary[HF_FP8]
@@ -167,7 +169,7 @@ def test_headline_leaves_out_what_was_not_compared(tiny_result):
      (2.0, 2.0, "the same"), (0.0, 1.0, "smaller")],
 )
 def test_relative_phrasing(value, other, expected):
-    assert _relative(value, other, "smaller", "larger") == expected
+    assert relative(value, other, "smaller", "larger") == expected
 
 
 def test_warnings_the_variants_raise_are_reported_once_not_printed(tiny_run):
@@ -215,6 +217,21 @@ def test_smollm2_per_token_head_fp8_and_int8_are_close_and_broken_scales_diverge
         assert summary[name]["kl_mean"] < 0.02 and summary[name]["top1_%"] >= 90
     assert summary["broken"]["verdict"] == "FAILS top-k rule" and summary["broken"]["kl_mean"] > 1
     assert 0 < summary["fp8_per_token_head"]["kv_vs_ref_%"] < 60
+
+
+def test_import_hf_fp8kv_loads_the_comparison_only_when_compare_is_used():
+    """`import hf_fp8kv` imports neither the comparison package nor matplotlib; `hf_fp8kv.compare` is the function,
+    also after `hf_fp8kv.comparison` was imported first."""
+    code = (
+        "import sys, hf_fp8kv\n"
+        "print([m for m in ('matplotlib', 'hf_fp8kv.comparison') if m in sys.modules])\n"
+        "import hf_fp8kv.comparison\n"
+        "from hf_fp8kv import compare\n"
+        "print(hf_fp8kv.compare is compare is hf_fp8kv.comparison.compare, 'compare' in dir(hf_fp8kv))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["[]", "True True"]
 
 
 # --- bad input ----------------------------------------------------------------------------------------------

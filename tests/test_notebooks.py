@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from hf_fp8kv.compare import RECOMMENDED
+from hf_fp8kv.comparison import RECOMMENDED
 
 SCRIPT = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "execute_notebooks.py"))
 # What each notebook's HTML outputs must show, and how many plots.

@@ -1,0 +1,31 @@
+"""A/B comparison of KV caches on one model in one call: greedy outputs, decode-mode quality, memory and speed.
+
+`compare(model, tokenizer)` runs every variant (a cache factory) on the same prompts and texts against the
+native `DynamicCache` and returns a `Comparison`, which prints as tables, renders in a notebook, plots and saves.
+docs/compare.md explains every column. `variants`: what is compared; `measurement`: what is measured;
+`report`: the `Comparison`; `run`: `compare` itself.
+"""
+
+from hf_fp8kv.comparison.measurement import CostPoint, Generation, LiveTensorBytes, RaisedWarning, kv_bytes
+from hf_fp8kv.comparison.report import Comparison
+from hf_fp8kv.comparison.run import builtin_prompts, builtin_text, compare, read_lines
+from hf_fp8kv.comparison.variants import BUILTIN_VARIANTS, HF_FP8, RECOMMENDED, REFERENCE, Variant, resolve_variants
+
+__all__ = [
+    "BUILTIN_VARIANTS",
+    "HF_FP8",
+    "RECOMMENDED",
+    "REFERENCE",
+    "Comparison",
+    "CostPoint",
+    "Generation",
+    "LiveTensorBytes",
+    "RaisedWarning",
+    "Variant",
+    "builtin_prompts",
+    "builtin_text",
+    "compare",
+    "kv_bytes",
+    "read_lines",
+    "resolve_variants",
+]
