@@ -28,7 +28,7 @@ VARIANTS = {
     "ours static fp8_e4m3 per-token-head": lambda model, length: QuantizedFP8Cache(
         model, scales="dynamic", max_cache_len=length, recent_tokens=0, sink_tokens=0
     ),
-    "ours static, window 32+4 (default)": lambda model, length: QuantizedFP8Cache(
+    "ours static, recent 32 + sinks 4 (default)": lambda model, length: QuantizedFP8Cache(
         model, scales="dynamic", max_cache_len=length
     ),
 }

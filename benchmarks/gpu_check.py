@@ -219,7 +219,6 @@ def decode_attention(report: Report, sizes: Sizes, device: torch.device, dry_run
     from transformers import LlamaConfig, QuantizedCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_fp8kv.kernels import ops
 
     group = sizes.q_heads // sizes.kv_heads
     module = SimpleNamespace(num_key_value_groups=group, is_causal=True, training=False)
@@ -244,13 +243,12 @@ def decode_attention(report: Report, sizes: Sizes, device: torch.device, dry_run
                 layer = make()
                 nbytes = layer.nbytes
                 rotation = Rotation(make, nbytes, device)
-                plans = {}
-                step = rotation(lambda l: ops.attend(query, l.view(), scaling=scaling, backend="triton", plans=plans))
+                step = rotation(lambda l: l.kernels.attend(query, l.view(), scaling=scaling))
                 return bench(step, dry_run), nbytes
 
             figures["ours e4m3 static scale"] = ours(scales=1.0)
             figures["ours e4m3 per-token-head"] = ours(scales="dynamic")
-            figures["ours e4m3 per-token-head, window 64+4"] = ours(scales="dynamic", recent_tokens=64, sink_tokens=4)
+            figures["ours e4m3 per-token-head, recent 64 + sinks 4"] = ours(scales="dynamic", recent_tokens=64, sink_tokens=4)
 
             def sdpa():
                 def make():
@@ -356,7 +354,6 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
 def prefill(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_fp8kv.kernels import ops
 
     group = sizes.q_heads // sizes.kv_heads
     module = SimpleNamespace(num_key_value_groups=group, is_causal=True, training=False)
@@ -376,8 +373,8 @@ def prefill(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -
             layer.update(k, v)
 
         sdpa_ms = bench(lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling), dry_run)
-        attend_ms = bench(lambda: ops.attend(q, view, scaling=scaling, backend="triton"), dry_run)
-        masked_ms = bench(lambda: ops.attend(q, view, scaling=scaling, mask=padding, backend="triton"), dry_run)
+        attend_ms = bench(lambda: layer.kernels.attend(q, view, scaling=scaling), dry_run)
+        masked_ms = bench(lambda: layer.kernels.attend(q, view, scaling=scaling, mask=padding), dry_run)
         write_ms = bench(write, dry_run)
         rows.append({"length": length, f"SDPA {short_name(sizes.dtype)} ms": f"{sdpa_ms:.3f}",
                      "ours attend ms": f"{attend_ms:.3f}", "ours attend, padded mask ms": f"{masked_ms:.3f}",

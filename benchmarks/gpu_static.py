@@ -55,7 +55,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from hf_fp8kv.kernels import triton_attention, triton_paged, triton_write  # noqa: E402
+from hf_fp8kv.kernels import paged, triton_attention, triton_paged, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS  # noqa: E402
 from hf_fp8kv.kernels.triton_launch import Launch, blocks_per_sm  # noqa: E402
 from hf_fp8kv.kernels.view import KVView  # noqa: E402
@@ -133,7 +133,7 @@ def cases(quick: bool = False) -> list[Case]:
         Case("prefill", batch=2, q_len=500, context=500, mask=True),
         Case("prefill", q_len=256, context=4096),  # a prompt after a past: splits, then the reduce
     ]
-    # the full-precision window: its tiles (model dtype) next to the codes' loop
+    # the recent tokens in full precision: its tiles (model dtype) next to the codes' loop
     window = [Case("decode", per_token=True, recent=64, sinks=4), Case("prefill", q_len=500, context=500, recent=64)]
     write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
     write += [Case("write", per_token=True, q_len=n, recent=64) for n in (1, 500)]
@@ -161,8 +161,8 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     else:
         scales = torch.ones(2, 1, case.kv_heads, 1, device=device)
     end = case.context - (case.q_len if case.kind == "write" else 0)  # a write stores the last q_len tokens
-    fp_start = max(end - case.recent, 0)
-    view = KVView(codes, scales, fmt, 0, end, fp_start)
+    view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end,
+                  recent_start=max(end - case.recent, 0))  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:
@@ -175,7 +175,7 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     if case.kind == "write":
         key, value = (torch.empty(shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
         stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
-        return triton_write.plan_write(key, value, view, case.per_token, stats)
+        return triton_write.plan_write(key, value, view, stats)
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
     _, launches = triton_attention.plan_attention(
@@ -191,7 +191,7 @@ PAGE_SIZE, LAYERS = 256, 30
 def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
     """The launch of `triton_paged.paged_attention` for `case.batch` requests of `case.q_len` new tokens after
     `case.context` cached ones each."""
-    row_bytes = triton_paged.row_size(case.kv_heads * case.head_dim, case.kv_heads if case.per_token else 0)
+    row_bytes = paged.row_size(case.kv_heads * case.head_dim, case.kv_heads if case.per_token else 0)
     tokens = case.batch * case.q_len
     query = torch.empty(tokens, case.kv_heads * case.group, case.head_dim, dtype=dtype, device=device)
     bytes_per_block = LAYERS * 2 * PAGE_SIZE * row_bytes

@@ -4,7 +4,7 @@
 function (the attend), per layer per decode step, dynamic and static caches. The launch itself (Triton's own
 launcher) is not counted; on a GPU it adds its C++ launch cost per kernel.
 (2) Torch path: a decode step of a 30-layer tiny Llama (hidden 64) at 32 tokens of context, against
-DynamicCache, pure FP8 (static and dynamic scales) and with the full-precision window.
+DynamicCache, pure FP8 (static and dynamic scales) and with the recent tokens in full precision.
 
     python benchmarks/host_overhead.py
 """
@@ -73,7 +73,7 @@ def torch_step_ratio(steps: int, rounds: int) -> dict[str, float]:
         "DynamicCache": lambda: DynamicCache(config=model.config),
         "fp8 static scales": lambda: QuantizedFP8Cache(model, scales=1.0, **PURE_FP8),
         "fp8 dynamic scales": lambda: QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8),
-        "fp8 dynamic + default window 32+4": lambda: QuantizedFP8Cache(model, scales="dynamic"),
+        "fp8 dynamic + default recent 32 + sinks 4": lambda: QuantizedFP8Cache(model, scales="dynamic"),
     }
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     base_times = []
@@ -119,7 +119,7 @@ def main() -> None:
     for name, kwargs in {
         "dynamic cache, per-token scales": dict(scales="dynamic", **PURE_FP8),
         "dynamic cache, static scale": dict(scales=1.0, **PURE_FP8),
-        "dynamic cache, default window 32+4": dict(scales="dynamic"),
+        "dynamic cache, default recent 32 + sinks 4": dict(scales="dynamic"),
         "static cache (max_cache_len=4096)": dict(scales="dynamic", max_cache_len=4096, **PURE_FP8),
     }.items():
         print(f"  {name:34s} {triton_host_cost(kwargs, args.repeats):7.1f} us")

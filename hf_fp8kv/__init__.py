@@ -6,8 +6,9 @@
 from hf_fp8kv.attention import ATTENTION_NAME
 from hf_fp8kv.cache import QuantizedFP8Cache
 from hf_fp8kv.calibration import calibrate
+from hf_fp8kv.checkpoint import KVScales
 from hf_fp8kv.guard import CacheReuseError
-from hf_fp8kv.scales import KVScales, UncalibratedScalesWarning
+from hf_fp8kv.scales import UncalibratedScalesWarning
 from hf_fp8kv.sensitivity import layer_sensitivity
 
 __all__ = [

@@ -19,8 +19,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from hf_fp8kv.layer import QuantizedKV
-
 ATTENTION_NAME = "fp8kv"
 # our attention's names -> the implementation each hands over to (the model's implementation before the switch)
 FP8_ATTENTION_NAMES = {ATTENTION_NAME: "sdpa", f"{ATTENTION_NAME}_eager": "eager"}
@@ -29,6 +27,18 @@ OUTPUT_ATTENTIONS_WARNING = (
     "FP8 KV cache attention does not return attention weights (output_attentions=True): the layers it serves "
     "give none. Use another cache (or attn_implementation='eager' without QuantizedFP8Cache) to get them."
 )
+
+
+class FP8KeyStates:
+    """What a cache of ours returns from `update` (as the key states) to be read by the FP8 attention: it attends
+    for it. `QuantizedKV` (a layer's buffers) and `PagedKV` (continuous batching's pages) are the two."""
+
+    def attend(
+        self, query: torch.Tensor, *, scaling: float, mask: torch.Tensor | None = None, window: int | None = None,
+        softcap: float | None = None, sink_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`[batch, q_heads, q_len, head_dim]` attention output of `query` over the cached tokens."""
+        raise NotImplementedError
 
 
 def is_fp8_attention(implementation: str | None) -> bool:
@@ -53,7 +63,7 @@ def fallback_implementation(config) -> str:
 
 def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over our FP8 cache when `key` is its view, else the model's previous implementation."""
-    if not isinstance(key, QuantizedKV):
+    if not isinstance(key, FP8KeyStates):
         fallback = fallback_implementation(module.config)
         if fallback == "eager":  # each model has its own eager function (Gemma 2's applies softcap)
             function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", eager_attention_forward)
@@ -70,7 +80,7 @@ def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dro
         mask=_boolean_mask(attention_mask),
         window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"),
+        sink_logits=kwargs.get("s_aux"),
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import sys
 import warnings
 from typing import Iterable
@@ -14,17 +13,15 @@ from transformers.cache_utils import (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     StaticLayer,
-    get_layer_types_and_kwargs,
 )
 
 from hf_fp8kv.attention import ATTENTION_NAME, attention_implementation, is_fp8_attention, use_fp8_attention
+from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
-from hf_fp8kv.kernels.formats import get_format
-from hf_fp8kv.kernels.ops import check_backend
-from hf_fp8kv.layer import FP8CacheLayer
-from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from hf_fp8kv.layer import FP8Layer
+from hf_fp8kv.scales import ScalesArg
+from hf_fp8kv.settings import CacheSettings, resolve_settings
 from hf_fp8kv.static import StaticFP8Layer, StaticFP8SlidingLayer
-from hf_fp8kv.scales import CALIBRATION_WARNING, ScalesArg, UncalibratedScalesWarning, resolve_scales
 from hf_fp8kv.table import format_table
 
 SLOW_PATH_WARNING = (
@@ -32,20 +29,12 @@ SLOW_PATH_WARNING = (
     "whole cache to full precision (slow path). Load the model with attn_implementation='sdpa', 'eager' or "
     "'{name}' to read FP8 directly."
 )
-# Layer type (from `get_layer_types_and_kwargs`) -> (our FP8 layer, transformers' layer for skipped layers).
-# Chunked attention caches like a sliding window of the chunk size (its mask keeps the chunks apart), as in
-# transformers; "dummy" layers (KV shared with another layer, or no attention) hold nothing.
-LAYERS = {
-    "full_attention": (FP8CacheLayer, DynamicLayer),
-    "sliding_attention": (FP8SlidingWindowLayer, DynamicSlidingWindowLayer),
-    "chunked_attention": (FP8SlidingWindowLayer, DynamicSlidingWindowLayer),
+# Layer type -> its storage policy's layers: (dynamic, static) FP8 layers, transformers' layer for a skipped one
+POLICIES = {
+    "full_attention": (DynamicFP8Layer, StaticFP8Layer, DynamicLayer),
+    "sliding_attention": (DynamicFP8SlidingLayer, StaticFP8SlidingLayer, DynamicSlidingWindowLayer),
+    "chunked_attention": (DynamicFP8SlidingLayer, StaticFP8SlidingLayer, DynamicSlidingWindowLayer),
 }
-STATIC_LAYERS = {
-    "full_attention": StaticFP8Layer,
-    "sliding_attention": StaticFP8SlidingLayer,
-    "chunked_attention": StaticFP8SlidingLayer,
-}
-SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 # Models whose attention reshapes or post-processes K/V after `update`: they need real tensors.
 POST_PROCESSING_MODEL_TYPES = frozenset({"idefics", "clvp", "moonshine"})
 
@@ -71,10 +60,10 @@ class QuantizedFP8Cache(Cache):
         backend: "auto", "triton" or "torch" (default: env HF_FP8KV_BACKEND, else "auto").
         block_size: tokens added per buffer growth.
         recent_tokens: the newest tokens of each sequence kept in the model's dtype (default 32); a token is
-            quantized once, when it leaves this window (sliding-window layers: inside their window).
+            quantized once, when it leaves them.
         sink_tokens: the first real tokens of each sequence (attention sinks) kept in the model's dtype
             (full-attention layers; default 4). `recent_tokens=0, sink_tokens=0` is pure FP8, what vLLM
-            serves. The defaults and their measurements: docs/window.md.
+            serves. The defaults and their measurements: docs/recent.md.
         max_cache_len: makes the cache static (for `torch.compile` and CUDA graphs): buffers for this many
             tokens, allocated at the first update, positions kept on the device, `is_compileable` True.
         max_batch_size: with `max_cache_len`, the largest batch the cache accepts (default: the first batch's).
@@ -99,51 +88,14 @@ class QuantizedFP8Cache(Cache):
         if model is None and config is None:
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
         config = config if config is not None else model.config
+        settings = resolve_settings(
+            config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers, backend=backend,
+            recent_tokens=recent_tokens, sink_tokens=sink_tokens, block_size=block_size, max_cache_len=max_cache_len,
+            max_batch_size=max_batch_size, offloading=offloading,
+        )  # fmt: skip
+        self.fmt = settings.fmt
         text_config = config.get_text_config(decoder=True)
-        context = getattr(text_config, "max_position_embeddings", None)
-        recent_tokens = _check_count("recent_tokens", recent_tokens, maximum=context)
-        sink_tokens = _check_count("sink_tokens", sink_tokens, maximum=context)
-        block_size = _check_count("block_size", block_size, minimum=1)
-        if max_cache_len is not None:
-            max_cache_len = _check_count("max_cache_len", max_cache_len, minimum=1)
-        if max_batch_size is not None:
-            if max_cache_len is None:
-                raise ValueError("max_batch_size applies to a static cache: pass max_cache_len too")
-            max_batch_size = _check_count("max_batch_size", max_batch_size, minimum=1)
-        check_backend(backend)
-        self.fmt = get_format(platform_dtype(kv_cache_dtype))
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        skip = _validate_skip_layers(skip_layers, layer_types)
-        _check_supported(text_config, layer_types)
-        quantized = [i for i, kind in enumerate(layer_types) if i not in skip and kind in LAYERS]
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        checkpoint = getattr(config, "_name_or_path", "") or ""
-        layer_scales, uncalibrated = resolve_scales(
-            scales, self.fmt, quantized, len(layer_types), kv_heads, checkpoint or None
-        )
-        if uncalibrated:
-            warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=2)
-        layers = []
-        for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind not in LAYERS:
-                layers.append(DummyLayer())
-            elif i in skip and max_cache_len is not None:
-                # every slot in full precision (sliding layers too): the masks of a static cache cover
-                # [0, max_cache_len) for every layer type
-                layers.append(StaticLayer(max_cache_len=max_cache_len))
-            elif i in skip:
-                layers.append(LAYERS[kind][1](**kwargs))
-            else:
-                fp8_layer, static = LAYERS[kind][0], {}
-                if max_cache_len is not None:
-                    fp8_layer = STATIC_LAYERS[kind]
-                    static = dict(max_cache_len=max_cache_len, max_batch_size=max_batch_size)
-                layers.append(
-                    fp8_layer(
-                        self.fmt, layer_scales[i], block_size, backend, self._uses_fp8_attention, i,
-                        recent_tokens=recent_tokens, sink_tokens=sink_tokens, **static, **kwargs,
-                    )  # fmt: skip
-                )
+        layers = [self._layer(settings, i) for i in range(len(settings.layer_types))]
         super().__init__(layers=layers, offloading=offloading)
         self.attention_config = text_config
         self.token_history = TokenHistory()
@@ -153,6 +105,23 @@ class QuantizedFP8Cache(Cache):
         use_fp8_attention(model if model is not None else config)
         if model is not None:
             install_generation_guard(model)
+
+    def _layer(self, settings: CacheSettings, i: int):
+        """Layer `i`'s storage: an FP8 layer of its type and policy, transformers' own layer when skipped."""
+        kind, kwargs = settings.layer_types[i], settings.layer_kwargs[i]
+        if kind not in POLICIES:
+            return DummyLayer()
+        dynamic, static, skipped = POLICIES[kind]
+        if i in settings.skip:
+            # a static cache's masks cover [0, max_cache_len) on every layer type: every slot in full precision
+            return StaticLayer(max_cache_len=settings.max_cache_len) if settings.max_cache_len else skipped(**kwargs)
+        extra = {}
+        if settings.max_cache_len is not None:
+            dynamic, extra = static, dict(max_cache_len=settings.max_cache_len, max_batch_size=settings.max_batch_size)
+        return dynamic(
+            settings.fmt, settings.scales[i], settings.block_size, settings.backend, self._uses_fp8_attention, i,
+            recent_tokens=settings.recent_tokens, sink_tokens=settings.sink_tokens, **extra, **kwargs,
+        )  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not torch.compiler.is_compiling():
@@ -237,18 +206,17 @@ class QuantizedFP8Cache(Cache):
         """One row per layer: storage, scale granularity and source, K/V scales, bytes held, clipped values."""
         rows = []
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, FP8CacheLayer):
+            if isinstance(layer, FP8Layer):
                 scales = layer.scales
-                static = hasattr(scales, "describe")
                 rows.append(
                     {
                         "layer": i,
                         "storage": layer.fmt.name,
                         "granularity": scales.granularity,
                         "source": scales.source,
-                        "k_scale": scales.describe("key") if static else "per token",
-                        "v_scale": scales.describe("value") if static else "per token",
-                        "window": f"{layer.recent_tokens}+{layer.sink_tokens}",
+                        "k_scale": scales.describe("key"),
+                        "v_scale": scales.describe("value"),
+                        "recent+sinks": f"{layer.recent_tokens}+{layer.sink_tokens}",
                         "bytes": layer.nbytes,
                         "clipped": int(layer.clipped.sum().item()),
                         "non-finite": int(layer.nonfinite.sum().item()),
@@ -256,7 +224,7 @@ class QuantizedFP8Cache(Cache):
                 )
             else:
                 rows.append({"layer": i, "storage": "skipped", "granularity": "-", "source": "-", "k_scale": "-",
-                             "v_scale": "-", "window": "-", "bytes": _layer_nbytes(layer), "clipped": 0,
+                             "v_scale": "-", "recent+sinks": "-", "bytes": _layer_nbytes(layer), "clipped": 0,
                              "non-finite": 0})
         return rows
 
@@ -269,13 +237,8 @@ class QuantizedFP8Cache(Cache):
         return f"QuantizedFP8Cache({self.fmt.name}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
 
 
-def platform_dtype(kv_cache_dtype: str) -> str:
-    """On ROCm, "fp8" means the e4m3fnuz format of the MI300 generation (as in vLLM); else the name itself."""
-    return "fp8_e4m3fnuz" if kv_cache_dtype == "fp8" and torch.version.hip else kv_cache_dtype
-
-
 def _layer_nbytes(layer) -> int:
-    if isinstance(layer, FP8CacheLayer):
+    if isinstance(layer, FP8Layer):
         return layer.nbytes
     return sum(t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
@@ -284,59 +247,3 @@ def _module_config(frame):
     """The config of the module whose method runs in `frame` (None when it is not a module's)."""
     caller = frame.f_locals.get("self")
     return getattr(caller, "config", None) if isinstance(caller, torch.nn.Module) else None
-
-
-def _check_count(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
-    """`value` as an int (any integral number: numpy's too), checked against its bounds."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise ValueError(
-            f"{name}={value!r} exceeds the model's context (max_position_embeddings={maximum}); to keep every token "
-            "in the model's dtype, skip the layers (skip_layers) or use transformers' DynamicCache"
-        )
-    return int(value)
-
-
-def _validate_skip_layers(skip_layers: str | Iterable[int | str], layer_types: list[str]) -> set[int]:
-    """Layer indices named by `skip_layers`: indices (ints or digit strings) and "sliding_window"."""
-    if not isinstance(skip_layers, (str, Iterable)):
-        raise ValueError(
-            f"skip_layers={skip_layers!r}: pass a list of layer indices and/or 'sliding_window' (e.g. "
-            f"skip_layers=[{skip_layers!r}])"
-        )
-    items = skip_layers.split(",") if isinstance(skip_layers, str) else list(skip_layers)
-    skip, bad = set(), []
-    for item in items:
-        name = item.strip() if isinstance(item, str) else item
-        if name == "sliding_window":
-            skip.update(i for i, kind in enumerate(layer_types) if kind in SLIDING_TYPES)
-            continue
-        index = int(name) if isinstance(name, str) and name.isdigit() else name
-        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(layer_types):
-            skip.add(index)
-        else:
-            bad.append(item)
-    if bad:
-        raise ValueError(
-            f"skip_layers {bad} are neither layer indices of this model (0..{len(layer_types) - 1}) nor "
-            "'sliding_window'"
-        )
-    return skip
-
-
-def _check_supported(text_config, layer_types: list[str]) -> None:
-    model_type = text_config.model_type
-    if getattr(text_config, "kv_lora_rank", None):
-        raise ValueError(
-            f"model type {model_type!r} caches MLA latents (kv_lora_rank={text_config.kv_lora_rank}), not per-head "
-            "K/V: QuantizedFP8Cache cannot serve it"
-        )
-    if getattr(text_config, "is_encoder_decoder", False):
-        raise ValueError(f"model type {model_type!r} is encoder-decoder: QuantizedFP8Cache serves decoder-only models")
-    for i, layer_type in enumerate(layer_types):
-        if layer_type not in (*LAYERS, "dummy"):
-            raise ValueError(
-                f"layer {i} of model type {model_type!r} is a {layer_type!r} layer: QuantizedFP8Cache stores "
-                f"per-token K/V of {', '.join(LAYERS)} layers only"
-            )

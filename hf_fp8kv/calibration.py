@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_fp8kv.kernels.formats import get_format
-from hf_fp8kv.scales import KVScales
+from hf_fp8kv.checkpoint import KVScales
 
 OCP_MAX = get_format("fp8_e4m3").max  # scales are stored in the OCP e4m3 convention: amax / 448
 MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its head's scale

@@ -1,4 +1,5 @@
-"""KV cache scales in checkpoints: read every convention, write llm-compressor's, export a model for vLLM.
+"""A model's KV cache scales (`KVScales`) and their files: read every checkpoint convention, write llm-compressor's,
+export a model for vLLM.
 
 Read from safetensors only (never unpickled), single or sharded (`model.safetensors.index.json`), in a local
 directory or a model of the local Hugging Face cache (never downloaded). Tensor names, after
@@ -31,19 +32,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
 import struct
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-
-from hf_fp8kv.scales import KVScales, check_scale_values
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,6 +68,74 @@ UNUSED_SUFFIXES = frozenset(
      "prob_output_scale"}
 )  # fmt: skip
 CHANNEL_SUFFIX = "k_channel_scale"  # hf_fp8kv's static per-channel key scale (not read by vLLM)
+
+
+# --- the scales of a model ----------------------------------------------------------------------------------
+@dataclass
+class KVScales:
+    """Static K/V scales of a model's layers (OCP e4m3 convention), as a checkpoint or `calibrate` gives them.
+
+    `key` / `value`: `{layer: fp32 tensor of 1 value (per tensor) or one per KV head}`; `key_channel`:
+    `{layer: [kv_heads, head_dim]}` static per-channel key scales (optional); `names`: `{layer: (K name, V
+    name)}`, the tensors they came from, used in error messages; `sources`: `{layer: text}` for
+    `cache.summary()`; `unused`: names of q/prob scales found in a checkpoint, which the cache does not use;
+    `dynamic`: the checkpoint asks for dynamic (per-token) scales instead.
+    """
+
+    key: dict[int, torch.Tensor] = field(default_factory=dict)
+    value: dict[int, torch.Tensor] = field(default_factory=dict)
+    sources: dict[int, str] = field(default_factory=dict)
+    names: dict[int, tuple[str, str]] = field(default_factory=dict)
+    key_channel: dict[int, torch.Tensor] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)
+    dynamic: bool = False
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.key)
+
+    @property
+    def strategy(self) -> str:
+        """compressed-tensors' name of the granularity: "tensor" or "attn_head"."""
+        per_head = any(t.numel() > 1 for t in [*self.key.values(), *self.value.values()])
+        return "attn_head" if per_head else "tensor"
+
+    @property
+    def kv_cache_scheme(self) -> dict[str, Any]:
+        """The `quantization_config.kv_cache_scheme` entry that declares these scales (compressed-tensors)."""
+        return {"num_bits": 8, "type": "float", "strategy": self.strategy, "dynamic": self.dynamic,
+                "symmetric": True}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a safetensors file with llm-compressor's tensor names and the `kv_cache_scheme` in its
+        metadata (a directory gets `kv_cache_scales.safetensors`); returns the file's path."""
+        return save_scales(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "KVScales":
+        """Scales from a file written by `save`, any safetensors file or old vLLM JSON, or a model directory."""
+        return load_scales_file(path)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None) -> "KVScales":
+        """Scales from a local model directory or a model in the local Hugging Face cache (no download)."""
+        found = load_checkpoint_scales(name_or_path, revision=revision)
+        if found is None:
+            raise FileNotFoundError(f"{name_or_path} has no KV cache scales under any known name")
+        return found
+
+    def export_for_vllm(self, model: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+        """Write a copy of `model` (a local directory or cached model) with these scales, for `vllm serve`."""
+        return export_for_vllm(self, model, out_dir)
+
+
+def check_scale_values(tensor: torch.Tensor, layer: int | None, name: str) -> torch.Tensor:
+    """`tensor` if every value is finite and > 0, else an error naming the layer and tensor."""
+    bad = [v for v in tensor.flatten().tolist() if not (math.isfinite(v) and v > 0)]
+    if bad:
+        where = f"layer {layer} {name}" if layer is not None else name
+        raise ValueError(f"{where} must be finite and > 0, got {bad[0]}")
+    return tensor
 
 
 # --- reading -------------------------------------------------------------------------------------------------

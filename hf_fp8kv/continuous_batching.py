@@ -23,7 +23,6 @@ import functools
 import logging
 import math
 import types
-import warnings
 from dataclasses import dataclass, replace
 from typing import Iterable
 
@@ -44,62 +43,17 @@ from transformers.generation.continuous_batching.cache_allocators import (
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousMixin
 from transformers.generation.continuous_batching.utils import find_num_key_value_heads
 
-from hf_fp8kv.attention import ATTENTION_NAME, use_fp8_attention
-from hf_fp8kv.cache import _validate_skip_layers, platform_dtype
-from hf_fp8kv.kernels.formats import StorageFormat, get_format
-from hf_fp8kv.kernels.ops import check_backend, resolve_backend
-from hf_fp8kv.kernels.reference import attention, dequantize_stacked, write_stacked
-from hf_fp8kv.kernels.triton_paged import row_size
-from hf_fp8kv.layer import QuantizedKV
-from hf_fp8kv.scales import (
-    CALIBRATION_WARNING,
-    LayerScales,
-    ScalesArg,
-    StaticScales,
-    UncalibratedScalesWarning,
-    resolve_scales,
-)
+from hf_fp8kv.attention import ATTENTION_NAME, FP8KeyStates, use_fp8_attention
+from hf_fp8kv.kernels.formats import StorageFormat
+from hf_fp8kv.kernels.ops import backend_for
+from hf_fp8kv.kernels.paged import PageGeometry, RowLayout
+from hf_fp8kv.scales import ScalesArg
+from hf_fp8kv.settings import resolve_settings
 
 TESTED_TRANSFORMERS = "5.24"
 SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
 SETTINGS_ATTRIBUTE = "_fp8kv_paged_settings"
 logger = logging.getLogger(__name__)
-
-
-# --- what each layer stores ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RowLayout:
-    """One token's keys (or values) of one layer in a page: its codes, then its scales (per-token-head only)."""
-
-    fmt: StorageFormat | None  # None: the model dtype (a skipped layer)
-    scales: LayerScales | None
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype  # the model dtype
-
-    @property
-    def dynamic(self) -> bool:
-        return self.fmt is not None and not isinstance(self.scales, StaticScales)
-
-    @property
-    def key_channel(self) -> torch.Tensor | None:
-        """Static per-channel key scales `[kv_heads, head_dim]` (keys are stored divided by them), if any."""
-        return getattr(self.scales, "key_channel", None)
-
-    @property
-    def value_bytes(self) -> int:
-        itemsize = 1 if self.fmt is not None else self.dtype.itemsize
-        return self.kv_heads * self.head_dim * itemsize
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the row, padded so that rows start on 16 bytes (the kernel loads 16-byte vectors)."""
-        return row_size(self.value_bytes, self.kv_heads if self.dynamic else 0)
-
-    @property
-    def scale_bytes(self) -> slice:
-        """Where a row's per-token-head scales lie."""
-        return slice(self.value_bytes, self.value_bytes + 4 * self.kv_heads)
 
 
 @dataclass
@@ -108,9 +62,9 @@ class PagedSettings:
 
     fmt: StorageFormat
     layouts: dict[int, RowLayout]
+    fixed_scales: dict[int, torch.Tensor]  # layers with one scale per KV head: fp32 [2 (K, V), kv_heads]
     backend: str
     previous_attention: str
-    uncalibrated: bool  # scales="auto" found no checkpoint scales: 1.0 (warned)
 
     def block_bytes(self, layers: Iterable[int], page_size: int) -> int:
         """Bytes of one block of `layers`: one page of K and V per layer."""
@@ -138,7 +92,7 @@ def enable(
     if recent_tokens or sink_tokens:
         raise ValueError(
             f"recent_tokens={recent_tokens}, sink_tokens={sink_tokens}: continuous batching pages are pure FP8 (as in "
-            "vLLM); a full-precision window is only available with QuantizedFP8Cache in generate"
+            "vLLM); a recent tokens in full precision is only available with QuantizedFP8Cache in generate"
         )
     disable(model)  # enabling again starts from transformers' own state
     implementation = model.config._attn_implementation
@@ -148,25 +102,16 @@ def enable(
             "attn_implementation='sdpa' or 'eager' (our attention replaces it for every layer)"
         )
     config = model.config.get_text_config(decoder=True)
-    groups = group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
-    layer_types = [None] * config.num_hidden_layers
-    for kind, indices in groups.items():
-        for i in indices:
-            layer_types[i] = kind
-    skip = _validate_skip_layers(skip_layers, layer_types)
-    fmt = get_format(platform_dtype(kv_cache_dtype))
-    quantized = [i for i in range(config.num_hidden_layers) if i not in skip]
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    checkpoint = getattr(model.config, "_name_or_path", "") or None
-    layer_scales, uncalibrated = resolve_scales(scales, fmt, quantized, config.num_hidden_layers, kv_heads, checkpoint)
-    if uncalibrated:
-        warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=2)
+    group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
+    resolved = resolve_settings(model.config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers,
+                                backend=backend)  # fmt: skip
     layouts = {
-        i: RowLayout(fmt if i in layer_scales else None, layer_scales.get(i), kv_heads, head_dim, model.dtype)
+        i: RowLayout(resolved.fmt if resolved.stored(i) else None, resolved.stored(i) and resolved.scales[i].per_token,
+                     resolved.kv_heads, resolved.head_dim, model.dtype, getattr(resolved.scales.get(i), "key_channel", None))
         for i in range(config.num_hidden_layers)
-    }
-    settings = PagedSettings(fmt, layouts, check_backend(backend), implementation, uncalibrated)
+    }  # fmt: skip
+    fixed = {i: torch.stack((scheme.key, scheme.value)) for i, scheme in resolved.scales.items() if not scheme.per_token}
+    settings = PagedSettings(resolved.fmt, layouts, fixed, resolved.backend, implementation)
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
     setattr(model, SETTINGS_ATTRIBUTE, settings)
@@ -377,7 +322,7 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             rows.append({
                 "layer": i,
                 "storage": layout.fmt.name if layout.fmt else f"skipped ({layout.dtype})",
-                "scales": ("per-token-head" if layout.dynamic else "static") if layout.fmt else "-",
+                "scales": ("per-token-head" if layout.per_token else "per-head") if layout.fmt else "-",
                 "row_bytes": layout.nbytes,
                 "clipped": int(counts[:, 0].sum()) if counts is not None else 0,
                 "non-finite": int(counts[:, 1].sum()) if counts is not None else 0,
@@ -403,31 +348,23 @@ class FP8PagesMixin:
         self.bytes_per_sector = bytes_per_sector
         self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
-        total_blocks = cache_tensor.numel() // self.bytes_per_block
+        self.geometry: dict[int, PageGeometry] = {}  # layer -> where its rows lie in the page bytes
         self.page_rows: dict[int, torch.Tensor] = {}  # layer -> uint8 [blocks, 2 (K, V), page_size, row bytes]
-        self.layer_offsets: dict[int, int] = {}  # layer -> byte offset of its pages in a block
         offset = 0
         for layer_idx, layout in zip(self.layer_indices, self.layouts):
-            size = (total_blocks, 2, self.tokens_per_page, layout.nbytes)
-            strides = (self.bytes_per_block, self.tokens_per_page * layout.nbytes, layout.nbytes, 1)
-            self.page_rows[layer_idx] = cache_tensor.as_strided(size, strides, offset)
-            self.layer_offsets[layer_idx] = offset
+            geometry = PageGeometry(offset, self.bytes_per_block, self.block_physical_stride, self.tokens_per_page)
+            self.geometry[layer_idx] = geometry
+            self.page_rows[layer_idx] = geometry.rows(cache_tensor, layout.nbytes)
             offset += 2 * self.tokens_per_page * layout.nbytes
         device = cache_tensor.device
-        quantized = [(i, layout) for i, layout in zip(self.layer_indices, self.layouts) if layout.fmt is not None]
+        self.backend = backend_for(self.settings.backend, device)
+        quantized = [i for i, layout in zip(self.layer_indices, self.layouts) if layout.fmt is not None]
         # per layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed over every write
-        self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i, _ in quantized}
-        self.static_scales = {  # per layer with static scales: fp32 [2 (K, V), kv_heads]
-            i: torch.stack((layout.scales.key, layout.scales.value)).to(device)
-            for i, layout in quantized
-            if not layout.dynamic
-        }
+        self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i in quantized}
+        self.fixed_scales = {i: self.settings.fixed_scales[i].to(device) for i in quantized if i in self.settings.fixed_scales}
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("FP8 pages have no block-table view: they are read through read indices")
-
-    def _locate(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return index // self.block_physical_stride, index % self.block_physical_stride
 
     def write_and_view(self, key, value, layer_idx, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
                        max_length_q):  # fmt: skip
@@ -437,17 +374,9 @@ class FP8PagesMixin:
         if layout.key_channel is not None:
             key = key / layout.key_channel.to(key.device)[None, :, None, :]
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
-        static = self.static_scales.get(layer_idx)
-        if layout.fmt is not None and resolve_backend(self.settings.backend, states.device) == "triton":
-            from hf_fp8kv.kernels.triton_paged import encode_rows as triton_encode_rows
-
-            pair = None if static is None else (static[0], static[1])
-            rows = triton_encode_rows(states, layout.fmt, self.stats[layer_idx], pair)
-            self.has_nan[layer_idx] = True  # not known without a sync; only the torch decode needs it
-        else:
-            rows, nonfinite = encode_rows(states, layout, self.stats.get(layer_idx), static)
-            self.has_nan[layer_idx] |= nonfinite
-        blocks, slots = self._locate(write_index)
+        rows, nonfinite = self.backend.encode_rows(states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx))
+        self.has_nan[layer_idx] |= nonfinite
+        blocks, slots = self.geometry[layer_idx].locate(write_index)
         self.page_rows[layer_idx][blocks, :, slots] = rows
         return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
 
@@ -466,51 +395,8 @@ class FP8SlidingAttentionAllocator(FP8PagesMixin, SlidingAttentionCacheAllocator
         return self.sliding_window
 
 
-# --- rows: encode and decode -----------------------------------------------------------------------------------
-def encode_rows(
-    states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None, static: torch.Tensor | None
-) -> tuple[torch.Tensor, bool]:
-    """Page rows `[tokens, 2, row bytes]` of `states` (`[2, kv_heads, tokens, head_dim]`): codes and scales
-    written by `write_stacked` (the bits `QuantizedFP8Cache` stores; `static`: `[2, kv_heads]` scales, None for
-    per-token-head ones), or the model-dtype values of a skipped layer; and whether an input was non-finite."""
-    tokens = states.shape[2]
-    rows = torch.zeros(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
-    codes = _stored_values(rows, layout)
-    if layout.fmt is None:
-        codes.copy_(states)
-        return rows, False
-    if static is None:
-        scale = rows[..., layout.scale_bytes].view(torch.float32).permute(1, 2, 0)[..., None]
-    else:
-        scale = static[:, :, None, None]
-    return rows, write_stacked(states, codes, scale, layout.fmt, static is None, stats)
-
-
-def _stored_values(rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-    """The codes (or a skipped layer's model-dtype values) of page rows `[tokens, 2, row bytes]`, viewed as
-    `[2, kv_heads, tokens, head_dim]`."""
-    dtype = layout.dtype if layout.fmt is None else layout.fmt.dtype
-    values = rows[..., : layout.value_bytes].view(dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
-    return values.permute(1, 2, 0, 3)
-
-
-def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static: torch.Tensor | None) -> torch.Tensor:
-    """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]`."""
-    codes = _stored_values(rows, layout)
-    if layout.fmt is None:
-        return codes.float()
-    if static is None:
-        scale = rows[..., layout.scale_bytes].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
-    else:
-        scale = static[:, :, None, None]
-    kv = dequantize_stacked(codes, scale, layout.fmt, has_nan)
-    if layout.key_channel is not None:
-        kv[0] *= layout.key_channel.to(kv.device)[:, None, :]
-    return kv
-
-
 # --- what the attention reads ----------------------------------------------------------------------------------
-class PagedKV(QuantizedKV):
+class PagedKV(FP8KeyStates):
     """One layer's pages for this step of a continuous batch: the FP8 attention function (`fp8kv`) calls
     `attend`, which reads each request's past rows through its read indices and its new rows."""
 
@@ -524,47 +410,10 @@ class PagedKV(QuantizedKV):
         layout = self.allocator.settings.layouts[self.layer_idx]
         return (1, layout.kv_heads, int(self.cu_seq_lens_k[-1]), layout.head_dim)
 
-    def spans(self) -> list[tuple[int, int, int, int]]:
-        """Per request: (first query row, query length, first read index, past length)."""
-        cu_q = self.cu_seq_lens_q.tolist()
-        cu_k = self.cu_seq_lens_k.tolist() if self.read_index.numel() else cu_q
-        return [
-            (cu_q[r], cu_q[r + 1] - cu_q[r], cu_k[r], (cu_k[r + 1] - cu_k[r]) - (cu_q[r + 1] - cu_q[r]))
-            for r in range(len(cu_q) - 1)
-            if cu_q[r + 1] > cu_q[r]
-        ]
-
-    def past_rows(self, first: int, past: int) -> torch.Tensor:
-        """The page rows of a request's `past` cached tokens, read through its read indices."""
-        blocks, slots = self.allocator._locate(self.read_index[first : first + past])
-        return self.allocator.page_rows[self.layer_idx][blocks, :, slots]
-
-    def attend(self, query, *, scaling, mask=None, window=None, softcap=None, sinks=None, **kwargs) -> torch.Tensor:
+    def attend(self, query, *, scaling, mask=None, window=None, softcap=None, sink_logits=None) -> torch.Tensor:
         """`[1, q_heads, q_tokens, head_dim]`: each request's queries over its own tokens (causal, and the
         sliding window of a sliding layer), from the pages. The window is the layer group's, as transformers'
         allocator keeps it (the model's `sliding_window` argument names the same one)."""
-        layout = self.allocator.settings.layouts[self.layer_idx]
-        triton_reads = layout.fmt is not None and softcap is None and sinks is None and layout.key_channel is None
-        if triton_reads and resolve_backend(self.allocator.settings.backend, query.device) == "triton":
-            return self.attend_triton(query, scaling, layout)
-        has_nan = self.allocator.has_nan[self.layer_idx]
-        window = self.allocator.window
-        out = torch.zeros_like(query)
-        for q_first, q_len, k_first, past in self.spans():
-            rows = self.new_rows[q_first : q_first + q_len]
-            if past:
-                rows = torch.cat((self.past_rows(k_first, past), rows))
-            kv = decode_rows(rows, layout, has_nan, self.allocator.static_scales.get(self.layer_idx))
-            out[:, :, q_first : q_first + q_len] = attention(
-                query[:, :, q_first : q_first + q_len], kv[0][None], kv[1][None], scaling=scaling, window=window,
-                softcap=softcap, sinks=sinks,
-            ).to(query.dtype)  # fmt: skip
-        return out
-
-    def attend_triton(self, query: torch.Tensor, scaling: float, layout: RowLayout) -> torch.Tensor:
-        """`attend` by the Triton paged kernel: per-request lengths stay on the device."""
-        from hf_fp8kv.kernels.triton_paged import paged_attention
-
         cu_q = self.cu_seq_lens_q.to(torch.int32)
         q_lens = cu_q[1:] - cu_q[:-1]
         if self.read_index.numel():
@@ -573,17 +422,14 @@ class PagedKV(QuantizedKV):
         else:
             k_first = past = torch.zeros_like(q_lens)
         allocator = self.allocator
-        static = allocator.static_scales.get(self.layer_idx)
-        static = None if static is None else (static[0], static[1])
-        out = paged_attention(
+        out = allocator.backend.paged_attend(
             query[0].transpose(0, 1), allocator.cache_tensor, self.new_rows, self.read_index, cu_q, k_first, past,
-            fmt=layout.fmt, kv_heads=layout.kv_heads, layer_offset=allocator.layer_offsets[self.layer_idx],
-            bytes_per_block=allocator.bytes_per_block, block_stride=allocator.block_physical_stride,
-            page_size=allocator.tokens_per_page, scaling=scaling, window=allocator.window, static_scales=static,
+            layout=allocator.settings.layouts[self.layer_idx], geometry=allocator.geometry[self.layer_idx],
+            scaling=scaling, window=allocator.window, softcap=softcap, sink_logits=sink_logits,
+            static_scales=allocator.fixed_scales.get(self.layer_idx), has_nan=allocator.has_nan[self.layer_idx],
             max_q_len=self.max_length_q,
         )  # fmt: skip
-        return out.transpose(0, 1)[None].to(query.dtype)
+        return out.transpose(0, 1)[None]
 
     def dequantized(self):
         raise RuntimeError("FP8 continuous batching pages are read by the fp8kv attention only")
-

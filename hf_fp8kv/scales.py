@@ -1,9 +1,9 @@
 """Scale schemes: where each layer's K/V scales come from and at which granularity.
 
-A scheme is one small class. `StaticScales` holds one K and one V scale per KV head (a per-tensor scale is the
-same value on every head) and optionally a static per-channel key scale; `DynamicScales` asks the write kernel
-for a scale per token and KV head. `KVScales` is a whole model's set of static scales, as a checkpoint stores
-them or `calibrate` makes them; `resolve_scales` turns any `scales=` argument into one scheme per layer.
+A scheme is one small class: `PerHeadScales` holds one K and one V scale per KV head (a per-tensor scale is the
+same value on every head) and optionally a per-channel key scale; `PerTokenScales` asks the write for a scale per
+token and KV head. `resolve_scales` turns any `scales=` argument into one scheme per layer; a whole model's
+per-head scales, as a checkpoint stores them or `calibrate` makes them, are a `KVScales` (`checkpoint.py`).
 
 All scales follow the OCP e4m3 convention of checkpoints and vLLM: a dequantization multiplier,
 `scale = amax / 448`. Formats with another range (e4m3fnuz) convert them with `StorageFormat.ocp_scale_factor`.
@@ -11,14 +11,13 @@ All scales follow the OCP e4m3 convention of checkpoints and vLLM: a dequantizat
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
 import torch
 
+from hf_fp8kv.checkpoint import KVScales, check_scale_values, load_checkpoint_scales
 from hf_fp8kv.kernels.formats import StorageFormat
 
 
@@ -35,21 +34,26 @@ CALIBRATION_WARNING = (
 
 
 @dataclass
-class DynamicScales:
-    """Per-token-head scales, computed by the write kernel (`amax / max` of each token's head vector)."""
+class PerTokenScales:
+    """A scale per token and KV head, computed by the write (`amax / max` of each token's head vector)."""
 
+    per_token = True
     granularity: str = "per-token-head"
     source: str = "dynamic"
 
+    def describe(self, which: str) -> str:
+        return "per token"
+
 
 @dataclass
-class StaticScales:
+class PerHeadScales:
     """Fixed K and V scales of one layer, as `[kv_heads]` fp32 tensors (per-tensor = one value repeated).
 
     `key_channel` (`[kv_heads, head_dim]`, optional) refines the key scale per channel: channel d of head h is
     stored as `k / (key[h] * key_channel[h, d])`; attention folds it into the query at no cost.
     """
 
+    per_token = False
     key: torch.Tensor
     value: torch.Tensor
     granularity: str
@@ -64,73 +68,7 @@ class StaticScales:
         return text + (" x channel" if which == "key" and self.key_channel is not None else "")
 
 
-@dataclass
-class KVScales:
-    """Static K/V scales of a model's layers (OCP e4m3 convention), as a checkpoint or `calibrate` gives them.
-
-    `key` / `value`: `{layer: fp32 tensor of 1 value (per tensor) or one per KV head}`; `key_channel`:
-    `{layer: [kv_heads, head_dim]}` static per-channel key scales (optional); `names`: `{layer: (K name, V
-    name)}`, the tensors they came from, used in error messages; `sources`: `{layer: text}` for
-    `cache.summary()`; `unused`: names of q/prob scales found in a checkpoint, which the cache does not use;
-    `dynamic`: the checkpoint asks for dynamic (per-token) scales instead.
-    """
-
-    key: dict[int, torch.Tensor] = field(default_factory=dict)
-    value: dict[int, torch.Tensor] = field(default_factory=dict)
-    sources: dict[int, str] = field(default_factory=dict)
-    names: dict[int, tuple[str, str]] = field(default_factory=dict)
-    key_channel: dict[int, torch.Tensor] = field(default_factory=dict)
-    unused: list[str] = field(default_factory=list)
-    dynamic: bool = False
-
-    @property
-    def layers(self) -> list[int]:
-        return sorted(self.key)
-
-    @property
-    def strategy(self) -> str:
-        """compressed-tensors' name of the granularity: "tensor" or "attn_head"."""
-        per_head = any(t.numel() > 1 for t in [*self.key.values(), *self.value.values()])
-        return "attn_head" if per_head else "tensor"
-
-    @property
-    def kv_cache_scheme(self) -> dict[str, Any]:
-        """The `quantization_config.kv_cache_scheme` entry that declares these scales (compressed-tensors)."""
-        return {"num_bits": 8, "type": "float", "strategy": self.strategy, "dynamic": self.dynamic,
-                "symmetric": True}
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write a safetensors file with llm-compressor's tensor names and the `kv_cache_scheme` in its
-        metadata (a directory gets `kv_cache_scales.safetensors`); returns the file's path."""
-        from hf_fp8kv.checkpoint import save_scales
-
-        return save_scales(self, path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "KVScales":
-        """Scales from a file written by `save`, any safetensors file or old vLLM JSON, or a model directory."""
-        from hf_fp8kv.checkpoint import load_scales_file
-
-        return load_scales_file(path)
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None) -> "KVScales":
-        """Scales from a local model directory or a model in the local Hugging Face cache (no download)."""
-        from hf_fp8kv.checkpoint import load_checkpoint_scales
-
-        found = load_checkpoint_scales(name_or_path, revision=revision)
-        if found is None:
-            raise FileNotFoundError(f"{name_or_path} has no KV cache scales under any known name")
-        return found
-
-    def export_for_vllm(self, model: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-        """Write a copy of `model` (a local directory or cached model) with these scales, for `vllm serve`."""
-        from hf_fp8kv.checkpoint import export_for_vllm
-
-        return export_for_vllm(self, model, out_dir)
-
-
-LayerScales = Union[StaticScales, DynamicScales]
+LayerScales = Union[PerHeadScales, PerTokenScales]
 ScalesArg = Union[str, os.PathLike, float, KVScales, Mapping[int, Any], Sequence[Any]]
 
 
@@ -157,17 +95,15 @@ def resolve_scales(
             )
         scales = KVScales.load(scales)
     if scales == "dynamic" or (scales == "auto" and fmt.per_token_only):
-        return {i: DynamicScales() for i in quantized_layers}, False
+        return {i: PerTokenScales() for i in quantized_layers}, False
     if scales == "auto":
-        from hf_fp8kv.checkpoint import load_checkpoint_scales
-
         found = load_checkpoint_scales(checkpoint) if checkpoint else None
         if found is None:
             return {i: _static(1.0, 1.0, fmt, kv_heads, i, "default 1.0") for i in quantized_layers}, True
         scales = found
     if isinstance(scales, KVScales):
         if scales.dynamic:
-            return {i: DynamicScales(source="dynamic (checkpoint kv_cache_scheme)") for i in quantized_layers}, False
+            return {i: PerTokenScales(source="dynamic (checkpoint kv_cache_scheme)") for i in quantized_layers}, False
         return _from_kv_scales(scales, fmt, quantized_layers, num_layers, kv_heads), False
     if isinstance(scales, (int, float)) and not isinstance(scales, bool):
         return {i: _static(scales, scales, fmt, kv_heads, i, "user float") for i in quantized_layers}, False
@@ -199,7 +135,7 @@ def _user_scales(scales: Mapping[int, Any] | Sequence[Any], num_layers: int) -> 
 
 def _from_kv_scales(
     scales: KVScales, fmt: StorageFormat, quantized_layers: Sequence[int], num_layers: int, kv_heads: int
-) -> dict[int, StaticScales]:
+) -> dict[int, PerHeadScales]:
     unknown = sorted(i for i in scales.key if not (isinstance(i, int) and 0 <= i < num_layers))
     if unknown:
         names = ", ".join(scales.names[i][0] for i in unknown if i in scales.names)
@@ -233,7 +169,7 @@ def _static(
     source: str,
     names: tuple[str, str] = ("k_scale", "v_scale"),
     key_channel: torch.Tensor | None = None,
-) -> StaticScales:
+) -> PerHeadScales:
     k, k_granularity = _as_head_vector(key, kv_heads, layer, names[0])
     v, v_granularity = _as_head_vector(value, kv_heads, layer, names[1])
     granularity = "per-head" if "per-head" in (k_granularity, v_granularity) else "per-tensor"
@@ -249,16 +185,7 @@ def _static(
         adjusted = f" x{fmt.ocp_scale_factor:g} ({fmt.name} doubles OCP-calibrated scales)"
         k = check_scale_values(k * fmt.ocp_scale_factor, layer, names[0] + adjusted)
         v = check_scale_values(v * fmt.ocp_scale_factor, layer, names[1] + adjusted)
-    return StaticScales(k, v, granularity, source, key_channel)
-
-
-def check_scale_values(tensor: torch.Tensor, layer: int | None, name: str) -> torch.Tensor:
-    """`tensor` if every value is finite and > 0, else an error naming the layer and tensor."""
-    bad = [v for v in tensor.flatten().tolist() if not (math.isfinite(v) and v > 0)]
-    if bad:
-        where = f"layer {layer} {name}" if layer is not None else name
-        raise ValueError(f"{where} must be finite and > 0, got {bad[0]}")
-    return tensor
+    return PerHeadScales(k, v, granularity, source, key_channel)
 
 
 def _as_head_vector(scale: Any, kv_heads: int, layer: int, name: str) -> tuple[torch.Tensor, str]:

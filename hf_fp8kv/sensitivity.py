@@ -3,7 +3,7 @@
 Each measurement is one forward pass of the text through a `QuantizedFP8Cache`. Our cache quantizes the new
 tokens before attention reads them (the FP8 attention reads the stored codes, the slow path dequantizes
 them), so one pass sees the same quantized past as decode mode, at a fraction of the cost. That holds for pure
-FP8 storage, which is what is measured (`recent_tokens=0, sink_tokens=0`): the full-precision window of the
+FP8 storage, which is what is measured (`recent_tokens=0, sink_tokens=0`): the recent tokens in full precision of the
 newest tokens lowers every layer's error alike and is not a per-layer choice.
 """
 

@@ -1,102 +1,78 @@
-"""Static FP8 cache layers, for `torch.compile` and CUDA graphs: preallocated buffers, positions on the device.
+"""The static storage policy, for `torch.compile` and CUDA graphs: preallocated buffers, positions on the device.
 
-Like transformers' `StaticLayer`: the buffers are allocated at the first update (from the key states' batch)
-for `max_cache_len` tokens and then only written in place; the stored length lives in a device tensor, so no
-Python number that changes per step reaches a kernel, a shape or a guard, and `get_mask_sizes` is
-`(max_cache_len, 0)`: the mask covers every slot. Full-attention layers hold token t at slot t; sliding-window
-layers are rings of `min(sliding_window, max_cache_len)` slots (token t at slot t % slots) that a decode step
-writes in place; an update of several tokens once the ring is full (a long prompt, a chat turn) needs older
-tokens than the ring holds, so it runs, eagerly, over a temporary linear copy of the window.
+Like transformers' `StaticLayer`: the buffers are allocated at the first update for `max_cache_len` tokens (and
+`max_batch_size` rows, else the first batch's) and then only written in place; the stored length lives in a
+device tensor, so no Python number that changes per step reaches a kernel, a shape or a guard, and
+`get_mask_sizes` is `(max_cache_len, 0)`: the mask covers every slot. The cache holds at most `max_cache_len`
+tokens on every layer. Full-attention layers hold token t at slot t; sliding-window layers are rings of
+`min(sliding_window, max_cache_len)` slots (token t at slot t % slots) that a decode step writes in place; an
+update of several tokens once the ring is full (a long prompt, a chat turn) needs older tokens than the ring
+holds, so it runs, eagerly, over a temporary linear copy of the window.
 
 Every static buffer has one spare slot at the end: the torch path's branch-free writes send there what has
-nowhere to go (a token that is not leaving the window yet), where the Triton kernels mask it out.
+nowhere to go (a token that is not leaving the recent buffer yet), where the Triton kernels mask it out. A batch
+of fewer rows than allocated uses the buffers' first rows (views kept per batch size, so a compiled graph keeps
+its inputs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_fp8kv.kernels import ops
 from hf_fp8kv.kernels.view import KVView
-from hf_fp8kv.layer import FP8CacheLayer, QuantizedKV
+from hf_fp8kv.layer import FP8Layer, QuantizedKV
 
 
-class StaticFP8Layer(FP8CacheLayer):
-    """An `FP8CacheLayer` with `max_cache_len` preallocated slots and device-side positions."""
+class StaticFP8Layer(FP8Layer):
+    """A full-attention layer with `max_cache_len` preallocated slots and device-side positions."""
 
     is_compileable = True
-    static = True
 
     def __init__(self, *args, max_cache_len: int, max_batch_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
         self.recent_tokens = min(self.recent_tokens, max_cache_len)  # no more tokens than the cache holds
-
-    def _fp_slots(self, tokens: int, held: int = 0) -> int:
-        return tokens  # allocated once: the addresses stay
-
-    def _forget(self) -> None:
-        super()._forget()
-        self.positions = torch.zeros(2, dtype=torch.int64)  # end, fp_start
+        self.positions = torch.zeros(2, dtype=torch.int64)  # end, recent_start
         self.position_views = (self.positions[0], self.positions[1])
         # `positions` on the host for the eager paths; None after a compiled step moved them (read back once)
         self.host_positions: tuple[int, int] | None = (0, 0)
-        self.step_deltas: dict[int, torch.Tensor] = {}  # fp_start's move (0 or 1) -> a decode step's device delta
+        self.step_deltas: dict[int, torch.Tensor] = {}  # recent_start's move (0 or 1) -> a decode step's delta
         self.rows: int | None = None  # the batch served (None: the next update's)
-
-    def _host_positions(self) -> tuple[int, int]:
-        if self.host_positions is None:
-            end, fp_start = self.positions.tolist()
-            self.host_positions = (end, fp_start)
-        return self.host_positions
 
     @property
     def ring_slots(self) -> int:
         return self.max_cache_len
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized and self.rows is None:  # the first update since `reset`: any batch that fits
-            self._use_rows(key_states.shape[0])
-        return super().update(key_states, value_states, *args, **kwargs)
+    def _host_positions(self) -> tuple[int, int]:
+        if self.host_positions is None:
+            end, recent_start = self.positions.tolist()
+            self.host_positions = (end, recent_start)
+        return self.host_positions
 
-    def _batch_error(self, key_states: torch.Tensor) -> ValueError:
-        return ValueError(
-            f"layer {self.layer_idx}: new key states {tuple(key_states.shape)} do not fit this static cache's batch of "
-            f"{self.rows} rows x {self.codes.shape[2]} KV heads; call cache.reset() before another batch (of at most "
-            f"{self.allocated_rows} rows)"
-        )
+    def host_end(self) -> int:
+        return self._host_positions()[0]
 
-    def _allocate(self, batch: int, kv_heads: int, head_dim: int, slots: int = 0) -> None:
-        # buffers for max_batch_size rows (default: the first batch), of which the current batch uses the first
+    @property
+    def length(self) -> int:
+        return min(self.host_end(), self.ring_slots)
+
+    @property
+    def capacity(self) -> int:
+        return self.ring_slots if self.is_initialized else 0
+
+    # --- allocation: buffers for max_batch_size rows, of which a batch uses the first -------------------------
+    def _allocate(self, batch: int, kv_heads: int, head_dim: int) -> None:
         rows = self.max_batch_size if self.max_batch_size is not None else batch
-        super()._allocate(rows, kv_heads, head_dim, self.ring_slots + 1)  # + the spare slot
+        self._new_buffers(rows, kv_heads, head_dim, self.ring_slots + 1, self.recent_tokens, self.sink_tokens)
         self.positions = self.positions.to(self.device)
         self.position_views = (self.positions[0], self.positions[1])
-        if self.dynamic:
-            self.scale.fill_(1.0)
-        self.codes.view(torch.uint8).zero_()
         self.storage = {name: getattr(self, name) for name in (*self._buffers(), "sink_start", "sink_count")}
         self.row_views: dict[int, dict[str, torch.Tensor]] = {}
         if not torch.compiler.is_compiling():  # fixed addresses: no recompilation, CUDA graphs can replay
             for name in ("positions", "stats"):
                 torch._dynamo.mark_static_address(getattr(self, name))
         self._use_rows(batch)
-
-    def __getstate__(self) -> dict:
-        # views are rebuilt on load (plain pickle copies each tensor's storage: views would come back detached)
-        state = super().__getstate__()
-        for name in ("position_views", "row_views", *getattr(self, "storage", {})):
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self.position_views = (self.positions[0], self.positions[1])
-        if self.is_initialized:
-            rows, self.rows, self.row_views = self.rows, None, {}
-            self._use_rows(rows if rows is not None else self.allocated_rows)
-            self.rows = rows
 
     @property
     def allocated_rows(self) -> int:
@@ -119,58 +95,39 @@ class StaticFP8Layer(FP8CacheLayer):
             self.row_views[rows] = views
         for name, view in self.row_views[rows].items():
             setattr(self, name, view)
-        self.launch_memo = {}
         self.rows = rows
-
-    def _select_rows(self, rows: list[int]) -> None:
-        """Keep batch rows `rows` (in that order, repeats allowed), in place in the first rows of the buffers."""
-        if not self.is_initialized:
-            return
-        if len(rows) > self.allocated_rows:
-            self._use_rows(len(rows))  # raises, naming max_batch_size
-        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-        picked = {name: getattr(self, name).index_select(_batch_dim(buffer), index) for name, buffer in self.storage.items()}
-        for name, buffer in self.storage.items():
-            buffer.narrow(_batch_dim(buffer), 0, len(rows)).copy_(picked[name])
-        self._use_rows(len(rows))
-        if self.sink_rows is not None:
-            self.sink_rows = [self.sink_rows[r] for r in rows]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers allocated (for `max_batch_size` rows, `max_cache_len` tokens)."""
         return sum(self.storage[name].nbytes for name in self._buffers()) if self.is_initialized else 0
 
-    @property
-    def end(self):
-        return self.positions[0] if self.is_initialized else 0
+    # --- the update --------------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and self.rows is None:  # the first update since `reset`: any batch that fits
+            self._use_rows(key_states.shape[0])
+        return super().update(key_states, value_states, *args, **kwargs)
 
-    @end.setter
-    def end(self, value) -> None:  # only `_forget` assigns it: positions start over
-        pass
-
-    @property
-    def fp_start(self):
-        return self.positions[1] if self.is_initialized else 0
-
-    @fp_start.setter
-    def fp_start(self, value) -> None:
-        pass
+    def _batch_error(self, key_states: torch.Tensor) -> ValueError:
+        return ValueError(
+            f"layer {self.layer_idx}: new key states {tuple(key_states.shape)} do not fit this static cache's batch of "
+            f"{self.rows} rows x {self.codes.shape[2]} KV heads; call cache.reset() before another batch (of at most "
+            f"{self.allocated_rows} rows)"
+        )
 
     def view(self, start=None) -> KVView:
         # views of `positions` made once: 3 us a step less, but a compiled graph takes its own (the buffer is static)
-        end, fp_start = (self.positions[0], self.positions[1]) if torch.compiler.is_compiling() else self.position_views
+        end, recent_start = (self.positions[0], self.positions[1]) if torch.compiler.is_compiling() else self.position_views
+        tracker = self.sink_tracker
         return KVView(
-            self.codes, self.scale, self.fmt, 0, end, fp_start, 0, self.recent,
-            self.sinks if self.sink_rows else None, self.sink_start, self.sink_count, None, self.key_channel_scale,
-            True, True, self.is_sliding, self.positions, memo=self.launch_memo,
+            codes=self.codes, scales=self.scale, fmt=self.fmt, per_token=self.per_token, end=end,
+            recent_start=recent_start, ring=self.is_sliding, recent=self.recent,
+            sinks=self.sinks if tracker.rows else None, sink_start=self.sink_start, sink_count=self.sink_count,
+            key_channel_scale=self.key_channel_scale, positions=self.positions, memo=self.kernels.memo,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
         return self.ring_slots
-
-    def _host_end(self) -> int:
-        return self._host_positions()[0]
 
     def _make_room(self, new_tokens: int) -> None:
         """A static cache holds at most `max_cache_len` tokens, on every layer (a sliding layer's mask columns are
@@ -181,7 +138,7 @@ class StaticFP8Layer(FP8CacheLayer):
                 f"max_cache_len={self.max_cache_len}; build QuantizedFP8Cache(model, max_cache_len=...) larger"
             )
         if not torch.compiler.is_compiling():
-            end = self._host_end()
+            end = self.host_end()
             if end + new_tokens > self.max_cache_len:
                 raise ValueError(
                     f"layer {self.layer_idx}: {end} cached + {new_tokens} new tokens exceed this static cache's "
@@ -194,17 +151,18 @@ class StaticFP8Layer(FP8CacheLayer):
             torch.maximum(self.positions[1], self.positions[0] - self.recent_tokens, out=self.positions[1])
             self.host_positions = None  # the host learns the new positions when it next needs them
             return
-        end, fp_start = self._host_positions()
-        end, moved = end + new_tokens, max(fp_start, end + new_tokens - self.recent_tokens) - fp_start
+        end, recent_start = self._host_positions()
+        end, moved = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens) - recent_start
         if new_tokens == 1:  # an eager decode step: one in-place add of a delta kept on the device (1 op, not 5)
             if moved not in self.step_deltas:
                 self.step_deltas[moved] = torch.tensor([1, moved], device=self.positions.device)
             self.positions.add_(self.step_deltas[moved])
         else:
             self.positions[0] = end
-            self.positions[1] = fp_start + moved
-        self.host_positions = (end, fp_start + moved)
+            self.positions[1] = recent_start + moved
+        self.host_positions = (end, recent_start + moved)
 
+    # --- the cache protocol ------------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
 
@@ -221,22 +179,45 @@ class StaticFP8Layer(FP8CacheLayer):
         self.positions.zero_()
         self.stats.zero_()
         self.host_positions = (0, 0)
-        self.sink_rows = None
+        self.sink_tracker.reset()
         self.has_nan = False
         self.rows = None
-
-    def _crop_to(self, end: int) -> None:
-        fp_start = min(self._host_positions()[1], end)
-        self.positions[0], self.positions[1] = end, fp_start
-        self.host_positions = (end, fp_start)
-        if self.sink_rows:
-            self._sync_sink_tensors()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
-        self._crop_to(max(self._host_end() + tokens_to_remove, 0))
+        end = max(self.host_end() + tokens_to_remove, 0)
+        recent_start = min(self._host_positions()[1], end)
+        self.positions[0], self.positions[1] = end, recent_start
+        self.host_positions = (end, recent_start)
+        self.sink_tracker.sync(self)
 
+    def _select_rows(self, rows: list[int]) -> None:
+        """In place, in the first rows of the buffers (their addresses stay)."""
+        if len(rows) > self.allocated_rows:
+            self._use_rows(len(rows))  # raises, naming max_batch_size
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        picked = {name: getattr(self, name).index_select(_batch_dim(buffer), index) for name, buffer in self.storage.items()}
+        for name, buffer in self.storage.items():
+            buffer.narrow(_batch_dim(buffer), 0, len(rows)).copy_(picked[name])
+        self._use_rows(len(rows))
+        self.sink_tracker.select(rows)
+
+    # --- pickling: views are rebuilt on load (plain pickle copies each tensor's storage: views would come back
+    # detached from their buffers)
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        for name in ("position_views", "row_views", *getattr(self, "storage", {})):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.position_views = (self.positions[0], self.positions[1])
+        if self.is_initialized:
+            rows, self.rows, self.row_views = self.rows, None, {}
+            self._use_rows(rows if rows is not None else self.allocated_rows)
+            self.rows = rows
 
 
 class StaticFP8SlidingLayer(StaticFP8Layer):
@@ -245,7 +226,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
     is_sliding = True
 
     def __init__(self, *args, sliding_window: int, **kwargs):
-        super().__init__(*args, **{**kwargs, "sink_tokens": 0})
+        super().__init__(*args, **{**kwargs, "sink_tokens": 0})  # the window drops the first tokens anyway
         self.sliding_window = sliding_window
 
     @property
@@ -261,26 +242,21 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.is_initialized:
-            end = self._host_end()
+            end = self.host_end()
             needed = max(end + tokens_to_remove - (self.sliding_window - 1), 0)  # the oldest token seen next
             held = max(end - self.ring_slots, 0)  # the oldest token the ring still holds
             if needed < held:
                 raise RuntimeError(
                     f"layer {self.layer_idx}: after crop({tokens_to_remove}) the next token sees tokens from {needed} "
                     f"on, but this static sliding-window layer's ring of {self.ring_slots} slots has overwritten "
-                    f"tokens {needed}..{held - 1}. A "
-                    "static cache on a sliding-window model cannot roll back once its ring is full (assisted or "
-                    "prompt-lookup decoding): use the dynamic cache (no max_cache_len), or max_cache_len <= "
-                    f"sliding_window ({self.sliding_window})"
+                    f"tokens {needed}..{held - 1}. A static cache on a sliding-window model cannot roll back once its "
+                    "ring is full (assisted or prompt-lookup decoding): use the dynamic cache (no max_cache_len), or "
+                    f"max_cache_len <= sliding_window ({self.sliding_window})"
                 )
         super().crop(tokens_to_remove)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new_tokens = key_states.shape[2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        elif self.rows is not None and key_states.shape[0] != self.rows:
-            raise self._batch_error(key_states)
         compiling = torch.compiler.is_compiling()
         host = self.host_positions if compiling else self._host_positions()  # compiled: guarded, None once moved
         if new_tokens == 1 or (host is not None and host[0] + new_tokens <= self.ring_slots):
@@ -290,42 +266,44 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
                 f"layer {self.layer_idx}: a static sliding-window layer takes several tokens at once only outside "
                 "torch.compile (compile the decode step, as generate does)"
             )
-        return self._update_over_copy(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif self.rows is None:
+            self._use_rows(key_states.shape[0])
+        if key_states.shape[0] != self.rows or key_states.shape[1] != self.codes.shape[2]:
+            raise self._batch_error(key_states)
+        kv = self._store_over_copy(key_states, value_states)
+        return (kv, kv) if self.fast_path() else kv.dequantized()
 
-    def _update_over_copy(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Several tokens once the ring is full: write them into a linear copy of the window, attend over it,
-        then keep its last `ring_slots` tokens in the ring."""
+    def _store_over_copy(self, key_states: torch.Tensor, value_states: torch.Tensor) -> QuantizedKV:
+        """Several tokens once the ring is full: they are written into a linear copy of the tokens they may see
+        (and of the recent tokens that leave the recent buffer now, whose codes are written then), attend over
+        it, and its last `ring_slots` tokens become the ring's."""
         new_tokens, slots = key_states.shape[2], self.ring_slots
         self._make_room(new_tokens)
-        end, fp_start = self._host_positions()
-        # the tokens the new ones may see, and those of the recent window that leave it now (each has its ring slot)
-        first = min(max(end - (self.sliding_window - 1), 0), fp_start)
-        held = torch.arange(first, end, device=self.device)
-        # (blocks of at least the recent window: the copy keeps the ring's recent buffer as it is)
-        copy = FP8CacheLayer(self.fmt, self.scales, max(slots, self.recent_tokens), self.requested_backend,
-                             self.fast_path, self.layer_idx, self.recent_tokens, 0)  # fmt: skip
-        for name in ("device", "dtype", "backend", "key_channel_scale", "stats", "has_nan", "recent", "sinks",
-                     "sink_start", "sink_count"):  # fmt: skip
-            setattr(copy, name, getattr(self, name))
-        copy.codes = self.codes.view(torch.uint8).index_select(3, held % slots).view(self.fmt.dtype)
-        copy.scale = self.scale.index_select(3, held % slots) if self.dynamic else self.scale
-        copy.first = copy.offset = first
-        copy.end, copy.fp_start = end, fp_start
-        copy.is_initialized = True
-        kv_copy = copy._store(key_states, value_states)
-        # the copy's last `slots` tokens become the ring's
-        kept = torch.arange(copy.end - slots, copy.end, device=self.device)
-        kept = kept[kept >= 0]
-        self.codes.view(torch.uint8).index_copy_(
-            3, kept % slots, copy.codes.view(torch.uint8).index_select(3, kept - copy.offset)
-        )
-        if self.dynamic:
-            self.scale.index_copy_(3, kept % slots, copy.scale.index_select(3, kept - copy.offset))
-        self.has_nan = copy.has_nan
+        end, recent_start = self._host_positions()
+        first = min(max(end - (self.sliding_window - 1), 0), recent_start)
+        held = torch.arange(first, end, device=self.device) % slots
+        codes = self.codes.new_empty(*self.codes.shape[:3], end + new_tokens - first, self.codes.shape[4])
+        codes.view(torch.uint8)[:, :, :, : end - first] = self.codes.view(torch.uint8).index_select(3, held)
+        scales = self.scale
+        if self.per_token:
+            scales = self.scale.new_empty(*self.scale.shape[:3], codes.shape[3])
+            scales[:, :, :, : end - first] = self.scale.index_select(3, held)
+        linear = KVView(
+            codes=codes, scales=scales, fmt=self.fmt, per_token=self.per_token, start=first, end=end,
+            recent_start=recent_start, offset=first, recent=self.recent, key_channel_scale=self.key_channel_scale,
+        )  # fmt: skip
+        stored_key = self._stored_key(key_states)
+        self._write(stored_key, value_states, linear)
+        linear.end, linear.recent_start = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens)
+        linear.mask_start = 0  # the static mask covers [0, max_cache_len)
+        kept = torch.arange(max(linear.end - slots, 0), linear.end, device=self.device)
+        self.codes.view(torch.uint8).index_copy_(3, kept % slots, codes.view(torch.uint8).index_select(3, kept - first))
+        if self.per_token:
+            self.scale.index_copy_(3, kept % slots, scales.index_select(3, kept - first))
         self._advance(new_tokens)
-        kv_copy.view.mask_start = 0  # the static mask covers [0, max_cache_len)
-        kv = QuantizedKV(self, kv_copy.view, kv_copy.new_key, kv_copy.new_value)
-        return (kv, kv) if self.fast_path() else kv.dequantized()
+        return QuantizedKV(self, linear, stored_key, value_states)
 
 
 def _batch_dim(buffer: torch.Tensor) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+TINY_SCALE = 2.0**-126  # the smallest per-token scale: an all-zero row gets it (its codes are 0 whatever it is)
 
 @dataclass(frozen=True)
 class StorageFormat:
@@ -14,9 +15,9 @@ class StorageFormat:
     `ocp_scale_factor` multiplies scales calibrated for the OCP e4m3fn format (what checkpoints carry): the same
     bits decode to half the value in e4m3fnuz, so its scales are doubled, as vLLM does on ROCm.
 
-    `dynamic_max` is what a per-token-head (dynamic) scale maps a row's amax to: the format's max, except
-    e4m3fnuz where vLLM divides by 224, not 240 (its comment: 240 "will cause accuracy issue on dynamic
-    quantization"); static checkpoint scales keep 240 as the saturation bound there, as vLLM does.
+    `per_token_max` is what a per-token scale maps a row's amax to: the format's max, except e4m3fnuz where vLLM
+    divides by 224, not 240 (its comment: 240 "will cause accuracy issue on dynamic quantization"); checkpoint
+    scales keep 240 as the saturation bound there, as vLLM does.
 
     A value counts as clipped when `|x / scale| > clip_bound`, the max plus half the code spacing there: beyond
     it saturation, not rounding, decides the code.
@@ -37,7 +38,7 @@ class StorageFormat:
     per_token_only: bool = False
     fp16_shift: int = 0
     fp16_factor: float = 1.0
-    dynamic_max: float = 0.0  # 0: the format's max
+    per_token_max: float = 0.0  # 0: the format's max
     nan_code_mask: int = 0
     nan_code: int = -1  # -1: the bit decode reads NaN codes right (e5m2) or there are none (int8)
 
@@ -47,8 +48,8 @@ class StorageFormat:
 
     @property
     def row_max(self) -> float:
-        """What a dynamic scale maps a row's amax to."""
-        return self.dynamic_max or self.max
+        """What a per-token scale maps a row's amax to."""
+        return self.per_token_max or self.max
 
 
 FORMATS: dict[str, StorageFormat] = {
@@ -59,7 +60,7 @@ FORMATS: dict[str, StorageFormat] = {
     "fp8_e5m2": StorageFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 61440.0, fp16_shift=8, fp16_factor=1.0),
     "fp8_e4m3fnuz": StorageFormat(
         "fp8_e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 248.0, ocp_scale_factor=2.0, fp16_shift=7, fp16_factor=128.0,
-        dynamic_max=224.0, nan_code_mask=0xFF, nan_code=0x80,
+        per_token_max=224.0, nan_code_mask=0xFF, nan_code=0x80,
     ),
     "int8_per_token_head": StorageFormat("int8_per_token_head", torch.int8, 127.0, 127.5, per_token_only=True),
 }  # fmt: skip

@@ -1,8 +1,15 @@
-"""The two cache operations, write and attend, dispatched to the torch reference or the Triton kernels.
+"""The one seam between the cache and its kernels: a backend, resolved once for a device, owns every kernel entry.
 
-`backend`: "torch", "triton" or "auto" (Triton on CUDA, torch elsewhere); `None` reads the environment
-variable HF_FP8KV_BACKEND (default "auto"). "triton" on CPU needs TRITON_INTERPRET=1 (bf16 models run right
-there too: the kernels' dots take fp16 operands, never the interpreter's broken bf16 dot).
+`backend_for(requested, device)` gives the torch backend (`cpu.py`, `paged.py`) or the Triton one
+(`triton_*.py`; on CPU only under TRITON_INTERPRET=1, where bf16 models run right too: the kernels' dots take
+fp16 operands, never the interpreter's broken bf16 dot). `requested`: "torch", "triton" or "auto" (Triton on
+CUDA, torch elsewhere); `None` reads the environment variable HF_FP8KV_BACKEND (default "auto").
+
+A backend gives each layer a `LayerKernels` handle: `write` and `attend` over the layer's `KVView`, and the
+layer's kernel state (launch plans, the launch arguments derived from its buffers, split buffers, the split
+count of a compiled decode step), which no one resets by hand: plans are keyed by the view's layout, derived
+arguments by its buffers' identity. Continuous batching's pages go through the backend too (`encode_rows`,
+`paged_attend`). Inside a `torch.compile` graph the Triton kernels run as custom ops (`triton_ops`).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import os
 
 import torch
 
-from . import reference
+from . import cpu, paged
 from .formats import get_format
 from .view import KVView
 
@@ -27,14 +34,14 @@ def check_backend(requested: str | None) -> str:
     return name
 
 
-def resolve_backend(requested: str | None, device: torch.device) -> str:
-    """The backend that serves `device`: "torch" or "triton"."""
+def backend_for(requested: str | None, device: torch.device) -> "TorchBackend":
+    """The backend that serves tensors on `device`."""
     name = check_backend(requested)
     if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"backend='triton' on {device.type} needs TRITON_INTERPRET=1 (the Triton interpreter)")
-    return name
+    return TRITON if name == "triton" else TORCH
 
 
 def _triton_available() -> bool:
@@ -45,60 +52,132 @@ def _triton_available() -> bool:
     return True
 
 
-def write(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    view: KVView,
-    dynamic: bool,
-    stats: torch.Tensor,
-    backend: str = "torch",
-    plans: dict | None = None,
-) -> bool:
-    """Store the new tokens `[view.end, view.end + n)` in the buffers of `view` (see `reference.write`);
-    returns whether NaN codes may have been written. `plans`: the Triton launch plans the caller keeps."""
-    if backend == "triton":
-        if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
-            triton_ops().write(key, value, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name,
-                               dynamic, view.ring)  # fmt: skip
-            return True
+# --- torch ---------------------------------------------------------------------------------------------------------
+class TorchLayerKernels:
+    """A layer's kernels on the torch path: `write(key, value, view, stats)` stores the new tokens `[end, end + n)`
+    in `view`'s buffers and returns whether NaN codes may have been written (`reference.write`); `attend(query,
+    view, *, scaling, mask, window, softcap, sink_logits)` is the attention of `query` `[batch, q_heads, q_len,
+    head_dim]` over the tokens of `view`, in the query's dtype (`reference.attend`)."""
+
+    write = staticmethod(cpu.write)  # (the functions themselves: a decode step is op-dispatch bound on the CPU)
+    attend = staticmethod(cpu.attend)
+
+    def __init__(self) -> None:
+        self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __reduce__(self):  # one instance per backend: a pickled layer comes back with it
+        return (_backend_named, (self.name,))
+
+    def layer_kernels(self) -> TorchLayerKernels:
+        return TorchLayerKernels()
+
+    def encode_rows(
+        self, states: torch.Tensor, layout: paged.RowLayout, stats: torch.Tensor | None, static_scales
+    ) -> tuple[torch.Tensor, bool]:
+        """Page rows of `states` and whether an input was non-finite (see `paged.encode_rows`)."""
+        return paged.encode_rows(states, layout, stats, static_scales)
+
+    def paged_attend(self, query: torch.Tensor, *pages_args, max_q_len: int | None = None, **kwargs) -> torch.Tensor:
+        """Attention over paged rows read in place (see `paged.attend` for the arguments; `max_q_len`, the longest
+        request's queries, sizes the Triton kernel's grid)."""
+        return paged.attend(query, *pages_args, **kwargs)
+
+
+# --- Triton --------------------------------------------------------------------------------------------------------
+class TritonLayerKernels(TorchLayerKernels):
+    """A layer's Triton kernels and their state: launch plans per kind of call, derived launch arguments, and
+    the split count of a compiled decode step (computed outside the graph, for a full static buffer)."""
+
+    def __init__(self) -> None:
+        from .triton_attention import attention
         from .triton_write import write_kv
 
-        write_kv(key, value, view, dynamic, stats, plans)
+        super().__init__()
+        self.plans: dict = {}
+        self.decode_splits: dict[tuple, int] = {}
+        self._write_kv, self._attention = write_kv, attention  # (an import per call costs a decode step ~1 us)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
+        if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
+            triton_ops().write(key, value, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name,
+                               view.per_token, view.ring)  # fmt: skip
+            return True
+        self._write_kv(key, value, view, stats, self.plans)
         return True
-    return reference.write(key, value, view, dynamic, stats)
 
-
-def attend(
-    query: torch.Tensor,
-    view: KVView,
-    *,
-    scaling: float,
-    mask: torch.Tensor | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    backend: str = "torch",
-    plans: dict | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Attention of `query` `[batch, q_heads, q_len, head_dim]` over the tokens of `view` (see
-    `reference.attend`); returns `[batch, q_heads, q_len, head_dim]` in the query's dtype. `num_splits`: the
-    Triton kernel's KV splits (default: from the GPU's occupancy; inside a compiled graph: 1 unless given)."""
-    if backend == "triton":
-        from .triton_attention import attention
-
+    def attend(
+        self, query: torch.Tensor, view: KVView, *, scaling: float, mask=None, window=None, softcap=None,
+        sink_logits=None,
+    ) -> torch.Tensor:  # fmt: skip
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             return triton_ops().attend(
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
-                view.positions, mask, sinks, view.key_channel_scale, view.fmt.name, view.ring, scaling, window or 0,
-                softcap or 0.0, num_splits or 1,
+                view.positions, mask, sink_logits, view.key_channel_scale, view.fmt.name, view.per_token, view.ring,
+                scaling, window or 0, softcap or 0.0, self.decode_splits.get((query.shape[:2], view.layout()), 1),
             )  # fmt: skip
+        if view.static:
+            splits_key = (query.shape[:2], view.layout())
+            if splits_key not in self.decode_splits:
+                self.decode_splits[splits_key] = _decode_splits(query, view)
+        return self._attention(query, view, scaling=scaling, mask=mask, window=window, softcap=softcap,
+                               sink_logits=sink_logits, plans=self.plans)  # fmt: skip
 
-        return attention(
-            query, view, scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks, plans=plans,
-            num_splits=num_splits,
-        )
-    return reference.attend(query, view, scaling=scaling, mask=mask, window=window, softcap=softcap, sinks=sinks)
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def layer_kernels(self) -> TritonLayerKernels:
+        return TritonLayerKernels()
+
+    def encode_rows(self, states, layout, stats, static_scales) -> tuple[torch.Tensor, bool]:
+        if layout.fmt is None:
+            return super().encode_rows(states, layout, stats, static_scales)
+        from .triton_paged import encode_rows
+
+        pair = None if static_scales is None else (static_scales[0], static_scales[1])
+        return encode_rows(states, layout.fmt, stats, pair), True  # (non-finite inputs: not known without a sync)
+
+    def paged_attend(
+        self, query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, layout: paged.RowLayout,
+        geometry: paged.PageGeometry, scaling: float, window=None, softcap=None, sink_logits=None, static_scales=None,
+        has_nan: bool = True, max_q_len: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if layout.fmt is None or softcap is not None or sink_logits is not None or layout.key_channel is not None:
+            return super().paged_attend(
+                query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, layout=layout, geometry=geometry,
+                scaling=scaling, window=window, softcap=softcap, sink_logits=sink_logits, static_scales=static_scales,
+                has_nan=has_nan,
+            )  # fmt: skip  (features the paged kernel does not have)
+        from .triton_paged import paged_attention
+
+        pair = None if static_scales is None else (static_scales[0], static_scales[1])
+        out = paged_attention(
+            query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=layout.fmt, kv_heads=layout.kv_heads,
+            layer_offset=geometry.layer_offset, bytes_per_block=geometry.bytes_per_block,
+            block_stride=geometry.block_stride, page_size=geometry.page_size, scaling=scaling, window=window,
+            static_scales=pair, max_q_len=max_q_len,
+        )  # fmt: skip
+        return out.to(query.dtype)
+
+
+TORCH, TRITON = TorchBackend(), TritonBackend()
+
+
+def _backend_named(name: str) -> TorchBackend:
+    return TRITON if name == "triton" else TORCH
+
+
+def _decode_splits(query: torch.Tensor, view: KVView) -> int:
+    """The Triton kernel's KV splits for a decode step over a static view (from the GPU's occupancy), computed
+    outside the compiled graph that will use it."""
+    from .triton_attention import AttentionPlan
+
+    step = query[:, :, -1:]
+    return AttentionPlan(step, view, None, None, 1.0).splits(step, view)
 
 
 # --- the same operations as custom ops, for torch.compile graphs --------------------------------------------------
@@ -120,10 +199,11 @@ def triton_ops():
     @torch.library.triton_op("hf_fp8kv::write", mutates_args=written)
     def write_op(
         key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-        recent: torch.Tensor | None, stats: torch.Tensor, positions: torch.Tensor, fmt: str, dynamic: bool, ring: bool,
+        recent: torch.Tensor | None, stats: torch.Tensor, positions: torch.Tensor, fmt: str, per_token: bool,
+        ring: bool,
     ) -> None:  # fmt: skip
-        view = _static_view(codes, scales, positions, fmt, ring, recent)
-        for launch in WritePlan(key, value, view, dynamic, stats).launches(key, value, view, stats):
+        view = _static_view(codes, scales, positions, fmt, per_token, ring, recent)
+        for launch in WritePlan(key, value, view, stats).launches(key, value, view, stats):
             launch.run(traced=True)
 
     @torch.library.triton_op("hf_fp8kv::attend", mutates_args=())
@@ -131,10 +211,10 @@ def triton_ops():
         query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor | None,
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
         positions: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
-        channel: torch.Tensor | None, fmt: str, ring: bool, scaling: float, window: int, softcap: float,
-        num_splits: int,
+        channel: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, scaling: float, window: int,
+        softcap: float, num_splits: int,
     ) -> torch.Tensor:  # fmt: skip
-        view = _static_view(codes, scales, positions, fmt, ring, recent)
+        view = _static_view(codes, scales, positions, fmt, per_token, ring, recent)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         settings = (scaling, window or None, softcap or None, num_splits)
         out, launches = AttentionPlan(query, view, mask, sink_logits, *settings).launches(query, view, mask, sink_logits)
@@ -145,17 +225,6 @@ def triton_ops():
     return torch.ops.hf_fp8kv
 
 
-def _static_view(codes, scales, positions, fmt: str, ring: bool, recent) -> KVView:
-    return KVView(codes, scales, get_format(fmt), 0, positions[0], positions[1], 0, recent, static=True, ring=ring,
-                  positions=positions)  # fmt: skip
-
-
-def decode_splits(query: torch.Tensor, view: KVView, backend: str) -> int:
-    """The Triton kernel's KV splits for a decode step over a static view (from the GPU's occupancy; 1 on the
-    torch backend), computed outside the compiled graph that will use it."""
-    if backend != "triton":
-        return 1
-    from .triton_attention import AttentionPlan
-
-    step = query[:, :, -1:]
-    return AttentionPlan(step, view, None, None, 1.0).splits(step, view)
+def _static_view(codes, scales, positions, fmt: str, per_token: bool, ring: bool, recent) -> KVView:
+    return KVView(codes=codes, scales=scales, fmt=get_format(fmt), end=positions[0], recent_start=positions[1],
+                  per_token=per_token, ring=ring, recent=recent, positions=positions)  # fmt: skip

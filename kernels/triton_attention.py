@@ -20,97 +20,19 @@ the full buffer); splits with no tokens write an empty partial result and exit.
 from __future__ import annotations
 
 import functools
-import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .formats import StorageFormat
-from .triton_launch import (
-    Launch, cdiv, compiled_occupancy, interpreting, launch_all, next_power_of_2, plane_strides, planes, sm_count,
+from .triton_common import (
+    LOG2E, MIN_ROWS, as_dot, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
 )
+from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView
 
-LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
-HW_CODE_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}  # converted by the hardware
-FP16_MAX = tl.constexpr(65504.0)
-MIN_ROWS = 16  # tl.dot needs 16 rows
-PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
 REDUCE_ELEMENTS = 2048  # of one reduce program's [rows, head_dim] accumulator: 16 rows spilled at head_dim 256
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
-
-
-@triton.jit
-def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr,
-                 NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
-    """A tile of codes as DOT values: by the hardware (fp8 dtype in, exact) or, on int8-viewed codes, by exact
-    bit operations giving value / fp16_factor (NaN codes read as NaN)."""
-    if IS_FLOAT and not HW_CONVERT:  # (one return: Triton compiles the statements after a constexpr `if` anyway)
-        bits = codes.to(tl.int16) << FP16_SHIFT  # sign-extended: the sign lands on bit 15
-        if FP16_SHIFT == 7:  # e4m3: it landed on bit 14 too
-            bits = bits & -0x4001  # ~0x4000 as int16
-        values = bits.to(tl.float16, bitcast=True)
-        if NAN_CODE >= 0:
-            values = tl.where((codes.to(tl.int32) & NAN_MASK) == NAN_CODE, float("nan"), values)
-    else:
-        values = codes
-    return values.to(DOT)
-
-
-@triton.jit
-def _as_dot(x, DOT: tl.constexpr):
-    """Full-precision K/V as dot operands (clamped into fp16's range when the dot runs in fp16)."""
-    x = x.to(tl.float32)
-    if DOT == tl.float16:
-        x = clamp_fp16(x)
-    return x.to(DOT)
-
-
-@triton.jit
-def clamp_fp16(x):
-    """`x` clamped into fp16's finite range, NaN kept (the GPU's min/max would replace it)."""
-    return tl.where(x > FP16_MAX, FP16_MAX, tl.where(x < -FP16_MAX, -FP16_MAX, x))
-
-
-@triton.jit
-def _tanh(x):
-    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def attend_tile(
-    q, acc, m_i, l_i, k, v, scores_scale, v_scale, visible, softcap,
-    PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    DROP_UNSEEN: tl.constexpr,
-):  # fmt: skip
-    """One tile of the online softmax: `k` `[D, N]` and `v` `[N, D]` already in the dot dtype; `scores_scale` /
-    `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]`. DROP_UNSEEN:
-    the values of columns no row sees are zeroed (a masked NaN would otherwise reach every row: 0 x NaN); without
-    it the caller never loads such a column (its load mask leaves them 0)."""
-    if DROP_UNSEEN:
-        seen = tl.max(visible.to(tl.int32), axis=0) > 0
-        v = tl.where(seen[:, None], v, 0.0)
-        if PER_TOKEN_V:
-            v_scale = tl.where(seen, v_scale, 0.0)
-    scores = tl.dot(q, k, input_precision=PRECISION)
-    if PER_TOKEN_K:
-        scores = scores * scores_scale[None, :]
-    if HAS_SOFTCAP:  # the query holds log2(e) only without softcap
-        scores = softcap * _tanh(scores / softcap) * LOG2E
-    scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(scores - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if PER_TOKEN_V:
-        p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -135,10 +57,10 @@ def _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, 
     return visible
 
 
-@triton.jit(do_not_specialize=["start", "end", "fp_start", "mask_start"])  # they move every step: one compile
+@triton.jit(do_not_specialize=["start", "end", "recent_start", "mask_start"])  # they move every step: one compile
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
-    sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sinks_ptr, channel_ptr,
+    sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sink_logits_ptr, channel_ptr,
     out_ptr, part_acc_ptr, part_stats_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
@@ -148,13 +70,13 @@ def _attention_kernel(
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
     kv_heads, q_len, head_dim, num_splits, slots, offset, recent_slots, sink_slots,
-    start, end, fp_start, mask_start, window,
+    start, end, recent_start, mask_start, window,
     score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr,
     STATIC: tl.constexpr, RING: tl.constexpr, HAS_RECENT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr,
 ):  # fmt: skip
@@ -165,7 +87,7 @@ def _attention_kernel(
     split = tl.program_id(2)
     if STATIC:  # positions on the device: nothing about them reaches the host (CUDA graphs)
         end = tl.load(positions_ptr)
-        fp_start = tl.load(positions_ptr + 1)
+        recent_start = tl.load(positions_ptr + 1)
     if RING:  # a slot holds the latest token of its residue: the ring covers the last `slots` tokens
         start = tl.maximum(start, end - slots)
     q_ptr += b * q_sb
@@ -210,12 +132,12 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # the codes' share of this split: [lo, hi) of [start, fp_start), narrowed to what the causal / window rule
+    # the codes' share of this split: [lo, hi) of [start, recent_start), narrowed to what the causal / window rule
     # lets this row block see (without a mask: masks skip whole tiles below instead)
-    fp8_end = tl.maximum(fp_start, start)
-    split_tokens = tl.cdiv(tl.cdiv(fp8_end - start, BLOCK_N), num_splits) * BLOCK_N
+    codes_end = tl.maximum(recent_start, start)
+    split_tokens = tl.cdiv(tl.cdiv(codes_end - start, BLOCK_N), num_splits) * BLOCK_N
     lo = start + split * split_tokens
-    hi = tl.minimum(lo + split_tokens, fp8_end)
+    hi = tl.minimum(lo + split_tokens, codes_end)
     if not HAS_MASK:
         first_pos = end - q_len + (pid_m * BLOCK_M) // GROUP
         last_pos = end - q_len + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, GROUP * q_len) - 1) // GROUP
@@ -262,7 +184,7 @@ def _attention_kernel(
         if HAS_RECENT:
             recent_k_ptr += b * r_sb + kv_head * r_sh
             recent_v_ptr += b * r_sb + kv_head * r_sh
-            recent_lo = tl.maximum(fp_start, start)
+            recent_lo = tl.maximum(recent_start, start)
             for first in range(0, recent_slots, BLOCK_N):
                 slot = first + n
                 t = end - 1 - (end - 1 - slot) % recent_slots  # the latest token of the slot's residue
@@ -291,7 +213,7 @@ def _attention_kernel(
         tl.store(part_stats_ptr + row_index * 2, m_i, mask=row_ok)
         tl.store(part_stats_ptr + row_index * 2 + 1, l_i, mask=row_ok)
     else:
-        out = _finalize(acc, m_i, l_i, head, row_ok, sinks_ptr, HAS_SINKS)
+        out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
         tl.store(
             out_ptr + head[:, None] * o_sh + pos[:, None] * o_sl + d[None, :] * o_sd,
             out.to(out_ptr.dtype.element_ty),
@@ -311,16 +233,16 @@ def _attend_full_precision(
     v = tl.load(v_ptr + slot[:, None] * st + d[None, :] * sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
     visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
                           sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, EXCLUDE_SINKS)  # fmt: skip
-    return attend_tile(q, acc, m_i, l_i, _as_dot(k, DOT), _as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
+    return attend_tile(q, acc, m_i, l_i, as_dot(k, DOT), as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
                         True, False, HAS_SOFTCAP, PRECISION, True)  # fmt: skip
 
 
 @triton.jit
-def _finalize(acc, m, l, head, row_ok, sinks_ptr, HAS_SINKS: tl.constexpr):
+def _finalize(acc, m, l, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS: tl.constexpr):
     """The attention output from the running max `m` (log2 units), denominator `l` and unnormalised `acc`;
     rows that attend to nothing give 0."""
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    if HAS_SINK_LOGITS:
+        sink = tl.load(sink_logits_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         m_new = tl.maximum(m, sink)
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.exp2(sink - m_new)
@@ -332,10 +254,10 @@ def _finalize(acc, m, l, head, row_ok, sinks_ptr, HAS_SINKS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    part_acc_ptr, part_stats_ptr, sinks_ptr, out_ptr,
+    part_acc_ptr, part_stats_ptr, sink_logits_ptr, out_ptr,
     o_sb, o_sh, o_sl, o_sd,
     out_rows, q_heads, q_len, head_dim, num_splits,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
 ):  # fmt: skip
     """Program (block of output rows (batch, q_head, position)): merge the splits' partial results, BLOCK_S
     splits at a time (registers stay BLOCK_R x BLOCK_D whatever the split count)."""
@@ -367,7 +289,7 @@ def _reduce_kernel(
             w_j = tl.sum(tl.where(tl.arange(0, BLOCK_S)[None, :] == j, weight, 0.0), axis=1)
             acc += acc_j * w_j[:, None]
         m = m_new
-    out = _finalize(acc, m, l, head, row_ok, sinks_ptr, HAS_SINKS)
+    out = _finalize(acc, m, l, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
     tl.store(
         out_ptr + (b * o_sb + head * o_sh + pos * o_sl)[:, None] + d[None, :] * o_sd,
         out.to(out_ptr.dtype.element_ty),
@@ -384,7 +306,7 @@ def attention(
     mask: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
     num_splits: int | None = None,
     plans: dict | None = None,
 ) -> torch.Tensor:
@@ -394,52 +316,16 @@ def attention(
     the plan of each kind of call, so that a decode step only fills in positions and tensors."""
     settings = (scaling, window, softcap, num_splits)
     if plans is None:
-        plan = AttentionPlan(query, view, mask, sinks, *settings)
+        plan = AttentionPlan(query, view, mask, sink_logits, *settings)
     else:
-        key = (*settings, query.shape, query.dtype, query.device, view.codes.shape[:3], view.dynamic, view.static,
-               view.ring, view.recent is not None, view.sinks is not None, view.key_channel_scale is not None,
-               None if mask is None else mask.shape[:-1], sinks is not None, view.has_nan)  # fmt: skip
+        key = (*settings, query.shape, query.dtype, view.layout(), None if mask is None else mask.shape[:-1],
+               sink_logits is not None)  # fmt: skip
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = AttentionPlan(query, view, mask, sinks, *settings)
-    out, launches = plan.launches(query, view, mask, sinks)
+            plan = plans[key] = AttentionPlan(query, view, mask, sink_logits, *settings)
+    out, launches = plan.launches(query, view, mask, sink_logits)
     launch_all(launches, query.device)
     return out
-
-
-def block_sizes(rows: int, head_dim: int, masked: bool = False) -> tuple[int, int, int, dict]:
-    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head."""
-    block_d = next_power_of_2(head_dim)
-    if rows > 64:  # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
-        block_n = 32 if masked or block_d > 128 else 64  # a [128, 64] mask tile spilled (gpu_static)
-        return PREFILL_ROWS, block_n, block_d, dict(num_warps=8, STAGES=3)
-    block_m = max(MIN_ROWS, next_power_of_2(rows))
-    # warps by head_dim, from gpu_static: 4 warps at head_dim 64 ran 0.198-0.210 instructions per KV byte (2 warps:
-    # 0.168-0.177); at 256, 4 warps spilled and 8 warps x 32 tokens ran 0.221-0.229 (8 x 64 tokens: 0.157-0.164)
-    return block_m, 64, block_d, dict(num_warps={64: 2, 256: 8}.get(block_d, 4), STAGES=3)
-
-
-class DecodeSettings(NamedTuple):
-    hw_convert: bool  # codes converted by the hardware (CUDA, e4m3fn / e5m2), else by exact bit operations
-    code_factor: float  # the bit decode gives value / code_factor (1.0 for the hardware and int8)
-    dot: object  # the dots' operand type: fp32 for fp32 queries, else fp16
-    value_boost: float  # per-token V scales times this before the probabilities go to fp16
-
-    @property
-    def precision(self) -> str:
-        return "ieee" if self.dot == tl.float32 else "tf32"
-
-
-def decode_settings(fmt: StorageFormat, query: torch.Tensor, dynamic: bool, cuda: bool | None = None) -> DecodeSettings:
-    """How an attention kernel decodes `fmt`'s codes and runs its dots for `query` (`cuda`: plan CUDA's path for
-    tensors not on a GPU). Per-token V scales (~amax / max) are boosted by a power of two near max before the
-    probabilities go to fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out."""
-    on_cuda = query.is_cuda if cuda is None else cuda
-    hw_convert = on_cuda and not interpreting() and fmt.dtype in HW_CODE_TYPES
-    code_factor = 1.0 if hw_convert or not fmt.is_float else fmt.fp16_factor
-    dot = tl.float32 if query.dtype == torch.float32 else tl.float16
-    value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if dynamic else 1.0
-    return DecodeSettings(hw_convert, code_factor, dot, value_boost)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -464,7 +350,7 @@ def plan_attention(
     mask: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
     num_splits: int | None = None,
     resident_slots: int | None = None,
     cuda: bool | None = None,
@@ -472,8 +358,8 @@ def plan_attention(
     """The output tensor and the launches (attention, then the split reduce if any) that fill it.
     For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `cuda=True`
     plans CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU."""
-    plan = AttentionPlan(query, view, mask, sinks, scaling, window, softcap, num_splits, resident_slots, cuda)
-    return plan.launches(query, view, mask, sinks)
+    plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, resident_slots, cuda)
+    return plan.launches(query, view, mask, sink_logits)
 
 
 class AttentionPlan:
@@ -486,7 +372,7 @@ class AttentionPlan:
         query: torch.Tensor,
         view: KVView,
         mask: torch.Tensor | None,
-        sinks: torch.Tensor | None,
+        sink_logits: torch.Tensor | None,
         scaling: float,
         window: int | None = None,
         softcap: float | None = None,
@@ -494,14 +380,14 @@ class AttentionPlan:
         resident_slots: int | None = None,
         cuda: bool | None = None,
     ):
-        _check_attention(query, view, mask, sinks)
+        _check_attention(query, view, mask, sink_logits)
         batch, q_heads, q_len, head_dim = query.shape
         fmt = view.fmt
         self.kv_heads = view.codes.shape[2]
         group = q_heads // self.kv_heads
         self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim, mask is not None)
         self.row_blocks = cdiv(group * q_len, self.block_m)
-        decode = decode_settings(fmt, query, view.dynamic, cuda)
+        decode = decode_settings(fmt, query, view.per_token, cuda)
         self.hw_convert, code_factor, dot, value_boost = decode
         # the fp16 decode of float codes is value / code_factor: the factor joins the score scale
         score_scale = scaling * code_factor * (1.0 if softcap is not None else LOG2E.value)
@@ -509,10 +395,10 @@ class AttentionPlan:
         constexprs = dict(
             GROUP=group, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=self.block_d, IS_FLOAT=fmt.is_float,
             HW_CONVERT=self.hw_convert, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
-            NAN_CODE=fmt.nan_code, PER_TOKEN_K=view.dynamic, PER_TOKEN_V=view.dynamic, STATIC=view.static,
+            NAN_CODE=fmt.nan_code, PER_TOKEN_K=view.per_token, PER_TOKEN_V=view.per_token, STATIC=view.static,
             RING=view.ring, HAS_RECENT=view.recent is not None, HAS_SINK_TOKENS=view.sinks is not None,
             HAS_MASK=mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_SINKS=sinks is not None, HAS_CHANNEL_SCALE=view.key_channel_scale is not None, DOT=dot,
+            HAS_SINK_LOGITS=sink_logits is not None, HAS_CHANNEL_SCALE=view.key_channel_scale is not None, DOT=dot,
             PRECISION=decode.precision, **options,
             # masked columns' values zeroed only where NaN codes may exist: the rows' reduction took a masked
             # 128-row prefill tile from 0.505 to 0.597 SASS instructions per KV byte (gpu_static)
@@ -528,7 +414,7 @@ class AttentionPlan:
         if num_splits is None and self.row_blocks == 1 and query.is_cuda and not resident_slots:
             # blocks per SM of the kernel as compiled (registers, shared memory), times the SMs
             self.resident_slots = sm_count(query.device) * compiled_occupancy(
-                self._attention(query, view, mask, sinks, 2, *self._buffers(query, 2))[0], query.device
+                self._attention(query, view, mask, sink_logits, 2, *self._buffers(query, 2))[0], query.device
             )
 
     def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -547,7 +433,7 @@ class AttentionPlan:
     def splits(self, query: torch.Tensor, view: KVView) -> int:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
         so that the grid is the same at every step)."""
-        codes_tokens = view.slots if view.static else max(view.fp_start - view.start, 0)
+        codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)
         tiles = max(1, cdiv(codes_tokens, self.block_n))
         if self.num_splits is not None:
             return max(1, min(self.num_splits, tiles))
@@ -556,11 +442,11 @@ class AttentionPlan:
         return split_count(query.shape[0] * self.kv_heads * self.row_blocks, tiles, self.resident_slots)
 
     def launches(
-        self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sinks: torch.Tensor | None
+        self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[Launch]]:
         splits = self.splits(query, view)
         out, part_acc, part_stats = self._buffers(query, splits)
-        launches = self._attention(query, view, mask, sinks, splits, out, part_acc, part_stats)
+        launches = self._attention(query, view, mask, sink_logits, splits, out, part_acc, part_stats)
         return out, launches
 
     def _stored(self, view: KVView) -> tuple:
@@ -577,30 +463,30 @@ class AttentionPlan:
         fp_slots = (_slots(view.recent), _slots(view.sinks))
         return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, fp_slots
 
-    def _attention(self, query, view, mask, sinks, splits, out, part_acc, part_stats) -> list[Launch]:
+    def _attention(self, query, view, mask, sink_logits, splits, out, part_acc, part_stats) -> list[Launch]:
         if view.static:  # positions are read on the device
-            start, end, fp_start, mask_start = view.start, 0, 0, 0
+            start, end, recent_start, mask_start = view.start, 0, 0, 0
         else:
-            start, end, fp_start = view.start, view.end, view.fp_start
+            start, end, recent_start = view.start, view.end, view.recent_start
             mask_start = view.mask_start if view.mask_start is not None else end - mask.shape[-1] if mask is not None else 0
         if mask is not None:
             mask = _expand_mask(mask, *self.out_shape[:3])
         tensors, channel, strides, slots, fp_slots = view.derived(self, self._stored)
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
-            query, *tensors, _or(mask, query), _or(sinks, query), channel, out, part_acc, part_stats,
+            query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *self.sizes, splits, slots, view.offset, *fp_slots, start, end, fp_start, mask_start, *self.scalars,
+            *self.sizes, splits, slots, view.offset, *fp_slots, start, end, recent_start, mask_start, *self.scalars,
         ), self.launch_options[splits > 1])]  # fmt: skip
         if splits > 1:
             batch, q_heads, q_len, head_dim = self.out_shape
             out_rows = batch * q_heads * q_len
             reduce_rows = min(MIN_ROWS, REDUCE_ELEMENTS // self.block_d)
             launches.append(Launch(_reduce_kernel, (cdiv(out_rows, reduce_rows),), (
-                part_acc, part_stats, _or(sinks, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
+                part_acc, part_stats, _or(sink_logits, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
                 splits,
             ), dict(
                 BLOCK_R=reduce_rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_D=self.block_d,
-                HAS_SINKS=sinks is not None, num_warps=4,
+                HAS_SINK_LOGITS=sink_logits is not None, num_warps=4,
             )))  # fmt: skip
         return launches
 
@@ -639,7 +525,7 @@ def _expand_mask(mask: torch.Tensor, batch: int, q_heads: int, q_len: int) -> to
         ) from None
 
 
-def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
+def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None) -> None:
     batch, q_heads, q_len, head_dim = query.shape
     _, cache_batch, kv_heads, _, cache_dim = view.codes.shape
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -658,8 +544,8 @@ def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | Non
         raise ValueError(
             f"mask has {mask.shape[-1]} columns, fewer than the {view.end - view.start} tokens the queries see"
         )
-    if sinks is not None and sinks.shape != (q_heads,):
-        raise ValueError(f"sinks must have one logit per query head ({q_heads}), got {tuple(sinks.shape)}")
+    if sink_logits is not None and sink_logits.shape != (q_heads,):
+        raise ValueError(f"sink_logits must have one logit per query head ({q_heads}), got {tuple(sink_logits.shape)}")
     if view.key_channel_scale is not None and view.key_channel_scale.shape != (kv_heads, head_dim):
         raise ValueError(
             f"key_channel_scale must be [{kv_heads}, {head_dim}], got {tuple(view.key_channel_scale.shape)}"

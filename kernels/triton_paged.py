@@ -1,15 +1,8 @@
 """Triton kernels over paged FP8 rows (continuous batching): the row encoder, and attention with varlen queries
 and keys read through read indices.
 
-Layout (see `hf_fp8kv/continuous_batching.py`): a page row is one token's keys (or values) of one layer,
-`[codes of every KV head | fp32 scale per KV head]` (per-token-head scales) or `[codes]` (static scales). The
-row of the token at physical index `p` lives at byte `(p // block_stride) * bytes_per_block + layer_offset +
-plane * page_size * row_bytes + (p % block_stride) * row_bytes` of the pages (plane 0: keys, 1: values).
-
-Request r owns query rows `[cu_q[r], cu_q[r + 1])` and sees `past[r] + q_len` keys: the first `past[r]` from the
-pages through `read_index[k_first[r] : k_first[r] + past[r]]`, the last `q_len` from `new_rows` (this step's
-tokens, already encoded as rows `[tokens, 2, row_bytes]`), causally (query i is key `past + i`), and within
-`window` keys when it is > 0. One program handles `BLOCK_M` rows of one request and one KV head, a row being a
+The rows, their geometry in the pages and what each request sees are `paged.py`'s (the torch codec and
+attention these kernels reproduce). One program handles `BLOCK_M` rows of one request and one KV head, a row being a
 (query position, query head of the group) pair, so a GQA group reads each K/V tile once. As in
 `triton_attention`: codes are converted by the hardware on CUDA (e4m3fn, e5m2) or by exact bit operations
 (`decode_codes`), dots run in fp16 (fp32 for fp32 queries), per-token scales multiply scores and probabilities,
@@ -22,28 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import StorageFormat
-from .triton_attention import (
-    HW_CODE_TYPES, LOG2E, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
+from .formats import TINY_SCALE, StorageFormat
+from .paged import ROW_ALIGNMENT, row_size
+from .triton_common import (
+    HW_CODE_TYPES, LOG2E, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings, encode, encoding,
 )
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
-from .triton_write import encode, encoding
 
 BLOCK_T = 16  # tokens per program of the row encoder
-ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
-# instructions per KV byte in the decode loop and no pipelining, before)
-TINY_SCALE = 2.0**-126  # reference.TINY_SCALE: an all-zero row's scale
 # head_dim (its power of 2) from which the paged kernel loads V tiles as columns, as K's: each token's page row
 # is then worked out in one register layout, where two layouts each did it for their tokens (gpu_static, sm_90,
 # 64 decode requests, static / per-token scales: d128 0.240 / 0.296 -> 0.217 / 0.282 SASS instructions per KV
 # byte, d256 0.241 / 0.270 -> 0.216 / 0.255; at d64 the transposition costs more than it saves, 0.173 -> 0.209)
 V_AS_COLUMNS_FROM = 128
-
-
-def row_size(value_bytes: int, scaled_heads: int) -> int:
-    """Bytes of one page row: `value_bytes` of codes, a 4-byte scale per head of `scaled_heads`, padded to
-    `ROW_ALIGNMENT`."""
-    return -(-(value_bytes + 4 * scaled_heads) // ROW_ALIGNMENT) * ROW_ALIGNMENT
 
 
 @triton.jit
@@ -65,7 +49,7 @@ def _row_scale(row_ptr, ok, value_bytes, kv_head, ALIGNED: tl.constexpr = False)
 @triton.jit
 def _encode_rows_kernel(
     states_ptr, rows_ptr, stats_ptr, k_scale_ptr, v_scale_ptr, s_sp, s_sh, s_st, tokens, row_bytes, value_bytes,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, DYNAMIC: tl.constexpr, CLIP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
@@ -81,7 +65,7 @@ def _encode_rows_kernel(
     x = tl.load(states_ptr + plane * s_sp + head * s_sh + t.to(tl.int64)[:, None] * s_st + d[None, :], mask=valid,
                 other=0.0).to(tl.float32)  # fmt: skip
     row = rows_ptr + t.to(tl.int64) * 2 * row_bytes + plane * row_bytes
-    if DYNAMIC:
+    if PER_TOKEN:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN and inf ignored
         scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), TINY_SCALE)
@@ -109,14 +93,14 @@ def encode_rows(
 ) -> torch.Tensor:
     """Page rows `[tokens, 2, row_bytes]` (uint8) of `states` (`[2, kv_heads, tokens, head_dim]`, keys then
     values): codes of every KV head, then (per-token-head scales, `static_scales` None) one fp32 scale per head;
-    bit-identical to `reference.write_stacked`. Adds clipped and non-finite counts to `stats` (int64 `[2, 2]`,
+    bit-identical to `paged.encode_rows`. Adds clipped and non-finite counts to `stats` (int64 `[2, 2]`,
     on the states' device)."""
     _, kv_heads, tokens, head_dim = states.shape
     if states.stride(-1) != 1:
         raise ValueError("states must be contiguous in its last dim (head_dim)")
-    dynamic = static_scales is None
+    per_token = static_scales is None
     value_bytes = kv_heads * head_dim
-    row_bytes = row_size(value_bytes, kv_heads if dynamic else 0)
+    row_bytes = row_size(value_bytes, kv_heads if per_token else 0)
     rows = torch.zeros(tokens, 2, row_bytes, dtype=torch.uint8, device=states.device)
     if tokens == 0:
         return rows
@@ -125,7 +109,7 @@ def encode_rows(
         states, rows, stats, k_scale, v_scale, states.stride(0), states.stride(1), states.stride(2), tokens,
         row_bytes, value_bytes,
     ), dict(
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, DYNAMIC=dynamic, CLIP=fmt.clip_bound,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, PER_TOKEN=per_token, CLIP=fmt.clip_bound,
         **encoding(fmt),
     ))  # fmt: skip
     launch_all([launch], states.device)
@@ -138,7 +122,7 @@ def _paged_attention_kernel(
     q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, page_size, row_bytes,
     value_bytes, value_boost, out_factor, new_offset,
     BLOCK_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr, IS_FLOAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
@@ -165,7 +149,7 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * q_st + head[:, None] * q_sh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
     q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
-    if not DYNAMIC:
+    if not PER_TOKEN:
         q_scale *= tl.load(k_scale_ptr + kv_head)
     q = q * q_scale
     if DOT == tl.float16:
@@ -218,7 +202,7 @@ def _paged_attention_kernel(
             v_codes = tl.load(codes_ptr + v_row[:, None] + v_column, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         k = decode_codes(k_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [D, N]
         v = decode_codes(v_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [N, D]
-        if DYNAMIC:
+        if PER_TOKEN:
             k_scale = _row_scale(pages_ptr + k_row, t_ok, value_bytes, kv_head, ALIGNED)
             v_scale = _row_scale(pages_ptr + v_row, t_ok, value_bytes, kv_head, ALIGNED) * value_boost
         else:  # per head: folded into the query (K) and the output (V)
@@ -227,10 +211,10 @@ def _paged_attention_kernel(
         visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :] & row_ok[:, None]
         if HAS_WINDOW:
             visible = visible & (t[None, :] > q_pos[:, None] - window)
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, DYNAMIC, DYNAMIC, False,
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, PER_TOKEN, PER_TOKEN, False,
                                      PRECISION, False)  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * out_factor
-    if not DYNAMIC:
+    if not PER_TOKEN:
         out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + q_rows[:, None] * o_st + head[:, None] * o_sh + d[None, :], out,
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
@@ -300,9 +284,9 @@ def plan_paged_attention(
     tokens, q_heads, head_dim = query.shape
     row_bytes = new_rows.shape[-1]
     value_bytes = kv_heads * head_dim
-    dynamic = static_scales is None
-    if row_bytes != row_size(value_bytes, kv_heads if dynamic else 0):
-        scale_bytes = " + 4 scale bytes per KV head" if dynamic else ""
+    per_token = static_scales is None
+    if row_bytes != row_size(value_bytes, kv_heads if per_token else 0):
+        scale_bytes = " + 4 scale bytes per KV head" if per_token else ""
         raise ValueError(
             f"new_rows has rows of {row_bytes} bytes: expected {value_bytes} codes{scale_bytes} ({kv_heads} heads x "
             f"{head_dim}), padded to {ROW_ALIGNMENT} bytes"
@@ -322,7 +306,7 @@ def plan_paged_attention(
         return out, None
     group = q_heads // kv_heads
     block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim)
-    decode = decode_settings(fmt, query, dynamic, cuda)
+    decode = decode_settings(fmt, query, per_token, cuda)
     hw_convert, code_factor, dot, value_boost = decode
     k_scale, v_scale = static_scales if static_scales is not None else (out, out)
     if not read_index.numel():  # no cached tokens this step: a placeholder the kernel never reads
@@ -340,7 +324,7 @@ def plan_paged_attention(
     )  # fmt: skip
     constexprs = dict(
         BLOCK_STRIDE=block_stride, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m,
-        BLOCK_N=block_n, DYNAMIC=dynamic, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert,
+        BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert,
         CODE_TYPE=HW_CODE_TYPES.get(fmt.dtype, tl.int8), FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
         DOT=dot, PRECISION=decode.precision, **options,

@@ -1,8 +1,9 @@
 """Triton write kernel: store a layer's new keys and values (`KVView` buffers), both in one launch.
 
-Without a full-precision recent window every new token is quantized into the codes. With one (R slots), a
-decode step's launch moves the token leaving the window from its slot into the codes and puts the new token in
-that slot; a longer update first quantizes the window's leaving tokens (one launch), then stores the new ones.
+Without a recent buffer every new token is quantized into the codes. With one (R slots), a decode step's launch
+moves the token leaving it from its slot into the codes and puts the new token in
+that slot; a longer update first quantizes the recent buffer's leaving tokens (one launch), then stores the new
+ones.
 
 The codes are produced by integer arithmetic on the fp32 bits, not by a float -> fp8 cast: Triton 3.9's
 interpreter mis-rounds that cast (carries into the exponent, ties, no saturation) and the GPU's plain fp32
@@ -12,88 +13,28 @@ bit-identical to `reference.quantize` (torch's cast) on every input, NaN include
 
 from __future__ import annotations
 
-import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .formats import StorageFormat
+from .triton_common import encode, encoding
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView
 
-FP32_ONE_BITS = 0x3F800000
 MAX_TILE = 4096  # elements of one program's [tokens, head_dim] tile
-NEW, LEAVING = 0, 1  # what a launch stores: the new tokens, or the window's leaving tokens
-
-
-@functools.cache
-def encoding(fmt: StorageFormat) -> dict:
-    """The constexprs of `encode` for `fmt`, read off torch's own description of the dtype."""
-    if not fmt.is_float:
-        return dict(IS_FLOAT=False, MAX=fmt.max, ROW_MAX=fmt.row_max, ROUND_SHIFT=1, NORMAL_OFFSET=0, MIN_NORMAL=0.0, SUB_MAGIC=0.0,
-                    SUB_MAGIC_BITS=0, NAN_CODE=0, SIGNED_ZERO=True)
-    info = torch.finfo(fmt.dtype)
-    mantissa = round(-math.log2(info.eps))
-    bias = 1 - round(math.log2(info.smallest_normal))
-    # Adding 2^(emin - mantissa + 23) puts a subnormal's code in the low mantissa bits, rounded to nearest even.
-    sub_magic = 2.0 ** (1 - bias - mantissa + 23)
-    return dict(
-        IS_FLOAT=True,
-        MAX=fmt.max,
-        ROW_MAX=fmt.row_max,
-        ROUND_SHIFT=23 - mantissa,
-        NORMAL_OFFSET=(127 - bias) << mantissa,
-        MIN_NORMAL=info.smallest_normal,
-        SUB_MAGIC=sub_magic,
-        SUB_MAGIC_BITS=FP32_ONE_BITS + (round(math.log2(sub_magic)) << 23),
-        NAN_CODE=torch.tensor(math.nan).to(fmt.dtype).view(torch.uint8).item(),
-        SIGNED_ZERO=torch.tensor(-0.0).to(fmt.dtype).view(torch.uint8).item() != 0,
-    )
-
-
-@triton.jit
-def encode(
-    y,
-    IS_FLOAT: tl.constexpr,
-    MAX: tl.constexpr,
-    ROUND_SHIFT: tl.constexpr,
-    NORMAL_OFFSET: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    SUB_MAGIC: tl.constexpr,
-    SUB_MAGIC_BITS: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    SIGNED_ZERO: tl.constexpr,
-):
-    """The int32 whose low byte is the code of fp32 `y`: saturated at +-MAX, rounded to nearest even."""
-    magnitude = tl.minimum(tl.abs(y), MAX)
-    if IS_FLOAT:
-        bits = magnitude.to(tl.int32, bitcast=True)
-        odd = (bits >> ROUND_SHIFT) & 1
-        normal = ((bits + ((1 << (ROUND_SHIFT - 1)) - 1) + odd) >> ROUND_SHIFT) - NORMAL_OFFSET
-        subnormal = (magnitude + SUB_MAGIC).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
-        code = tl.where(magnitude < MIN_NORMAL, subnormal, normal)
-        sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
-        if SIGNED_ZERO:
-            code = tl.where(y != y, NAN_CODE | sign, code | sign)
-        else:  # fnuz: 0x80 is NaN, so -0.0 and tiny negatives are +0
-            code = tl.where(y != y, NAN_CODE, tl.where(code == 0, 0, code | sign))
-    else:  # int8: adding 2^23 rounds to an integer, half to even
-        rounded = (magnitude + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-        code = tl.where(y != y, 0, tl.where(y < 0, -rounded, rounded))
-    return code
+NEW, LEAVING = 0, 1  # what a launch stores: the new tokens, or the recent buffer's leaving tokens
 
 
 @triton.jit
 def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st, d,
-                   DYNAMIC: tl.constexpr, CLIP: tl.constexpr, IS_FLOAT: tl.constexpr, MAX: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, IS_FLOAT: tl.constexpr, MAX: tl.constexpr,
                    ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
                    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
                    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr):  # fmt: skip
     """Quantize rows `x` `[T, D]` (fp32) into codes at `slot` `[T]`; `rows_ok` `[T]`, `valid` `[T, D]`;
     `stats_ptr` at this program's (keys or values) counters: clipped, then non-finite."""
-    if DYNAMIC:
+    if PER_TOKEN:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
         scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), 1.1754943508222875e-38)
@@ -110,7 +51,7 @@ def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_s
     tl.store(codes_ptr + slot[:, None] * c_st + d[None, :] * c_sd, code.to(tl.uint8), mask=valid)
 
 
-@triton.jit(do_not_specialize=["end", "fp_start"])  # they move every step: one compile
+@triton.jit(do_not_specialize=["end", "recent_start"])  # they move every step: one compile
 def _write_kernel(
     key_ptr, value_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr,
     stats_ptr, positions_ptr,
@@ -119,9 +60,9 @@ def _write_kernel(
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
     r_sb, r_sh, r_st, r_sd,
-    heads, new_tokens, head_dim, end, fp_start, offset, slots, recent_slots,
-    MODE: tl.constexpr, EVICT: tl.constexpr, WINDOW: tl.constexpr, STATIC: tl.constexpr, RING: tl.constexpr,
-    DYNAMIC: tl.constexpr, CLIP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    heads, new_tokens, head_dim, end, recent_start, offset, slots, recent_slots,
+    MODE: tl.constexpr, EVICT: tl.constexpr, HAS_RECENT: tl.constexpr, STATIC: tl.constexpr, RING: tl.constexpr,
+    PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
@@ -132,7 +73,7 @@ def _write_kernel(
     which = tl.program_id(2)
     if STATIC:  # positions on the device (CUDA graphs)
         end = tl.load(positions_ptr)
-        fp_start = tl.load(positions_ptr + 1)
+        recent_start = tl.load(positions_ptr + 1)
     if which == 0:
         src, codes_ptr, scale_ptr, recent_ptr, sb, sh, st, sd = (
             key_ptr, k_codes_ptr, k_scale_ptr, recent_k_ptr, k_sb, k_sh, k_st, k_sd
@@ -148,79 +89,78 @@ def _write_kernel(
     i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    new_fp_start = tl.maximum(fp_start, end + new_tokens - recent_slots)
-    if MODE == 1:  # the window's tokens that leave it: [fp_start, new_fp_start) of those it holds
+    new_recent_start = tl.maximum(recent_start, end + new_tokens - recent_slots)
+    if MODE == 1:  # the recent buffer's tokens that leave it: [recent_start, new_recent_start) of those it holds
         t = end - recent_slots + i
-        ok = (i < recent_slots) & (t >= fp_start) & (t >= 0) & (t < new_fp_start) & (t < end)
+        ok = (i < recent_slots) & (t >= recent_start) & (t >= 0) & (t < new_recent_start) & (t < end)
         r_slot = (t % recent_slots).to(tl.int64)
         x = tl.load(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd, mask=ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
         slot = (t % slots if RING else t - offset).to(tl.int64)
         _quantize_rows(x, ok, ok[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st,
-                       d, DYNAMIC, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC,
+                       d, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC,
                        SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
     else:
         t = end + i
         row_ok = i < new_tokens
-        if WINDOW:
+        if HAS_RECENT:
             r_slot = (t % recent_slots).to(tl.int64)
-            if EVICT:  # the token this one replaces in its slot leaves the window now (n <= R: slots distinct)
+            if EVICT:  # the token this one replaces in its slot leaves the recent buffer now (n <= R: slots distinct)
                 old = t - recent_slots
-                leaving = row_ok & (old >= fp_start) & (old >= 0)
+                leaving = row_ok & (old >= recent_start) & (old >= 0)
                 x_old = tl.load(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
                                 mask=leaving[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
                 slot_old = (old % slots if RING else old - offset).to(tl.int64)
                 _quantize_rows(x_old, leaving, leaving[:, None] & d_ok[None, :], slot_old, codes_ptr, scale_ptr,
-                               stats_ptr, c_st, c_sd, s_st, d, DYNAMIC, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
+                               stats_ptr, c_st, c_sd, s_st, d, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
                                NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
         x_raw = tl.load(src + b * sb + h * sh + i[:, None] * st + d[None, :] * sd,
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        direct = row_ok & (t < new_fp_start)
+        direct = row_ok & (t < new_recent_start)
         slot = (t % slots if RING else t - offset).to(tl.int64)
         _quantize_rows(x_raw.to(tl.float32), direct, direct[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr,
-                       stats_ptr, c_st, c_sd, s_st, d, DYNAMIC, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
+                       stats_ptr, c_st, c_sd, s_st, d, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
                        NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
-        if WINDOW:
-            kept = row_ok & (t >= new_fp_start)
+        if HAS_RECENT:
+            kept = row_ok & (t >= new_recent_start)
             tl.store(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
                      x_raw.to(recent_ptr.dtype.element_ty), mask=kept[:, None] & d_ok[None, :])  # fmt: skip
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor, plans: dict | None = None
+    key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, plans: dict | None = None
 ) -> None:
     """Store the new tokens `key`/`value` `[batch, kv_heads, n, head_dim]` in `view`'s buffers (see
     `reference.write`). `plans` (a dict the caller keeps) memoizes the validated plan of each kind of call."""
     if plans is None:
-        plan = WritePlan(key, value, view, dynamic, stats)
+        plan = WritePlan(key, value, view, stats)
     else:
-        recent_slots = 0 if view.recent is None else view.recent.shape[3]
-        shape = (key.shape, key.dtype, key.device, view.codes.shape[:3], view.static, view.ring, dynamic, recent_slots)
+        shape = (key.shape, key.dtype, key.device, view.layout())
         plan = plans.get(shape)
         if plan is None:
-            plan = plans[shape] = WritePlan(key, value, view, dynamic, stats)
+            plan = plans[shape] = WritePlan(key, value, view, stats)
     launch_all(plan.launches(key, value, view, stats), key.device)
 
 
-def plan_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor) -> list[Launch]:
+def plan_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> list[Launch]:
     """The launches of `write_kv`: the window's leaving tokens first when more than a window arrives at once,
     then the new tokens."""
-    return WritePlan(key, value, view, dynamic, stats).launches(key, value, view, stats)
+    return WritePlan(key, value, view, stats).launches(key, value, view, stats)
 
 
 class WritePlan:
     """What stays the same from one write to the next of one kind: validation, tile sizes, grids and constexprs."""
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor):
-        _check_write(key, value, view, dynamic, stats)
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor):
+        _check_write(key, value, view, stats)
         batch, heads, new_tokens, head_dim = key.shape
-        self.window = view.recent.shape[3] if view.recent is not None else 0
+        self.recent_slots = view.recent.shape[3] if view.recent is not None else 0
         block_d = next_power_of_2(head_dim)
         common = dict(
-            EVICT=0 < new_tokens <= self.window, WINDOW=self.window > 0, STATIC=view.static, RING=view.ring,
-            DYNAMIC=dynamic, CLIP=view.fmt.clip_bound, BLOCK_D=block_d, **encoding(view.fmt),
+            EVICT=0 < new_tokens <= self.recent_slots, HAS_RECENT=self.recent_slots > 0, STATIC=view.static, RING=view.ring,
+            PER_TOKEN=view.per_token, CLIP=view.fmt.clip_bound, BLOCK_D=block_d, **encoding(view.fmt),
         )  # fmt: skip
-        modes = [(LEAVING, self.window)] if new_tokens > self.window > 0 else []
+        modes = [(LEAVING, self.recent_slots)] if new_tokens > self.recent_slots > 0 else []
         modes.append((NEW, new_tokens))
         self.sizes = (heads, new_tokens, head_dim)
         self.kinds = []  # (grid, constexprs) of each launch
@@ -230,10 +170,10 @@ class WritePlan:
 
     def launches(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> list[Launch]:
         tensors, strides, slots = view.derived(self, self._stored)
-        end, fp_start = (0, 0) if view.static else (view.end, view.fp_start)
+        end, recent_start = (0, 0) if view.static else (view.end, view.recent_start)
         args = (
             key, value, *tensors, stats, view.positions if view.positions is not None else stats, *key.stride(),
-            *value.stride(), *strides, *self.sizes, end, fp_start, view.offset, slots, self.window,
+            *value.stride(), *strides, *self.sizes, end, recent_start, view.offset, slots, self.recent_slots,
         )  # fmt: skip
         return [Launch(_write_kernel, grid, args, constexprs) for grid, constexprs in self.kinds]
 
@@ -248,7 +188,7 @@ class WritePlan:
         return tensors, strides, view.slots
 
 
-def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: bool, stats: torch.Tensor) -> None:
+def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> None:
     if key.shape != value.shape or key.dtype != value.dtype:
         raise ValueError(f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} differ")
     batch, heads, new_tokens, head_dim = key.shape
@@ -261,7 +201,7 @@ def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, dynamic: 
         raise ValueError(
             f"{new_tokens} new tokens at {view.end} overflow the buffers' {view.slots} slots from {view.offset}"
         )
-    expected = (2, batch, heads, view.codes.shape[3]) if dynamic else (2, 1, heads, 1)
+    expected = (2, batch, heads, view.codes.shape[3]) if view.per_token else (2, 1, heads, 1)
     if view.scales.dtype != torch.float32 or tuple(view.scales.shape) != expected:
         raise ValueError(f"scales must be fp32 {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}")
     if stats.dtype != torch.int64 or stats.shape != (2, 2):

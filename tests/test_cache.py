@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_fp8kv import ATTENTION_NAME, CacheReuseError, QuantizedFP8Cache
-from hf_fp8kv.layer import FP8CacheLayer, QuantizedKV
+from hf_fp8kv.dynamic import DynamicFP8Layer
+from hf_fp8kv.layer import QuantizedKV
 from tests.models import PURE_FP8, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 99, 23, 64, 11]])
@@ -51,7 +52,7 @@ def test_construction_from_model_or_config_and_switch_is_invisible_to_dynamic_ca
         QuantizedFP8Cache(config=model.config)
     cache = QuantizedFP8Cache(model, scales=0.05)
     assert model.config._attn_implementation == ATTENTION_NAME
-    assert len(cache.layers) == 2 and all(isinstance(layer, FP8CacheLayer) for layer in cache.layers)
+    assert len(cache.layers) == 2 and all(isinstance(layer, DynamicFP8Layer) for layer in cache.layers)
     greedy(model, cache)
     assert torch.equal(greedy(model, DynamicCache(config=model.config)), before)
 

@@ -13,8 +13,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.comparison import LiveTensorBytes
 from hf_fp8kv.kernels.formats import get_format
-from hf_fp8kv.sliding import FP8SlidingWindowLayer
-from hf_fp8kv.scales import DynamicScales
+from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
+from hf_fp8kv.scales import PerTokenScales
 from tests.models import PURE_FP8, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7, 120, 1]])
@@ -113,7 +113,7 @@ def test_nan_keys_read_alike_on_both_backends_and_are_counted(fmt):
 
 def test_sliding_crop_beyond_the_kept_tokens_counts_like_transformers():
     theirs = DynamicSlidingWindowLayer(sliding_window=8)
-    ours = FP8SlidingWindowLayer(get_format("fp8"), DynamicScales(), 4, "torch", lambda: True, 0, sliding_window=8)
+    ours = DynamicFP8SlidingLayer(get_format("fp8"), PerTokenScales(), 4, "torch", lambda: True, 0, sliding_window=8)
     for layer in (theirs, ours):
         layer.activate_past_recording()
         kv = torch.randn(2, 1, 2, 12, 16, generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
-from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
 from tests.models import PURE_FP8
 
 PREFIX, DECODE, WINDOW = 508, 16, 512  # decode mode over positions 508..523: the sliding layers drop tokens
@@ -51,7 +51,7 @@ def test_decode_mode_quality_past_the_window(configuration):
     assert q.top1_agreement >= 0.9 and q.kl_mean < 0.02 and q.kl_p99 < 0.1, q
     if configuration == "default window":  # closer to the reference than pure FP8 on the same tokens
         assert q.kl_mean < 0.5 * quality(decoded("DynamicCache")[0], decoded("all layers")[0], ids[0, PREFIX:]).kl_mean
-    sliding = [layer for layer in cache.layers if isinstance(layer, FP8SlidingWindowLayer)]
+    sliding = [layer for layer in cache.layers if isinstance(layer, DynamicFP8SlidingLayer)]
     assert len(sliding) == (0 if configuration == "sliding skipped" else 15)
     for layer in sliding:  # one window of FP8 codes and scales, not the whole text
         assert layer.length == WINDOW - 1 and layer.capacity <= WINDOW + 2 * layer.block_size

@@ -8,8 +8,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, ge
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, topk_rule
-from hf_fp8kv.layer import FP8CacheLayer
-from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
 from tests.models import tiny_model
 
 HYBRID = dict(sliding_window=8, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
@@ -66,7 +65,7 @@ def test_fp8_stays_close_to_dynamic_cache_and_honours_the_feature(family):
     model_type, attention, overrides, without_feature = FAMILIES[family]
     model = tiny_model(model_type, attn_implementation=attention, **overrides)
     cache = fp8(model)
-    sliding = [isinstance(layer, FP8SlidingWindowLayer) for layer in cache.layers]
+    sliding = [isinstance(layer, DynamicFP8SlidingLayer) for layer in cache.layers]
     layer_types, _ = get_layer_types_and_kwargs(model.config)
     assert sliding == [kind in ("sliding_attention", "chunked_attention") for kind in layer_types]
     assert any(sliding) and not all(sliding) or model_type == "mistral"
@@ -111,10 +110,10 @@ def test_left_padded_batch_on_hybrid_model_matches_the_prompt_alone():
 @pytest.mark.parametrize(
     "skip_layers,expected",
     [
-        ("sliding_window", [DynamicSlidingWindowLayer, FP8CacheLayer, DynamicSlidingWindowLayer, FP8CacheLayer]),
-        (["sliding_window", 1], [DynamicSlidingWindowLayer, DynamicLayer, DynamicSlidingWindowLayer, FP8CacheLayer]),
-        ("sliding_window,3", [DynamicSlidingWindowLayer, FP8CacheLayer, DynamicSlidingWindowLayer, DynamicLayer]),
-        ([3], [FP8SlidingWindowLayer, FP8CacheLayer, FP8SlidingWindowLayer, DynamicLayer]),
+        ("sliding_window", [DynamicSlidingWindowLayer, DynamicFP8Layer, DynamicSlidingWindowLayer, DynamicFP8Layer]),
+        (["sliding_window", 1], [DynamicSlidingWindowLayer, DynamicLayer, DynamicSlidingWindowLayer, DynamicFP8Layer]),
+        ("sliding_window,3", [DynamicSlidingWindowLayer, DynamicFP8Layer, DynamicSlidingWindowLayer, DynamicLayer]),
+        ([3], [DynamicFP8SlidingLayer, DynamicFP8Layer, DynamicFP8SlidingLayer, DynamicLayer]),
     ],
 )
 def test_skip_layers_spellings(skip_layers, expected):

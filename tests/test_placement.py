@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from hf_fp8kv import QuantizedFP8Cache
-from hf_fp8kv.layer import FP8CacheLayer
-from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
 from tests.models import PURE_FP8, tiny_model
 
 HYBRID = dict(sliding_window=8, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
@@ -43,12 +42,12 @@ def test_each_layer_buffers_live_where_its_keys_arrive(skip_layers):
     logits = model(input_ids=ids[:, :1], cache=cache).logits  # one decode step past the window
     assert logits.device.type == "meta" and logits.shape == (2, 1, 128)
     sliding, full = cache.layers
-    assert isinstance(full, FP8CacheLayer) and full.key_codes.device.type == "meta"
+    assert isinstance(full, DynamicFP8Layer) and full.key_codes.device.type == "meta"
     assert full.key_codes.dtype == torch.float8_e4m3fn and full.key_scale.device.type == "meta"
     if skip_layers:
         assert sliding.keys.device.type == "cpu" and sliding.keys.dtype == torch.float32
     else:
-        assert isinstance(sliding, FP8SlidingWindowLayer)
+        assert isinstance(sliding, DynamicFP8SlidingLayer)
         assert {sliding.key_codes.device.type, sliding.value_codes.device.type, sliding.clipped.device.type} == {"cpu"}
         assert full.get_seq_length() == sliding.get_seq_length() == 13 and sliding.length == 7
 

@@ -1,4 +1,4 @@
-"""FP8SlidingWindowLayer against transformers' DynamicSlidingWindowLayer, update by update."""
+"""DynamicFP8SlidingLayer against transformers' DynamicSlidingWindowLayer, update by update."""
 
 import pytest
 import torch
@@ -6,18 +6,18 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.layer import QuantizedKV
-from hf_fp8kv.scales import DynamicScales, StaticScales
-from hf_fp8kv.sliding import FP8SlidingWindowLayer
+from hf_fp8kv.scales import PerHeadScales, PerTokenScales
+from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
 
 WINDOW, BLOCK, HEADS, DIM = 8, 4, 2, 16
 # Prefill shorter than the window, decode across it, a chunk longer than the window, more decode.
 SCHEDULE = [5, 1, 1, 1, 1, 3, 12, 1, 1, 2, 1, 1, 1, 1, 1, 1]
 
 
-def fp8_layer(dynamic: bool, window: int = WINDOW, backend: str = "torch") -> FP8SlidingWindowLayer:
+def fp8_layer(dynamic: bool, window: int = WINDOW, backend: str = "torch") -> DynamicFP8SlidingLayer:
     ones = torch.ones(HEADS)
-    scales = DynamicScales() if dynamic else StaticScales(ones, ones, "per-tensor", "test")
-    return FP8SlidingWindowLayer(get_format("fp8"), scales, BLOCK, backend, lambda: True, 0, sliding_window=window)
+    scales = PerTokenScales() if dynamic else PerHeadScales(ones, ones, "per-tensor", "test")
+    return DynamicFP8SlidingLayer(get_format("fp8"), scales, BLOCK, backend, lambda: True, 0, sliding_window=window)
 
 
 def exact_states(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +28,7 @@ def exact_states(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor,
     return one(), one()
 
 
-def assert_same_state(ours: FP8SlidingWindowLayer, theirs: DynamicSlidingWindowLayer, query_length: int = 1):
+def assert_same_state(ours: DynamicFP8SlidingLayer, theirs: DynamicSlidingWindowLayer, query_length: int = 1):
     assert ours.get_seq_length() == theirs.get_seq_length()
     assert ours.get_mask_sizes(query_length) == theirs.get_mask_sizes(query_length)
     keys, values = ours.dequantized()

@@ -20,7 +20,7 @@ PROMPTS = [
 ]
 
 
-# the default window on this text (docs/window.md has the figures), with margin
+# the default window on this text (docs/recent.md has the figures), with margin
 KL_WINDOW, TOP1_WINDOW, PPL_WINDOW = 1e-3, 0.975, 0.5
 
 
@@ -157,9 +157,9 @@ def test_decode_mode_quality_beats_transformers_fp8(model_and_tokenizer, decode_
     assert ours.kl_mean < 0.8 * theirs.kl_mean
 
 
-def test_default_window_quality(model_and_tokenizer, decode_text):
+def test_default_recent_quality(model_and_tokenizer, decode_text):
     """The default cache (newest 32 + first 4 tokens in full precision over per-token-head e4m3) against pure
-    FP8 on the same text; thresholds from docs/window.md's measurements with margin."""
+    FP8 on the same text; thresholds from docs/recent.md's measurements with margin."""
     model, _ = model_and_tokenizer
     window = decode_quality(model, decode_text, QuantizedFP8Cache(model, scales="dynamic"))
     pure = decode_quality(model, decode_text, QuantizedFP8Cache(model, scales="dynamic", recent_tokens=0, sink_tokens=0))

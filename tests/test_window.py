@@ -52,7 +52,7 @@ def test_sinks_are_each_rows_first_real_tokens():
     cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=2, sink_tokens=3)
     layer = cache.layers[0]
     model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
-    assert layer.sink_rows == [3, 0]  # row 0 is padded by 3
+    assert layer.sink_tracker.rows == [3, 0]  # row 0 is padded by 3
     assert layer.sink_count.tolist() == [3, 3] and layer.sink_start.tolist() == [3, 0]
     # the sinks hold the same values as the recent window held for them: compare through a fresh full window
     full = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=64)
@@ -69,15 +69,15 @@ def test_each_token_is_quantized_once_when_it_leaves_and_crop_keeps_full_precisi
     kv = torch.randn(2, 1, 2, 20, 16)
     layer.update(kv[0, :, :, :10], kv[1, :, :, :10])
     layer.update(kv[0, :, :, 10:11], kv[1, :, :, 10:11])
-    assert layer.fp_start == 7 and int(layer.stats.sum()) == 0
+    assert layer.recent_start == 7 and int(layer.stats.sum()) == 0
     keys, _ = layer.dequantized()
     expected = reference.dequantize(*_quantized(kv[0, :, :, :7]))
     assert torch.equal(keys[:, :, :7], expected) and torch.equal(keys[:, :, 7:11], kv[0, :, :, 7:11])
     layer.crop(-2)  # into the window: tokens 7, 8 stay full precision
     keys, _ = layer.dequantized()
-    assert layer.get_seq_length() == 9 and layer.fp_start == 7 and torch.equal(keys[:, :, 7:9], kv[0, :, :, 7:9])
+    assert layer.get_seq_length() == 9 and layer.recent_start == 7 and torch.equal(keys[:, :, 7:9], kv[0, :, :, 7:9])
     layer.crop(-5)  # beyond it: the cache holds quantized tokens 0..3 only
-    assert layer.get_seq_length() == 4 and layer.fp_start == 4
+    assert layer.get_seq_length() == 4 and layer.recent_start == 4
     layer.update(kv[0, :, :, 4:6], kv[1, :, :, 4:6])  # they come back in full precision
     keys, _ = layer.dequantized()
     assert torch.equal(keys[:, :, :4], expected[:, :, :4]) and torch.equal(keys[:, :, 4:6], kv[0, :, :, 4:6])
@@ -98,7 +98,7 @@ def test_window_shows_in_summary_and_bytes():
         model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
     extra = sum(layer.recent.nbytes + layer.sinks.nbytes for layer in window.layers)
     assert extra == 2 * (2 * 2 * 2 * (8 + 2) * 16 * 4) and window.nbytes == pure.nbytes + extra  # 2 layers
-    assert all(row["window"] == "8+2" for row in window.summary())
+    assert all(row["recent+sinks"] == "8+2" for row in window.summary())
     assert "8+2" in str(window)
 
 
@@ -108,7 +108,7 @@ def test_zero_window_is_pure_fp8():
     cache = QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8)
     model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
     layer = cache.layers[0]
-    assert layer.recent is None and layer.sinks is None and layer.fp_start == layer.end == 10
+    assert layer.recent is None and layer.sinks is None and layer.recent_start == layer.end == 10
 
 
 def test_bad_window_arguments_are_named():
@@ -128,7 +128,7 @@ def used_bytes(layer) -> int:
     batch, heads, head_dim = layer.codes.shape[1], layer.codes.shape[2], layer.codes.shape[4]
     per_code = 2 * batch * heads * (head_dim + 4)  # keys and values, fp8 codes + an fp32 scale
     per_fp = 2 * batch * heads * head_dim * layer.dtype.itemsize
-    window = min(layer.end - layer.fp_start, layer.recent_tokens)
+    window = min(layer.end - layer.recent_start, layer.recent_tokens)
     sinks = min(layer.end, layer.sink_tokens)
     return layer.length * per_code + (window + sinks) * per_fp, per_code, per_fp
 

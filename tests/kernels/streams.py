@@ -67,14 +67,12 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
     else:
         scales = static_scales(stream, generator)
     recent = torch.zeros(*shape[:3], stream.recent, stream.head_dim, dtype=stream.dtype) if stream.recent else None
-    positions = torch.zeros(2, dtype=torch.int64) if stream.static else None
+    positions = torch.zeros(2, dtype=torch.int64, device=device) if stream.static else None
     view = KVView(
-        codes.to(device), scales.to(device), fmt, 0, positions[0] if stream.static else 0,
-        positions[1] if stream.static else 0, 0, None if recent is None else recent.to(device),
-        static=bool(stream.static), ring=stream.ring, positions=None if positions is None else positions.to(device),
+        codes=codes.to(device), scales=scales.to(device), fmt=fmt, per_token=stream.scales == "dynamic",
+        end=positions[0] if stream.static else 0, recent_start=positions[1] if stream.static else 0,
+        recent=None if recent is None else recent.to(device), ring=stream.ring, positions=positions,
     )  # fmt: skip
-    if stream.static:
-        view.end, view.fp_start = view.positions[0], view.positions[1]
     return view
 
 
@@ -85,7 +83,7 @@ def advance(view: KVView, stream: Stream, new_tokens: int) -> None:
         torch.maximum(view.positions[1], view.positions[0] - stream.recent, out=view.positions[1])
     else:
         view.end += new_tokens
-        view.fp_start = max(view.fp_start, view.end - stream.recent)
+        view.recent_start = max(view.recent_start, view.end - stream.recent)
 
 
 def attach_sinks(view: KVView, stream: Stream, kv: torch.Tensor) -> None:
@@ -106,7 +104,7 @@ def attach_sinks(view: KVView, stream: Stream, kv: torch.Tensor) -> None:
 
 
 def fill(stream: Stream, write, generator: torch.Generator, device="cpu", edges=None):
-    """Write the stream's tokens update by update with `write(key, value, view, dynamic, stats)` (`edges`: a
+    """Write the stream's tokens update by update with `write(key, value, view, stats)` (`edges`: a
     function that edits the tokens first); returns the view after the last update, the tokens and the clipped /
     non-finite counts."""
     kv = tokens(stream, generator)
@@ -117,7 +115,7 @@ def fill(stream: Stream, write, generator: torch.Generator, device="cpu", edges=
     first = 0
     for new in stream.updates:
         chunk = kv[:, :, :, first : first + new].to(device)
-        write(chunk[0], chunk[1], view, stream.scales == "dynamic", stats)
+        write(chunk[0], chunk[1], view, stats)
         advance(view, stream, new)
         first += new
     attach_sinks(view, stream, kv)

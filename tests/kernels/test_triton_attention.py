@@ -1,6 +1,6 @@
-"""The Triton attention kernels (decode and prefill, split-KV + reduce) against the torch reference, over layer
-buffers written from token streams: pure FP8, the full-precision recent window and sink tokens, static
-(device-position) buffers and rings."""
+"""The Triton attention kernels (decode and prefill, split-KV + reduce) against the oracle, over layer buffers
+written from token streams: pure FP8, recent and sink tokens in full precision, static (device-position)
+buffers and rings."""
 
 from dataclasses import dataclass, field
 
@@ -24,7 +24,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     splits: int | None = None
     mask: str | None = None  # "padding" ([batch, 1, 1|q, columns], a row fully masked), "per-head", "2d"
-    options: dict = field(default_factory=dict)  # window, softcap, sinks=True, channel=True
+    options: dict = field(default_factory=dict)  # window, softcap, sink_logits=True, channel=True
 
     def __str__(self) -> str:
         fields = [f"{k}={v}" for k, v in vars(self).items() if k not in ("stream", "options") and v != getattr(Case, k, None)]
@@ -42,9 +42,9 @@ CASES = [
     Case(Stream(updates=[9], head_dim=64), q_len=9, group=1),  # prefill with no past
     Case(Stream(fmt="fp8_e5m2", scales="per-head", updates=[60, 40]), q_len=40),  # several row blocks
     Case(Stream(updates=[150, 130]), q_len=130, group=1),  # 128-row prefill tiles
-    Case(q_len=4, options=dict(window=10, sinks=True)),
-    Case(q_len=4, splits=2, options=dict(window=10, sinks=True)),
-    Case(mask="padding", splits=2, options=dict(sinks=True)),
+    Case(q_len=4, options=dict(window=10, sink_logits=True)),
+    Case(q_len=4, splits=2, options=dict(window=10, sink_logits=True)),
+    Case(mask="padding", splits=2, options=dict(sink_logits=True)),
     Case(mask="padding", q_len=3),
     Case(mask="per-head", q_len=2, splits=2),
     Case(Stream(updates=[27, 3]), mask="2d", q_len=3),
@@ -60,7 +60,7 @@ CASES = [
     Case(Stream(recent=70, updates=[60, 1, 9]), q_len=9),  # a window wider than a tile
     Case(Stream(recent=6, sinks=3, sink_rows=[0, 4], scales="per-head"), mask="padding", splits=2),
     Case(Stream(recent=6, sinks=4, sink_rows=[3, 0], fmt="fp8_e5m2", scales="per-tensor"), q_len=7),
-    Case(Stream(recent=5, sinks=2, updates=[40, 8]), q_len=8, options=dict(softcap=8.0, sinks=True, channel=True)),
+    Case(Stream(recent=5, sinks=2, updates=[40, 8]), q_len=8, options=dict(softcap=8.0, sink_logits=True, channel=True)),
     Case(Stream(recent=4, sinks=2, dtype=torch.float16), dtype=torch.float16, splits=2, mask="padding"),
     # static buffers: positions on the device, the mask over every slot, a fixed grid
     Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1]), splits=2, mask="padding"),
@@ -102,7 +102,7 @@ def run(case: Case):
         mask=None if mask is None else mask.to(DEVICE),
         window=case.options.get("window"),
         softcap=case.options.get("softcap"),
-        sinks=torch.randn(q_heads, generator=generator).to(DEVICE) if case.options.get("sinks") else None,
+        sink_logits=torch.randn(q_heads, generator=generator).to(DEVICE) if case.options.get("sink_logits") else None,
     )
     query = query.to(DEVICE, case.dtype)
     expected = reference.attend(query.float(), view, **kwargs)
@@ -186,15 +186,15 @@ def test_bad_inputs_are_named():
         attention(query[:, :5], view, scaling=1.0)
     with pytest.raises(ValueError, match="mask .* does not broadcast"):
         attention(query, view, scaling=1.0, mask=torch.ones(3, 1, 1, 70, dtype=torch.bool, device=DEVICE))
-    with pytest.raises(ValueError, match="sinks must have one logit per query head"):
-        attention(query, view, scaling=1.0, sinks=torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match="sink_logits must have one logit per query head"):
+        attention(query, view, scaling=1.0, sink_logits=torch.zeros(2, device=DEVICE))
     with pytest.raises(ValueError, match="mask has 60 columns"):
         attention(query, view, scaling=1.0, mask=torch.ones(2, 1, 1, 60, dtype=torch.bool, device=DEVICE))
 
 
 def _op_args(view, query, mask, num_splits):
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
-            mask, None, None, view.fmt.name, view.ring, 0.1, 0, 0.0, num_splits)  # fmt: skip
+            mask, None, None, view.fmt.name, view.per_token, view.ring, 0.1, 0, 0.0, num_splits)  # fmt: skip
 
 
 def test_registered_op_is_the_launcher_on_a_static_view():
@@ -237,14 +237,14 @@ def poison_unseen(case: Case, view, mask: torch.Tensor | None) -> int:
     start = max(int(view.start), end - view.slots) if view.ring else int(view.start)
     unseen = (~seen) & (positions >= start)
     nan_code = view.fmt.nan_code if view.fmt.nan_code >= 0 else (0x7F if view.fmt.is_float else None)
-    fp_start = int(view.fp_start)
+    recent_start = int(view.recent_start)
     for b, h, t in unseen.nonzero().tolist():
         slot = t % view.slots if view.ring else t - view.offset
         if nan_code is not None:
             view.codes.view(torch.uint8)[:, b, h, slot] = nan_code
-        if view.dynamic:
+        if view.per_token:
             view.scales[:, b, h, slot] = float("nan")
-        if view.recent is not None and t >= fp_start:
+        if view.recent is not None and t >= recent_start:
             view.recent[:, b, h, t % view.recent.shape[3]] = float("nan")
         if view.sinks is not None and 0 <= t - int(view.sink_start[b]) < int(view.sink_count[b]):
             view.sinks[:, b, h, t - int(view.sink_start[b])] = float("nan")

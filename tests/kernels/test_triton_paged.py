@@ -1,88 +1,18 @@
-"""The Triton paged attention (continuous batching) against the torch reference: requests with cached pages at
-scattered physical indices and new rows, mixed query lengths (decode and chunked prefill), GQA, sliding
-windows, every storage format, per-token-head and static scales. fp32 queries (the interpreter's bf16 dot is
-unreliable)."""
+"""The Triton paged attention and row encoder (continuous batching) against the oracle and the torch codec:
+requests with cached pages at scattered physical indices and new rows, mixed query lengths (decode and chunked
+prefill), GQA, sliding windows, every storage format, per-token and per-head scales."""
 
 import math
 
 import pytest
 import torch
 
-from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels import paged
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention, plan_paged_attention, row_size
+from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention, plan_paged_attention
+from pages import build, oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PAGE_SIZE = 4
-LAYERS = 2  # pages per block; the tested layer is the second one (a non-zero layer offset)
-
-
-def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `[tokens, row_bytes]` of `x` `[tokens, kv_heads, D]`, and its dequantized values."""
-    scale = static[None, :] if static is not None else reference.dynamic_scale(x, fmt)
-    codes, _, _ = reference.quantize(x, scale[..., None], fmt)
-    values = reference.dequantize(codes, scale[..., None], fmt)
-    parts = [codes.view(torch.uint8).flatten(1)]
-    if static is None:
-        parts.append(scale.contiguous().view(torch.uint8))
-    rows = torch.cat(parts, dim=1)
-    padding = row_size(codes[0].numel(), 0 if static is not None else x.shape[1]) - rows.shape[1]
-    return torch.nn.functional.pad(rows, (0, padding)), values
-
-
-def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None):
-    """Pages and new rows of `requests` (`(past, q_len)` each); `garbage_before`: a window, whose cached rows
-    before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed page's filler."""
-    generator = torch.Generator().manual_seed(seed)
-    static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
-                                   torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
-    row_bytes = row_size(kv_heads * head_dim, kv_heads if dynamic else 0)
-    page_bytes = 2 * PAGE_SIZE * row_bytes
-    layer_offset = page_bytes  # the first layer's page comes first
-    bytes_per_block = LAYERS * page_bytes + block_padding  # padded, as a block of mixed layers may be
-    block_stride = 2 * PAGE_SIZE * LAYERS
-    total_pages = sum(-(-past // PAGE_SIZE) for past, _ in requests) + 2
-    pages = torch.zeros(total_pages * bytes_per_block, dtype=torch.uint8)
-    free_blocks = torch.randperm(total_pages, generator=generator).tolist()
-    queries, new_rows, read_index, expected = [], [], [], []
-    cu_q, k_first, pasts = [0], [], []
-    for past, q_len in requests:
-        keys = torch.randn(past + q_len, kv_heads, head_dim, generator=generator) * 3
-        values = torch.randn(past + q_len, kv_heads, head_dim, generator=generator)
-        k_rows, k_values = encode(keys, fmt, static[0] if static else None)
-        v_rows, v_values = encode(values, fmt, static[1] if static else None)
-        k_first.append(len(read_index))
-        blocks = [free_blocks.pop() for _ in range(-(-past // PAGE_SIZE))]
-        for t in range(past):
-            block, slot = blocks[t // PAGE_SIZE], t % PAGE_SIZE
-            read_index.append(block * block_stride + slot)
-            unseen = garbage_before is not None and t <= past - garbage_before
-            for plane, rows in ((0, k_rows), (1, v_rows)):
-                at = block * bytes_per_block + layer_offset + plane * PAGE_SIZE * row_bytes + slot * row_bytes
-                pages[at : at + row_bytes] = 0xFF if unseen else rows[t]
-        new_rows.append(torch.stack((k_rows[past:], v_rows[past:]), dim=1))
-        query = torch.randn(q_len, kv_heads * group, head_dim, generator=generator)
-        queries.append(query)
-        expected.append((query, k_values, v_values))
-        cu_q.append(cu_q[-1] + q_len)
-        pasts.append(past)
-    layout = dict(kv_heads=kv_heads, layer_offset=layer_offset, bytes_per_block=bytes_per_block,
-                  block_stride=block_stride, page_size=PAGE_SIZE)  # fmt: skip
-    tensors = (
-        torch.cat(queries), pages, torch.cat(new_rows).contiguous(), torch.tensor(read_index, dtype=torch.int64),
-        torch.tensor(cu_q, dtype=torch.int32), torch.tensor(k_first, dtype=torch.int32),
-        torch.tensor(pasts, dtype=torch.int32),
-    )  # fmt: skip
-    return tensors, layout, static, expected
-
-
-def oracle(expected, scaling, window):
-    outs = []
-    for query, keys, values in expected:
-        out = reference.attention(query.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                  values.transpose(0, 1)[None], scaling=scaling, window=window)  # fmt: skip
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
 
 
 CASES = [
@@ -155,9 +85,9 @@ EDGES = [0.0, -0.0, 1e-30, -1e-30, 447.0, 449.0, 1e30, -1e30, math.inf, -math.in
 
 @pytest.mark.parametrize("name, dynamic", [(name, dynamic) for name, fmt in FORMATS.items()
                                            for dynamic in (True, False) if dynamic or not fmt.per_token_only])
-def test_encoded_rows_are_the_reference_bits(name, dynamic):
-    """The Triton row encoder against `reference.write_stacked` (what the CPU path stores): the same bytes, the
-    same clipped and non-finite counts, edge values included."""
+def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic):
+    """The Triton row encoder against `paged.encode_rows` (the bits the CPU path stores): the same bytes, the same
+    clipped and non-finite counts, edge values included."""
     fmt = FORMATS[name]
     generator = torch.Generator().manual_seed(3)
     kv_heads, tokens, head_dim = 3, 21, 24
@@ -166,14 +96,8 @@ def test_encoded_rows_are_the_reference_bits(name, dynamic):
     states[1, 2, 7] = 0.0  # an all-zero row: the tiny scale
     static = None if dynamic else (torch.tensor([0.5, 0.02, 1.0]), torch.tensor([0.1, 0.3, 0.05]))
     want_stats = torch.zeros(2, 2, dtype=torch.int64)
-    value_bytes = kv_heads * head_dim
-    want = torch.zeros(tokens, 2, row_size(value_bytes, kv_heads if dynamic else 0), dtype=torch.uint8)  # padded
-    codes = want[..., :value_bytes].view(fmt.dtype).unflatten(-1, (kv_heads, head_dim)).permute(1, 2, 0, 3)
-    if dynamic:
-        scale = want[..., value_bytes : value_bytes + 4 * kv_heads].view(torch.float32).permute(1, 2, 0)[..., None]
-    else:
-        scale = torch.stack(static)[:, :, None, None]
-    reference.write_stacked(states, codes, scale, fmt, dynamic, want_stats)
+    layout = paged.RowLayout(fmt, dynamic, kv_heads, head_dim, torch.float32)
+    want, _ = paged.encode_rows(states, layout, want_stats, None if dynamic else torch.stack(static))
     stats = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
     rows = encode_rows(states.to(DEVICE), fmt, stats, tuple(s.to(DEVICE) for s in static) if static else None)
     assert torch.equal(rows.cpu(), want)

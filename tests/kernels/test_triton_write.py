@@ -1,5 +1,5 @@
-"""The Triton write kernel against the torch reference: bit-identical codes, exact scales, the same recent
-window, clipped and non-finite counts, for every format, scale kind, window and position kind."""
+"""The Triton write kernel against the oracle: bit-identical codes, exact scales, the same recent tokens, clipped
+and non-finite counts, for every format, scale kind, recent buffer and position kind."""
 
 import math
 import os
@@ -84,7 +84,7 @@ def test_write_is_bit_identical_to_reference(stream):
     def buffers(write):
         generator = torch.Generator().manual_seed(0)
         view, kv, stats = fill(stream, write, generator, DEVICE, edges=with_edges)
-        held = int(view.fp_start)  # slots past it are not written yet (still in the window)
+        held = int(view.recent_start)  # slots past it are not written yet (still in the window)
         slots = slice(0, view.slots) if view.ring else slice(0, held)  # not the spare slot
         parts = {"codes": view.codes.view(torch.uint8)[:, :, :, slots], "stats": stats}
         if view.recent is not None:
@@ -104,15 +104,17 @@ def test_bad_buffers_are_named():
     view, _, stats = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
     key = torch.randn(2, 2, 4, 80, device=DEVICE)
     with pytest.raises(ValueError, match="do not fit the code buffers"):
-        write_kv(key[:, :1], key[:, :1], view, False, stats)
+        write_kv(key[:, :1], key[:, :1], view, stats)
     with pytest.raises(ValueError, match="overflow the buffers' 7 slots"):
         view.end = 5
-        write_kv(key, key, view, False, stats)
+        write_kv(key, key, view, stats)
     view.end = 0
     with pytest.raises(ValueError, match="scales must be fp32"):
-        write_kv(key, key, view, True, stats)
+        view.per_token = True
+        write_kv(key, key, view, stats)
+    view.per_token = False
     with pytest.raises(ValueError, match="stats must be an int64"):
-        write_kv(key, key, view, False, stats.int())
+        write_kv(key, key, view, stats.int())
 
 
 def _static_stream_view():
@@ -132,7 +134,7 @@ def test_registered_op_is_the_launcher_on_a_static_view():
             ops.triton_ops().write(key, -key, view.codes, view.scales, view.recent, stats, view.positions,
                                    view.fmt.name, True, False)  # fmt: skip
         else:
-            write_kv(key, -key, view, True, stats)
+            write_kv(key, -key, view, stats)
         buffers.append((view.codes.view(torch.uint8)[:, :, :, :8], view.scales[..., :8], view.recent, stats))
     for a, b in zip(*buffers):
         assert torch.equal(a, b)

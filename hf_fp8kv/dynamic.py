@@ -1,0 +1,232 @@
+"""The dynamic storage policy: buffers that grow with the context a block at a time, positions as Python ints.
+
+Capacity grows `block_size` tokens at a time (the buffer is reallocated and the valid part copied) and shrinks
+after a crop, so the bytes held stay within one block of the bytes used; no per-step `torch.cat`. Token t is at
+slot `t - offset`; the stored tokens are `[first, end)`. The recent and sink buffers grow and shrink the same way.
+
+`DynamicFP8SlidingLayer` has the contract of transformers' `DynamicSlidingWindowLayer`: an update attends over the
+last `window - 1` stored tokens plus the new ones (a prefill longer than the window sees all of its tokens, the
+mask encodes the window), then only the last `window - 1` are kept; `get_seq_length` counts every token seen;
+`activate_past_recording` keeps the old tokens until `crop` (assisted decoding). Dropping old tokens only moves
+`first`: the kept tokens move to the front of the buffers when new ones do not fit, so a decode step copies
+nothing and a compaction (one window of codes) happens once per block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from hf_fp8kv.kernels.cpu import ring_pieces
+from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.layer import FP8Layer
+
+
+class DynamicFP8Layer(FP8Layer):
+    """A full-attention layer's codes in buffers grown one block at a time."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first = self.end = self.recent_start = self.offset = 0
+
+    def _allocate(self, batch: int, kv_heads: int, head_dim: int) -> None:
+        self._new_buffers(batch, kv_heads, head_dim, 0, self._fp_slots(self.recent_tokens), self._fp_slots(self.sink_tokens))
+
+    @property
+    def length(self) -> int:
+        """Tokens stored (the sliding layers drop the oldest)."""
+        return self.end - self.first
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[3] if self.is_initialized else 0
+
+    def host_end(self) -> int:
+        return self.end
+
+    def view(self, start=None) -> KVView:
+        """The stored tokens from `start` (default: all of them)."""
+        tracker = self.sink_tracker
+        return KVView(
+            codes=self.codes, scales=self.scale, fmt=self.fmt, per_token=self.per_token,
+            start=self.first if start is None else start, end=self.end, recent_start=self.recent_start,
+            offset=self.offset, recent=self.recent, sinks=self.sinks if tracker.rows else None,
+            sink_start=self.sink_start, sink_count=self.sink_count, sink_rows=tracker.rows,
+            key_channel_scale=self.key_channel_scale, has_nan=self.has_nan, memo=self.kernels.memo,
+        )  # fmt: skip
+
+    def visible_length(self, view: KVView) -> int:
+        return view.end - view.start
+
+    # --- storage -----------------------------------------------------------------------------------------------
+    def _fp_slots(self, tokens: int, held: int = 0) -> int:
+        """Slots of a full-precision buffer of at most `tokens` tokens that must hold `held` now: grown with the
+        context a block at a time, like the codes. The recent token t is at slot t % slots: with fewer slots than
+        `recent_tokens`, all the recent tokens still fit, so none leaves the buffer early."""
+        return min(tokens, max(math.ceil(held / self.block_size), 1) * self.block_size)
+
+    def _fit_full_precision(self, end: int) -> None:
+        """Resize the recent and sink buffers for tokens up to `end` (grow before a write, shrink after a crop),
+        keeping the tokens they hold."""
+        if self.recent is not None:
+            self._fit("recent", self.recent_tokens, end - self.recent_start)
+        if self.sinks is not None:
+            self._fit("sinks", self.sink_tokens, end)
+
+    def _fit(self, name: str, tokens: int, held: int) -> None:
+        buffer = getattr(self, name)
+        slots = self._fp_slots(tokens, held)
+        if buffer.shape[3] != slots:
+            setattr(self, name, self._resized(name, buffer, slots))
+
+    def _resized(self, name: str, buffer: torch.Tensor, slots: int) -> torch.Tensor:
+        resized = buffer.new_zeros(*buffer.shape[:3], slots, buffer.shape[4])
+        if name == "sinks":  # a row's sink token t is at slot t - sink_start, whatever the slots
+            kept = min(slots, buffer.shape[3])
+            resized[:, :, :, :kept] = buffer[:, :, :, :kept]
+            return resized
+        for first, stop, slot in ring_pieces(max(self.recent_start, self.end - slots), self.end, buffer.shape[3]):
+            for piece_first, piece_stop, new_slot in ring_pieces(first, stop, slots):
+                old_slot = slot + piece_first - first
+                resized[:, :, :, new_slot : new_slot + piece_stop - piece_first] = (
+                    buffer[:, :, :, old_slot : old_slot + piece_stop - piece_first]
+                )
+        return resized
+
+    def _make_room(self, new_tokens: int) -> None:
+        """Make sure tokens up to `end + new_tokens` have a slot; release a block after a crop."""
+        needed = self.end + new_tokens - self.offset
+        used = self.end - self.first
+        if needed > self.capacity or self.capacity - (used + new_tokens) > self.block_size:
+            self._reallocate(math.ceil((used + new_tokens) / self.block_size) * self.block_size)
+        self._fit_full_precision(self.end + new_tokens)
+
+    def _reallocate(self, capacity: int) -> None:
+        """Move the stored tokens `[first, end)` to the front of new buffers of `capacity` slots."""
+        stored = slice(self.first - self.offset, self.end - self.offset)
+        for name in ("codes", "scale") if self.per_token else ("codes",):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:3], capacity, *old.shape[4:])
+            new[:, :, :, : self.end - self.first] = old[:, :, :, stored]
+            setattr(self, name, new)
+        self.offset = self.first
+
+    def _map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in self._buffers():
+            setattr(self, name, fn(getattr(self, name)))
+
+    def _advance(self, new_tokens: int) -> None:
+        self.end += new_tokens
+        self.recent_start = max(self.recent_start, self.end - self.recent_tokens)
+
+    # --- the cache protocol ------------------------------------------------------------------------------------
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.end + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.end
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Forget every token and release the buffers; the counts start over."""
+        for name in ("codes", "scale", "recent", "sinks", "sink_start", "sink_count"):
+            self.__dict__.pop(name, None)
+        self.first = self.end = self.recent_start = self.offset = 0
+        self.stats = torch.zeros(2, 2, dtype=torch.int64)
+        self.has_nan = False
+        self.sink_tracker.reset()
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        self._crop_to(max(self.end + tokens_to_remove, self.first))
+
+    def _crop_to(self, end: int) -> None:
+        """Forget the tokens from `end` on (those among the recent tokens stay full precision)."""
+        self.end = end
+        self.recent_start = min(self.recent_start, end)
+        if self.is_initialized:
+            self._make_room(0)
+            self.sink_tracker.sync(self)
+
+    def _select_rows(self, rows: list[int]) -> None:
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        self._map_buffers(lambda t: t.index_select(1, index))
+        self.sink_start, self.sink_count = self.sink_start[index], self.sink_count[index]
+        self.sink_tracker.select(rows)
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self._map_buffers(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.codes.device != self.device:
+            self._map_buffers(lambda t: t.to(self.device, non_blocking=True))
+
+
+class DynamicFP8SlidingLayer(DynamicFP8Layer):
+    """A dynamic layer that keeps only the last `sliding_window - 1` tokens (chunked layers: `chunk_size - 1`)."""
+
+    is_sliding = True
+
+    def __init__(self, *args, sliding_window: int, **kwargs):
+        super().__init__(*args, **{**kwargs, "sink_tokens": 0})  # the window drops the first tokens anyway
+        if sliding_window < 2:
+            raise ValueError(f"layer {self.layer_idx}: sliding_window={sliding_window} must be at least 2")
+        self.sliding_window = sliding_window
+        self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        """Keep every token until the next `crop`, so that it can roll the layer back (assisted decoding)."""
+        self.record_past = True
+
+    def _make_room(self, new_tokens: int) -> None:
+        # One spare block beyond what the window needs, so that a compaction happens once per block of steps.
+        used = self.end - self.first + new_tokens
+        target = (math.ceil(used / self.block_size) + 1) * self.block_size
+        if self.end + new_tokens - self.offset > self.capacity or self.capacity > target:
+            self._reallocate(target)
+        self._fit_full_precision(self.end + new_tokens)
+
+    def _keep_last(self, tokens: int) -> None:
+        self.first = max(self.first, self.end - tokens)
+
+    def _visible(self, new_tokens: int) -> KVView:
+        view = self.view(max(self.first, self.end - (self.sliding_window - 1 + new_tokens)))
+        if not self.record_past:
+            self._keep_last(self.sliding_window - 1)  # the dropped codes stay in the buffers until the next write
+        return view
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = max(self.end - self.sliding_window + 1, 0)
+        if self.end >= self.sliding_window:
+            return self.sliding_window - 1 + query_length, kv_offset
+        return self.end + query_length, kv_offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove `-tokens_to_remove` tokens and keep at most `sliding_window - 1` (so `crop(0)` may trim), as
+        transformers' `DynamicSlidingWindowLayer` does (its count of tokens seen drops by the tokens removed)."""
+        if self.end < self.sliding_window:
+            super().crop(tokens_to_remove)
+            return
+        if not self.record_past:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: crop() after the sliding window ({self.sliding_window}) was reached needs "
+                "activate_past_recording() before the tokens to remove were added"
+            )
+        if tokens_to_remove > 0:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: once the sliding window is reached, crop() takes a negative number of "
+                f"tokens to remove, not {tokens_to_remove}"
+            )
+        end = self.end + tokens_to_remove
+        self.first = min(max(self.first, end - (self.sliding_window - 1)), end)
+        self._crop_to(end)

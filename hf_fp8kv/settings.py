@@ -1,0 +1,155 @@
+"""The cache's arguments, resolved once: format, each layer's kind and scale scheme, layers kept in the model's
+dtype, backend and the recent / sink tokens, as one `CacheSettings` that `QuantizedFP8Cache` and
+`continuous_batching.enable` both build their storage from. Every argument is checked here, when the cache is
+built, with an error that names it."""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from hf_fp8kv.kernels.formats import StorageFormat, get_format
+from hf_fp8kv.kernels.ops import check_backend
+from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, UncalibratedScalesWarning, resolve_scales
+
+# Layer types (from `get_layer_types_and_kwargs`) we store; chunked attention caches like a sliding window of the
+# chunk size (its mask keeps the chunks apart), as in transformers; "dummy" layers (KV shared with another layer,
+# or no attention) hold nothing.
+STORED_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """What a cache's arguments resolve to (see `QuantizedFP8Cache` for each argument's meaning)."""
+
+    fmt: StorageFormat
+    layer_types: list[str]  # one per decoder layer
+    layer_kwargs: list[dict]  # each layer type's arguments (sliding_window)
+    skip: frozenset[int]  # layers kept in the model dtype
+    scales: dict[int, LayerScales]  # the scale scheme of each stored layer
+    backend: str  # the backend name asked for ("auto", "triton", "torch")
+    recent_tokens: int
+    sink_tokens: int
+    block_size: int
+    max_cache_len: int | None
+    max_batch_size: int | None
+    kv_heads: int
+    head_dim: int
+
+    def stored(self, layer: int) -> bool:
+        """Whether `layer` is stored as codes (not skipped, not a dummy layer)."""
+        return layer in self.scales
+
+
+def resolve_settings(
+    config,
+    *,
+    kv_cache_dtype: str = "fp8",
+    scales: ScalesArg = "auto",
+    skip_layers: str | Iterable[int | str] = (),
+    backend: str | None = None,
+    recent_tokens: int = 0,
+    sink_tokens: int = 0,
+    block_size: int = 64,
+    max_cache_len: int | None = None,
+    max_batch_size: int | None = None,
+    offloading: bool = False,
+) -> CacheSettings:
+    """Resolve and check a cache's arguments for the model of `config` (warns when the scales fall back to 1.0)."""
+    text_config = config.get_text_config(decoder=True)
+    context = getattr(text_config, "max_position_embeddings", None)
+    recent_tokens = check_count("recent_tokens", recent_tokens, maximum=context)
+    sink_tokens = check_count("sink_tokens", sink_tokens, maximum=context)
+    block_size = check_count("block_size", block_size, minimum=1)
+    if max_cache_len is not None:
+        max_cache_len = check_count("max_cache_len", max_cache_len, minimum=1)
+        if offloading:
+            raise ValueError("offloading=True and max_cache_len: a static cache keeps its buffers in place (no offloading)")
+    if max_batch_size is not None:
+        if max_cache_len is None:
+            raise ValueError("max_batch_size applies to a static cache: pass max_cache_len too")
+        max_batch_size = check_count("max_batch_size", max_batch_size, minimum=1)
+    backend = check_backend(backend)
+    fmt = get_format(platform_dtype(kv_cache_dtype))
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    check_supported(text_config, layer_types)
+    skip = skip_layer_indices(skip_layers, layer_types)
+    stored = [i for i, kind in enumerate(layer_types) if i not in skip and kind in STORED_TYPES]
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    checkpoint = getattr(config, "_name_or_path", "") or None
+    layer_scales, uncalibrated = resolve_scales(scales, fmt, stored, len(layer_types), kv_heads, checkpoint)
+    if uncalibrated:
+        warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=3)
+    return CacheSettings(
+        fmt, list(layer_types), list(layer_kwargs), frozenset(skip), layer_scales, backend, recent_tokens, sink_tokens,
+        block_size, max_cache_len, max_batch_size, kv_heads, head_dim,
+    )  # fmt: skip
+
+
+def platform_dtype(kv_cache_dtype: str) -> str:
+    """On ROCm, "fp8" means the e4m3fnuz format of the MI300 generation (as in vLLM); else the name itself."""
+    return "fp8_e4m3fnuz" if kv_cache_dtype == "fp8" and torch.version.hip else kv_cache_dtype
+
+
+def check_count(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
+    """`value` as an int (any integral number: numpy's too), checked against its bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(
+            f"{name}={value!r} exceeds the model's context (max_position_embeddings={maximum}); to keep every token "
+            "in the model's dtype, skip the layers (skip_layers) or use transformers' DynamicCache"
+        )
+    return int(value)
+
+
+def skip_layer_indices(skip_layers: str | Iterable[int | str], layer_types: list[str]) -> set[int]:
+    """Layer indices named by `skip_layers`: indices (ints or digit strings) and "sliding_window"."""
+    if not isinstance(skip_layers, (str, Iterable)):
+        raise ValueError(
+            f"skip_layers={skip_layers!r}: pass a list of layer indices and/or 'sliding_window' (e.g. "
+            f"skip_layers=[{skip_layers!r}])"
+        )
+    items = skip_layers.split(",") if isinstance(skip_layers, str) else list(skip_layers)
+    skip, bad = set(), []
+    for item in items:
+        name = item.strip() if isinstance(item, str) else item
+        if name == "sliding_window":
+            skip.update(i for i, kind in enumerate(layer_types) if kind in SLIDING_TYPES)
+            continue
+        index = int(name) if isinstance(name, str) and name.isdigit() else name
+        if isinstance(index, numbers.Integral) and not isinstance(index, bool) and 0 <= index < len(layer_types):
+            skip.add(int(index))
+        else:
+            bad.append(item)
+    if bad:
+        raise ValueError(
+            f"skip_layers {bad} are neither layer indices of this model (0..{len(layer_types) - 1}) nor "
+            "'sliding_window'"
+        )
+    return skip
+
+
+def check_supported(text_config, layer_types: list[str]) -> None:
+    """Refuse, naming the model type, a model whose cache is not per-token K/V of full, sliding or chunked layers."""
+    model_type = text_config.model_type
+    if getattr(text_config, "kv_lora_rank", None):
+        raise ValueError(
+            f"model type {model_type!r} caches MLA latents (kv_lora_rank={text_config.kv_lora_rank}), not per-head "
+            "K/V: QuantizedFP8Cache cannot serve it"
+        )
+    if getattr(text_config, "is_encoder_decoder", False):
+        raise ValueError(f"model type {model_type!r} is encoder-decoder: QuantizedFP8Cache serves decoder-only models")
+    for i, layer_type in enumerate(layer_types):
+        if layer_type not in (*STORED_TYPES, "dummy"):
+            raise ValueError(
+                f"layer {i} of model type {model_type!r} is a {layer_type!r} layer: QuantizedFP8Cache stores "
+                f"per-token K/V of {', '.join(STORED_TYPES)} layers only"
+            )

@@ -1,0 +1,375 @@
+"""The torch path the cache runs where Triton does not (the CPU): the oracle's bits (`reference`) in few ops.
+
+A decode step on the CPU is op-dispatch bound (docs/benchmarks.md), so codes are decoded by int16 bit operations
+on an fp16 view (see `StorageFormat`), numbers are 0-dim tensors, and the common case (finite inputs, nothing
+clipped) takes one reduction. The path is chosen once per call by the kind of positions (`_path`):
+
+- host positions (dynamic buffers): Python ints, so only the tokens held are touched, by slices;
+- device positions (static buffers: `torch.compile`, CUDA graphs): 0-dim device tensors, so every index is
+  computed and nothing syncs with the host; every slot is read, under a mask of the tokens held.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Iterator, NamedTuple
+
+import torch
+
+from .formats import TINY_SCALE, StorageFormat, get_format
+from .reference import attention, dynamic_scale, quantize
+from .view import KVView
+
+# codes up to which the decode multiplies its fp16 (or int8) values by the fp32 scales in one mixed-dtype op; on
+# more, a conversion then an fp32 multiply is faster (1 thread, 4096 tokens of SmolLM2's shapes, 1.6 M codes:
+# 313 -> 208 us; a layer-step 1.74 -> 1.14 ms at 4k, 11.6 -> 8.2 ms at 16k), where a decode step's small tensors
+# are op-dispatch bound (12.7 k codes: as fast either way)
+MIXED_MULTIPLY_MAX = 1 << 14
+
+
+# --- values in few ops ----------------------------------------------------------------------------------------
+class Numbers(NamedTuple):
+    fp16_shift: int | torch.Tensor
+    clear_bit_14: int | torch.Tensor
+    fp16_factor: float | torch.Tensor
+    row_max: float | torch.Tensor
+    tiny_scale: float | torch.Tensor
+
+
+def constants(fmt: StorageFormat) -> Numbers:
+    """The CPU path's numbers as 0-dim tensors (never written): an op given a Python number wraps it in a tensor
+    first, 1.6 us of the 3 us such an op takes on a decode step's small tensors (1.3 us with a tensor). Inside a
+    compiled graph, plain numbers (constants of the graph)."""
+    if torch.compiler.is_compiling():
+        return _numbers(fmt)
+    return _as_tensors(fmt.name)  # looked up by name: hashing the format itself costs 2 us a call
+
+
+def _numbers(fmt: StorageFormat) -> Numbers:
+    return Numbers(fmt.fp16_shift, ~0x4000, fmt.fp16_factor, fmt.row_max, TINY_SCALE)
+
+
+@functools.cache
+def _as_tensors(name: str) -> Numbers:
+    with torch.inference_mode(False):  # ordinary tensors, usable inside and outside inference mode
+        return Numbers(*(
+            torch.tensor(n, dtype=torch.int16 if isinstance(n, int) else torch.float32)
+            for n in _numbers(get_format(name))
+        ))  # fmt: skip
+
+
+def write_stacked(
+    states: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: StorageFormat,
+    per_token: bool,
+    stats: torch.Tensor,
+) -> bool:
+    """Quantize `states` (`[2, ...rows, D]`: keys then values) into `codes` (a view of the same shape); with
+    `per_token`, store each row's scale into `scale` (`[2, ...rows, 1]`), else read it from there. Adds clipped
+    and non-finite counts to `stats` (int64 `[2, 2]`: keys/values x clipped/non-finite). Returns whether any
+    input was non-finite (so the reader knows NaN codes may exist).
+
+    Bit-identical to `reference.dynamic_scale` + `reference.quantize`; the common case (finite inputs, nothing
+    clipped) is found by one reduction and takes no counting ops.
+    """
+    if per_token:
+        amax = torch.linalg.vector_norm(states, math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+        # NaN or inf anywhere: a non-finite largest amax; a row whose scale would fall below TINY_SCALE (all-zero
+        # rows): a smallest amax below TINY_SCALE * row_max. Neither (the rule): no clamp, one op less
+        finite, tiny_rows = True, True  # fake tensors (tracing): nothing to look at
+        if not states.is_meta:
+            low, high = torch.aminmax(amax)
+            finite, tiny_rows = math.isfinite(high.item()), not low.item() >= TINY_SCALE * fmt.row_max
+        if not finite:
+            amax = states.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)
+        numbers = constants(fmt)
+        row_scale = torch.div(amax, numbers.row_max, out=scale)  # into the buffer
+        if tiny_rows or not finite:
+            row_scale.clamp_min_(numbers.tiny_scale)
+        scaled = states / row_scale
+        ok = finite  # a finite row divided by its own amax never leaves the format's range
+    else:
+        scaled = states / scale
+        low, high = torch.aminmax(scaled)  # NaN in, NaN out: the comparison below is then False
+        ok = states.is_meta or bool(-fmt.clip_bound <= low.item() and high.item() <= fmt.clip_bound)
+    nonfinite = False
+    if not ok:
+        counts = torch.stack([
+            (scaled.abs() > fmt.clip_bound).flatten(1).sum(1), (~torch.isfinite(states)).flatten(1).sum(1)
+        ], dim=1)  # fmt: skip
+        stats += counts
+        nonfinite = bool(counts[:, 1].any())
+    if fmt.dtype == torch.float8_e4m3fn:
+        codes.copy_(scaled)  # torch's cast saturates e4m3fn, inf included; NaN stays NaN
+    elif fmt.is_float:
+        codes.copy_(scaled.clamp_(-fmt.max, fmt.max))
+    else:
+        codes.copy_(scaled.clamp_(-fmt.max, fmt.max).round_().nan_to_num_(nan=0.0))
+    return nonfinite
+
+
+def dequantize_stacked(
+    codes: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat, has_nan: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`codes * scale` in fp32 (exactly `reference.dequantize`), for codes `[2, ...]` and a broadcasting `scale`
+    (into `out` when given).
+
+    Float codes are decoded through int16 bit operations and an fp16 view (see `StorageFormat`), the fp16
+    factor folded into the scale multiply; `has_nan` adds the select that reads NaN codes as NaN.
+    """
+    numbers = constants(fmt)
+    values = codes
+    if fmt.is_float:
+        values = codes.view(torch.int8).to(torch.int16).bitwise_left_shift_(numbers.fp16_shift)
+        if fmt.fp16_shift == 7:  # e4m3: the sign landed on bit 14 too (sign extension); keep it on bit 15 only
+            values.bitwise_and_(numbers.clear_bit_14)
+        values = values.view(torch.float16)
+        scale = scale * numbers.fp16_factor if fmt.fp16_factor != 1.0 else scale
+    if codes.numel() < MIXED_MULTIPLY_MAX:
+        values = torch.mul(values, scale, out=out)
+    else:
+        values = (values.float() if out is None else out.copy_(values)).mul_(scale)
+    if has_nan and fmt.nan_code >= 0:
+        code_bits = codes.view(torch.uint8) & fmt.nan_code_mask
+        values = values.masked_fill_(code_bits == fmt.nan_code, math.nan)
+    return values
+
+
+def ring_pieces(first: int, stop: int, modulus: int) -> Iterator[tuple[int, int, int]]:
+    """`(timeline start, timeline stop, slot)` runs of tokens `[first, stop)` in a ring of `modulus` slots."""
+    while first < stop:
+        slot = first % modulus
+        run = min(stop - first, modulus - slot)
+        yield first, first + run, slot
+        first += run
+
+
+def _scale_columns(view: KVView) -> torch.Tensor:
+    """`view.scales` with a trailing dim, to broadcast against the codes' rows (a view kept in the view's memo:
+    making it costs as much as a small op; a compiled graph makes its own)."""
+    if torch.compiler.is_compiling():
+        return _unsqueezed_scales(view)
+    return view.derived(_scale_columns, _unsqueezed_scales)
+
+
+def _unsqueezed_scales(view: KVView) -> torch.Tensor:
+    return view.scales.unsqueeze(-1)
+
+
+# --- the cache's two operations ---------------------------------------------------------------------------------
+def write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
+    """`reference.write`: store the new tokens `[end, end + n)` in the buffers of `view` (before the update);
+    returns whether a non-finite input was seen (always True with device positions, which cannot check without
+    a sync)."""
+    return _path(view).write(torch.stack((key, value)), view, stats)
+
+
+def attend(
+    query: torch.Tensor,
+    view: KVView,
+    *,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`reference.attend`: the visible tokens decoded (the full-precision ones laid beside or over them), then
+    `reference.attention`; `[batch, q_heads, q_len, head_dim]` in the query's dtype."""
+    path = _path(view)
+    keys, values = _keys_values(path.materialize(view), view)
+    mask, window = path.mask(query, view, mask, window, keys.shape[2])
+    out = attention(query, keys, values, scaling=scaling, mask=mask, window=window, softcap=softcap,
+                    sink_logits=sink_logits)  # fmt: skip
+    return out if out.dtype == query.dtype else out.to(query.dtype)  # `to` costs 2 us even when it is a no-op
+
+
+def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 keys and values `[batch, kv_heads, tokens, head_dim]` of the visible tokens (`[start, end)` in
+    order), or of every slot with device positions (their positions: `slot_positions`)."""
+    return _keys_values(_path(view).materialize(view), view)
+
+
+def _keys_values(kv: torch.Tensor, view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of materialized `[2, ...]` K/V, the keys times the per-channel key scale."""
+    if view.key_channel_scale is not None:
+        kv[0] *= view.key_channel_scale[None, :, None, :]
+    keys, values = kv.unbind()
+    return keys, values
+
+
+def _path(view: KVView) -> type:
+    return DevicePositions if view.static else HostPositions
+
+
+class HostPositions:
+    """Positions are Python ints (dynamic buffers): only the tokens held are touched, by slices."""
+
+    @staticmethod
+    def write(states: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
+        end, recent = view.end, view.recent
+        if recent is None:  # pure FP8: every new token goes straight to the codes
+            return HostPositions._quantize(states, end, view, stats)
+        recent_slots, n = recent.shape[3], states.shape[3]
+        new_recent_start = max(view.recent_start, end + n - recent_slots)
+        nonfinite = False
+        for first, stop, slot in ring_pieces(view.recent_start, min(new_recent_start, end), recent_slots):  # leaving
+            nonfinite |= HostPositions._quantize(recent.narrow(3, slot, stop - first), first, view, stats)
+        if new_recent_start > end:  # new tokens that are not among the newest `recent_slots`
+            nonfinite |= HostPositions._quantize(states.narrow(3, 0, new_recent_start - end), end, view, stats)
+        for first, stop, slot in ring_pieces(max(end, new_recent_start), end + n, recent_slots):
+            recent.narrow(3, slot, stop - first).copy_(states.narrow(3, first - end, stop - first))
+        return nonfinite
+
+    @staticmethod
+    def _quantize(rows: torch.Tensor, first: int, view: KVView, stats: torch.Tensor) -> bool:
+        """`write_stacked` of tokens `[first, first + n)` (`rows`, `[2, batch, kv_heads, n, head_dim]`)."""
+        n, slot = rows.shape[3], first - view.offset
+        scale = _scale_columns(view)
+        return write_stacked(rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if view.per_token else scale,
+                             view.fmt, view.per_token, stats)  # fmt: skip
+
+    @staticmethod
+    def materialize(view: KVView) -> torch.Tensor:
+        """The fp32 K/V of tokens `[start, end)`. When the rows share their sinks (no sinks, or all from `start`: no
+        padding), the codes between the sinks and the recent tokens are decoded straight into the result and the
+        full-precision tokens copied beside them; else every code is decoded and the full-precision tokens laid
+        over them. Decoding only the codes it needs took a layer-step with recent tokens from 108 to 103-105 us at
+        the tiny Llama's shapes (`benchmarks/host_overhead.py`), from 2.7 to 1.7-2.0 ms at SmolLM2's at 4k tokens;
+        a `cat` of the pieces was 98 us at the first but 5.0 ms at the second (one more pass over the result)."""
+        start, end = view.start, view.end
+        sinks = view.shared_sink_count()
+        if sinks is None or not sinks and view.recent is None:
+            kv = HostPositions._decode(view, start, end)
+            HostPositions._lay_recent(kv, view)
+            HostPositions._lay_sinks(kv, view)
+            return kv
+        codes = view.codes
+        kv = torch.empty(2, *codes.shape[1:3], end - start, codes.shape[4], dtype=torch.float32, device=codes.device)
+        coded_start = start + sinks
+        coded_end = end if view.recent is None else min(max(view.recent_start, coded_start), end)
+        if sinks:
+            kv.narrow(3, 0, sinks).copy_(view.sinks.narrow(3, 0, sinks))
+        if coded_end > coded_start:
+            HostPositions._decode(view, coded_start, coded_end, out=kv.narrow(3, sinks, coded_end - coded_start))
+        for first, stop, slot in ring_pieces(coded_end, end, view.recent.shape[3]) if view.recent is not None else ():
+            kv.narrow(3, first - start, stop - first).copy_(view.recent.narrow(3, slot, stop - first))
+        return kv
+
+    @staticmethod
+    def _decode(view: KVView, first: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 K/V of the codes of tokens `[first, stop)`, into `out` when given."""
+        slot, scales = first - view.offset, _scale_columns(view)
+        codes = view.codes.narrow(3, slot, stop - first)
+        return dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.per_token else scales, view.fmt,
+                                  view.has_nan, out)  # fmt: skip
+
+    @staticmethod
+    def _lay_recent(kv: torch.Tensor, view: KVView) -> None:
+        """Replace the decoded codes of the recent tokens by their full-precision values."""
+        if view.recent is None:
+            return
+        for lo, hi, slot in ring_pieces(max(view.recent_start, view.start), view.end, view.recent.shape[3]):
+            kv[:, :, :, lo - view.start : hi - view.start] = view.recent[:, :, :, slot : slot + hi - lo]
+
+    @staticmethod
+    def _lay_sinks(kv: torch.Tensor, view: KVView) -> None:
+        """Replace the decoded codes of each row's sink tokens by their full-precision values: one copy per
+        distinct span of rows."""
+        if view.sinks is None:
+            return
+        for (first, count), rows in view.sink_spans().items():
+            index = torch.tensor(rows, device=kv.device) if len(rows) < kv.shape[1] else slice(None)
+            column = slice(first - view.start, first - view.start + count)
+            kv[:, index, :, column] = view.sinks[:, index, :, :count].float()
+
+    @staticmethod
+    def mask(query, view: KVView, mask, window, columns: int):
+        """The mask's columns of the visible tokens (the mask ends at `end`, or starts at `mask_start`)."""
+        if mask is not None:
+            first = mask.shape[-1] - columns if view.mask_start is None else view.start - view.mask_start
+            mask = mask[..., first : first + columns]
+        return mask, window
+
+
+class DevicePositions:
+    """Positions are 0-dim device tensors (static buffers: compiled graphs, CUDA graphs): every index is computed,
+    nothing syncs with the host. The buffers have a spare slot at the end, where writes with nowhere to go land."""
+
+    @staticmethod
+    def write(states: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
+        codes, scales, recent, fmt, end = view.codes, view.scales, view.recent, view.fmt, view.end
+        n, recent_slots = states.shape[3], recent.shape[3] if recent is not None else 0
+        device = states.device
+
+        def quantize_into(rows: torch.Tensor, index: torch.Tensor) -> None:
+            if view.per_token:
+                row_scale = dynamic_scale(rows, fmt)[..., None]
+                scales.index_copy_(3, index, row_scale[..., 0])
+            else:
+                row_scale = scales[..., None]
+            row_codes, clipped, nonfinite = quantize(rows, row_scale, fmt, count_per_row=True)
+            stats.add_(torch.stack([clipped, nonfinite], dim=1))
+            codes.view(torch.uint8).index_copy_(3, index, row_codes.view(torch.uint8))
+
+        if recent_slots:
+            # the recent buffer's oldest tokens leave it: at most min(n, recent_slots), those at or after recent_start
+            leaving = end - recent_slots + torch.arange(min(n, recent_slots), device=device)
+            valid = leaving >= view.recent_start
+            quantize_into(recent.index_select(3, leaving % recent_slots), DevicePositions._slot(view, leaving, valid))
+        direct = max(n - recent_slots, 0)
+        if direct:
+            t = end + torch.arange(direct, device=device)
+            quantize_into(states[:, :, :, :direct], DevicePositions._slot(view, t, torch.ones_like(t, dtype=torch.bool)))
+        if recent_slots:
+            kept = end + torch.arange(direct, n, device=device)
+            recent.index_copy_(3, kept % recent_slots, states[:, :, :, direct:].to(recent.dtype))
+        return True
+
+    @staticmethod
+    def materialize(view: KVView) -> torch.Tensor:
+        """Every slot (the spare one dropped after the full-precision tokens are laid over the codes)."""
+        kv = dequantize_stacked(view.codes, _scale_columns(view), view.fmt, view.has_nan)
+        if view.recent is not None:
+            window = view.recent.shape[3]
+            t = view.end - window + torch.arange(window, device=kv.device)
+            held = (t >= view.recent_start) & (t >= view.start) & (t >= 0)
+            kv.index_copy_(3, DevicePositions._slot(view, t, held), view.recent.index_select(3, t % window).float())
+        if view.sinks is not None:
+            s = torch.arange(view.sinks.shape[3], device=kv.device)
+            t = view.sink_start[:, None] + s  # [batch, S]
+            column = DevicePositions._slot(view, t, s < view.sink_count[:, None])
+            index = column[None, :, None, :, None].expand(2, -1, kv.shape[2], -1, kv.shape[4])
+            kv.scatter_(3, index, view.sinks.float())
+        return kv[:, :, :, : view.slots]
+
+    @staticmethod
+    def _slot(view: KVView, t: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """The slot of positions `t`: the spare slot where `held` is False."""
+        return torch.where(held, t % view.slots if view.ring else t, view.slots)
+
+    @staticmethod
+    def mask(query, view: KVView, mask, window, columns: int):
+        """Which slots each query sees: the mask's columns at the slots' positions (or the causal and window
+        rules), among the slots that hold a visible token."""
+        positions, held = slot_positions(view)
+        if mask is not None:
+            return mask.index_select(-1, positions.clamp(0, mask.shape[-1] - 1)) & held, None
+        q_pos = view.end - query.shape[2] + torch.arange(query.shape[2], device=query.device)
+        visible = (positions <= q_pos[:, None]) & held
+        if window is not None:
+            visible = visible & (positions > q_pos[:, None] - window)
+        return visible, None
+
+
+def slot_positions(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's token position and whether it holds a visible token (device positions)."""
+    slot = torch.arange(view.slots, device=view.codes.device)
+    if view.ring:  # the latest token of the slot's residue before `end`
+        positions = view.end - 1 - (view.end - 1 - slot) % view.slots
+    else:
+        positions = slot
+    return positions, (positions >= view.start) & (positions >= 0) & (positions < view.end)

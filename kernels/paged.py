@@ -1,0 +1,161 @@
+"""Paged rows (continuous batching): the row format, its torch codec, and attention over rows read in place.
+
+A page row is one token's keys (or values) of one layer: `[codes of every KV head | fp32 scale per KV head]`
+(per-token scales), `[codes]` (one scale per KV head) or the model-dtype values (a layer kept in the model
+dtype), padded to `ROW_ALIGNMENT` bytes. The row of the token at physical index `p` lies at byte
+`(p // block_stride) * bytes_per_block + layer_offset + plane * page_size * row_bytes + (p % block_stride) *
+row_bytes` of the pages (plane 0: keys, 1: values): the geometry of transformers' paged cache (`PageGeometry`).
+
+Request r owns query rows `[cu_q[r], cu_q[r + 1])` and sees `past[r] + q_len` keys: the first `past[r]` read from
+the pages through `read_index[k_first[r] : k_first[r] + past[r]]`, the last `q_len` from `new_rows` (this
+step's tokens, encoded as rows `[tokens, 2, row_bytes]`), causally (query i is key `past + i`), and within
+`window` keys when it is set. `attend` is the torch path (and the Triton paged kernel's reference): each
+request's rows are decoded and attended in turn, never the whole cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cpu import dequantize_stacked, write_stacked
+from .formats import StorageFormat
+from .reference import attention
+
+ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
+# instructions per KV byte in the paged decode loop and no pipelining, before)
+
+
+def row_size(value_bytes: int, scaled_heads: int) -> int:
+    """Bytes of one page row: `value_bytes` of codes, a 4-byte scale per head of `scaled_heads`, padded to
+    `ROW_ALIGNMENT`."""
+    return -(-(value_bytes + 4 * scaled_heads) // ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """One token's keys (or values) of one layer in a page: its codes, then its scales (per-token only)."""
+
+    fmt: StorageFormat | None  # None: the model dtype (a layer kept in it)
+    per_token: bool
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model dtype
+    key_channel: torch.Tensor | None = None  # static per-channel key scales [kv_heads, head_dim] (keys divided by)
+
+    @property
+    def value_bytes(self) -> int:
+        itemsize = 1 if self.fmt is not None else self.dtype.itemsize
+        return self.kv_heads * self.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the row, padded so that rows start on 16 bytes (the kernel loads 16-byte vectors)."""
+        return row_size(self.value_bytes, self.kv_heads if self.per_token else 0)
+
+    @property
+    def scale_bytes(self) -> slice:
+        """Where a row's per-token scales lie."""
+        return slice(self.value_bytes, self.value_bytes + 4 * self.kv_heads)
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """Where one layer's rows lie in the page bytes (see the module docstring)."""
+
+    layer_offset: int
+    bytes_per_block: int
+    block_stride: int
+    page_size: int
+
+    def rows(self, pages: torch.Tensor, row_bytes: int) -> torch.Tensor:
+        """The layer's rows as `[blocks, 2 (K, V), page_size, row_bytes]` over the page bytes."""
+        blocks = pages.numel() // self.bytes_per_block
+        size = (blocks, 2, self.page_size, row_bytes)
+        return pages.as_strided(size, (self.bytes_per_block, self.page_size * row_bytes, row_bytes, 1), self.layer_offset)
+
+    def locate(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (block, slot) of physical indices."""
+        return index // self.block_stride, index % self.block_stride
+
+
+def encode_rows(
+    states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None, static_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
+    """Page rows `[tokens, 2, row bytes]` of `states` (`[2, kv_heads, tokens, head_dim]`, keys divided by the
+    per-channel key scales already): codes and scales as `cpu.write_stacked` writes them (the bits the dense cache
+    stores; `static_scales`: `[2, kv_heads]`, None for per-token ones), or the model-dtype values of a layer kept
+    in it; and whether an input was non-finite."""
+    tokens = states.shape[2]
+    rows = torch.zeros(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
+    codes = _stored_values(rows, layout)
+    if layout.fmt is None:
+        codes.copy_(states)
+        return rows, False
+    if static_scales is None:
+        scale = rows[..., layout.scale_bytes].view(torch.float32).permute(1, 2, 0)[..., None]
+    else:
+        scale = static_scales[:, :, None, None]
+    return rows, write_stacked(states, codes, scale, layout.fmt, static_scales is None, stats)
+
+
+def _stored_values(rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """The codes (or model-dtype values) of page rows `[tokens, 2, row bytes]`, as `[2, kv_heads, tokens, head_dim]`."""
+    dtype = layout.dtype if layout.fmt is None else layout.fmt.dtype
+    values = rows[..., : layout.value_bytes].view(dtype).unflatten(-1, (layout.kv_heads, layout.head_dim))
+    return values.permute(1, 2, 0, 3)
+
+
+def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static_scales: torch.Tensor | None) -> torch.Tensor:
+    """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]`."""
+    codes = _stored_values(rows, layout)
+    if layout.fmt is None:
+        return codes.float()
+    if static_scales is None:
+        scale = rows[..., layout.scale_bytes].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
+    else:
+        scale = static_scales[:, :, None, None]
+    kv = dequantize_stacked(codes, scale, layout.fmt, has_nan)
+    if layout.key_channel is not None:
+        kv[0] *= layout.key_channel.to(kv.device)[:, None, :]
+    return kv
+
+
+def attend(
+    query: torch.Tensor,
+    pages: torch.Tensor,
+    new_rows: torch.Tensor,
+    read_index: torch.Tensor,
+    cu_seq_lens_q: torch.Tensor,
+    k_first: torch.Tensor,
+    past: torch.Tensor,
+    *,
+    layout: RowLayout,
+    geometry: PageGeometry,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
+    static_scales: torch.Tensor | None = None,
+    has_nan: bool = True,
+) -> torch.Tensor:
+    """Attention `[tokens, q_heads, head_dim]` (the query's dtype) of `query` `[tokens, q_heads, head_dim]`: each
+    request's queries over its own rows (see the module docstring), one request at a time."""
+    out = torch.zeros_like(query)
+    page_rows = geometry.rows(pages, new_rows.shape[-1])
+    cu_q, firsts, pasts = cu_seq_lens_q.tolist(), k_first.tolist(), past.tolist()
+    for r, (first, count) in enumerate(zip(firsts, pasts)):
+        q_first, q_len = cu_q[r], cu_q[r + 1] - cu_q[r]
+        if not q_len:
+            continue
+        rows = new_rows[q_first : q_first + q_len]
+        if count:
+            blocks, slots = geometry.locate(read_index[first : first + count])
+            rows = torch.cat((page_rows[blocks, :, slots], rows))
+        kv = decode_rows(rows, layout, has_nan, static_scales)
+        out[q_first : q_first + q_len] = attention(
+            query[q_first : q_first + q_len].transpose(0, 1)[None], kv[0][None], kv[1][None], scaling=scaling,
+            window=window, softcap=softcap, sink_logits=sink_logits,
+        )[0].transpose(0, 1).to(query.dtype)  # fmt: skip
+    return out

@@ -1,0 +1,186 @@
+"""Triton pieces shared by the write, dense attention and paged attention kernels: the exact encoder of fp32
+values into codes, the code decoder, the online-softmax tile, and the tile sizes and decode settings the two
+attention kernels plan with."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import StorageFormat
+from .triton_launch import interpreting, next_power_of_2
+
+LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
+HW_CODE_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}  # converted by the hardware
+FP16_MAX = tl.constexpr(65504.0)
+MIN_ROWS = 16  # tl.dot needs 16 rows
+PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
+FP32_ONE_BITS = 0x3F800000
+
+
+@functools.cache
+def encoding(fmt: StorageFormat) -> dict:
+    """The constexprs of `encode` for `fmt`, read off torch's own description of the dtype."""
+    if not fmt.is_float:
+        return dict(IS_FLOAT=False, MAX=fmt.max, ROW_MAX=fmt.row_max, ROUND_SHIFT=1, NORMAL_OFFSET=0, MIN_NORMAL=0.0, SUB_MAGIC=0.0,
+                    SUB_MAGIC_BITS=0, NAN_CODE=0, SIGNED_ZERO=True)
+    info = torch.finfo(fmt.dtype)
+    mantissa = round(-math.log2(info.eps))
+    bias = 1 - round(math.log2(info.smallest_normal))
+    # Adding 2^(emin - mantissa + 23) puts a subnormal's code in the low mantissa bits, rounded to nearest even.
+    sub_magic = 2.0 ** (1 - bias - mantissa + 23)
+    return dict(
+        IS_FLOAT=True,
+        MAX=fmt.max,
+        ROW_MAX=fmt.row_max,
+        ROUND_SHIFT=23 - mantissa,
+        NORMAL_OFFSET=(127 - bias) << mantissa,
+        MIN_NORMAL=info.smallest_normal,
+        SUB_MAGIC=sub_magic,
+        SUB_MAGIC_BITS=FP32_ONE_BITS + (round(math.log2(sub_magic)) << 23),
+        NAN_CODE=torch.tensor(math.nan).to(fmt.dtype).view(torch.uint8).item(),
+        SIGNED_ZERO=torch.tensor(-0.0).to(fmt.dtype).view(torch.uint8).item() != 0,
+    )
+
+
+@triton.jit
+def encode(
+    y,
+    IS_FLOAT: tl.constexpr,
+    MAX: tl.constexpr,
+    ROUND_SHIFT: tl.constexpr,
+    NORMAL_OFFSET: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    SUB_MAGIC_BITS: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
+):
+    """The int32 whose low byte is the code of fp32 `y`: saturated at +-MAX, rounded to nearest even."""
+    magnitude = tl.minimum(tl.abs(y), MAX)
+    if IS_FLOAT:
+        bits = magnitude.to(tl.int32, bitcast=True)
+        odd = (bits >> ROUND_SHIFT) & 1
+        normal = ((bits + ((1 << (ROUND_SHIFT - 1)) - 1) + odd) >> ROUND_SHIFT) - NORMAL_OFFSET
+        subnormal = (magnitude + SUB_MAGIC).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
+        code = tl.where(magnitude < MIN_NORMAL, subnormal, normal)
+        sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+        if SIGNED_ZERO:
+            code = tl.where(y != y, NAN_CODE | sign, code | sign)
+        else:  # fnuz: 0x80 is NaN, so -0.0 and tiny negatives are +0
+            code = tl.where(y != y, NAN_CODE, tl.where(code == 0, 0, code | sign))
+    else:  # int8: adding 2^23 rounds to an integer, half to even
+        rounded = (magnitude + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+        code = tl.where(y != y, 0, tl.where(y < 0, -rounded, rounded))
+    return code
+
+
+@triton.jit
+def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr,
+                 NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """A tile of codes as DOT values: by the hardware (fp8 dtype in, exact) or, on int8-viewed codes, by exact
+    bit operations giving value / fp16_factor (NaN codes read as NaN)."""
+    if IS_FLOAT and not HW_CONVERT:  # (one return: Triton compiles the statements after a constexpr `if` anyway)
+        bits = codes.to(tl.int16) << FP16_SHIFT  # sign-extended: the sign lands on bit 15
+        if FP16_SHIFT == 7:  # e4m3: it landed on bit 14 too
+            bits = bits & -0x4001  # ~0x4000 as int16
+        values = bits.to(tl.float16, bitcast=True)
+        if NAN_CODE >= 0:
+            values = tl.where((codes.to(tl.int32) & NAN_MASK) == NAN_CODE, float("nan"), values)
+    else:
+        values = codes
+    return values.to(DOT)
+
+
+@triton.jit
+def as_dot(x, DOT: tl.constexpr):
+    """Full-precision K/V as dot operands (clamped into fp16's range when the dot runs in fp16)."""
+    x = x.to(tl.float32)
+    if DOT == tl.float16:
+        x = clamp_fp16(x)
+    return x.to(DOT)
+
+
+@triton.jit
+def clamp_fp16(x):
+    """`x` clamped into fp16's finite range, NaN kept (the GPU's min/max would replace it)."""
+    return tl.where(x > FP16_MAX, FP16_MAX, tl.where(x < -FP16_MAX, -FP16_MAX, x))
+
+
+@triton.jit
+def tanh(x):
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def attend_tile(
+    q, acc, m_i, l_i, k, v, scores_scale, v_scale, visible, softcap,
+    PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    DROP_UNSEEN: tl.constexpr,
+):  # fmt: skip
+    """One tile of the online softmax: `k` `[D, N]` and `v` `[N, D]` already in the dot dtype; `scores_scale` /
+    `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]`. DROP_UNSEEN:
+    the values of columns no row sees are zeroed (a masked NaN would otherwise reach every row: 0 x NaN); without
+    it the caller never loads such a column (its load mask leaves them 0)."""
+    if DROP_UNSEEN:
+        seen = tl.max(visible.to(tl.int32), axis=0) > 0
+        v = tl.where(seen[:, None], v, 0.0)
+        if PER_TOKEN_V:
+            v_scale = tl.where(seen, v_scale, 0.0)
+    scores = tl.dot(q, k, input_precision=PRECISION)
+    if PER_TOKEN_K:
+        scores = scores * scores_scale[None, :]
+    if HAS_SOFTCAP:  # the query holds log2(e) only without softcap
+        scores = softcap * tanh(scores / softcap) * LOG2E
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if PER_TOKEN_V:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+def block_sizes(rows: int, head_dim: int, masked: bool = False) -> tuple[int, int, int, dict]:
+    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head."""
+    block_d = next_power_of_2(head_dim)
+    if rows > 64:  # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
+        block_n = 32 if masked or block_d > 128 else 64  # a [128, 64] mask tile spilled (gpu_static)
+        return PREFILL_ROWS, block_n, block_d, dict(num_warps=8, STAGES=3)
+    block_m = max(MIN_ROWS, next_power_of_2(rows))
+    # warps by head_dim, from gpu_static: 4 warps at head_dim 64 ran 0.198-0.210 instructions per KV byte (2 warps:
+    # 0.168-0.177); at 256, 4 warps spilled and 8 warps x 32 tokens ran 0.221-0.229 (8 x 64 tokens: 0.157-0.164)
+    return block_m, 64, block_d, dict(num_warps={64: 2, 256: 8}.get(block_d, 4), STAGES=3)
+
+
+class DecodeSettings(NamedTuple):
+    hw_convert: bool  # codes converted by the hardware (CUDA, e4m3fn / e5m2), else by exact bit operations
+    code_factor: float  # the bit decode gives value / code_factor (1.0 for the hardware and int8)
+    dot: object  # the dots' operand type: fp32 for fp32 queries, else fp16
+    value_boost: float  # per-token V scales times this before the probabilities go to fp16
+
+    @property
+    def precision(self) -> str:
+        return "ieee" if self.dot == tl.float32 else "tf32"
+
+
+def decode_settings(fmt: StorageFormat, query: torch.Tensor, per_token: bool, cuda: bool | None = None) -> DecodeSettings:
+    """How an attention kernel decodes `fmt`'s codes and runs its dots for `query` (`cuda`: plan CUDA's path for
+    tensors not on a GPU). Per-token V scales (~amax / max) are boosted by a power of two near max before the
+    probabilities go to fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out."""
+    on_cuda = query.is_cuda if cuda is None else cuda
+    hw_convert = on_cuda and not interpreting() and fmt.dtype in HW_CODE_TYPES
+    code_factor = 1.0 if hw_convert or not fmt.is_float else fmt.fp16_factor
+    dot = tl.float32 if query.dtype == torch.float32 else tl.float16
+    value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token else 1.0
+    return DecodeSettings(hw_convert, code_factor, dot, value_boost)

@@ -1,0 +1,78 @@
+"""Paged rows built for tests: requests with cached pages at scattered physical indices and new rows, with what
+the oracle says each request's queries must see."""
+
+import torch
+
+from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels.paged import row_size
+
+PAGE_SIZE = 4
+LAYERS = 2  # pages per block; the tested layer is the second one (a non-zero layer offset)
+
+
+def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `[tokens, row_bytes]` of `x` `[tokens, kv_heads, D]`, and its dequantized values."""
+    scale = static[None, :] if static is not None else reference.dynamic_scale(x, fmt)
+    codes, _, _ = reference.quantize(x, scale[..., None], fmt)
+    values = reference.dequantize(codes, scale[..., None], fmt)
+    parts = [codes.view(torch.uint8).flatten(1)]
+    if static is None:
+        parts.append(scale.contiguous().view(torch.uint8))
+    rows = torch.cat(parts, dim=1)
+    padding = row_size(codes[0].numel(), 0 if static is not None else x.shape[1]) - rows.shape[1]
+    return torch.nn.functional.pad(rows, (0, padding)), values
+
+
+def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None):
+    """Pages and new rows of `requests` (`(past, q_len)` each); `garbage_before`: a window, whose cached rows
+    before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed page's filler."""
+    generator = torch.Generator().manual_seed(seed)
+    static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
+                                   torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
+    row_bytes = row_size(kv_heads * head_dim, kv_heads if dynamic else 0)
+    page_bytes = 2 * PAGE_SIZE * row_bytes
+    layer_offset = page_bytes  # the first layer's page comes first
+    bytes_per_block = LAYERS * page_bytes + block_padding  # padded, as a block of mixed layers may be
+    block_stride = 2 * PAGE_SIZE * LAYERS
+    total_pages = sum(-(-past // PAGE_SIZE) for past, _ in requests) + 2
+    pages = torch.zeros(total_pages * bytes_per_block, dtype=torch.uint8)
+    free_blocks = torch.randperm(total_pages, generator=generator).tolist()
+    queries, new_rows, read_index, expected = [], [], [], []
+    cu_q, k_first, pasts = [0], [], []
+    for past, q_len in requests:
+        keys = torch.randn(past + q_len, kv_heads, head_dim, generator=generator) * 3
+        values = torch.randn(past + q_len, kv_heads, head_dim, generator=generator)
+        k_rows, k_values = encode(keys, fmt, static[0] if static else None)
+        v_rows, v_values = encode(values, fmt, static[1] if static else None)
+        k_first.append(len(read_index))
+        blocks = [free_blocks.pop() for _ in range(-(-past // PAGE_SIZE))]
+        for t in range(past):
+            block, slot = blocks[t // PAGE_SIZE], t % PAGE_SIZE
+            read_index.append(block * block_stride + slot)
+            unseen = garbage_before is not None and t <= past - garbage_before
+            for plane, rows in ((0, k_rows), (1, v_rows)):
+                at = block * bytes_per_block + layer_offset + plane * PAGE_SIZE * row_bytes + slot * row_bytes
+                pages[at : at + row_bytes] = 0xFF if unseen else rows[t]
+        new_rows.append(torch.stack((k_rows[past:], v_rows[past:]), dim=1))
+        query = torch.randn(q_len, kv_heads * group, head_dim, generator=generator)
+        queries.append(query)
+        expected.append((query, k_values, v_values))
+        cu_q.append(cu_q[-1] + q_len)
+        pasts.append(past)
+    layout = dict(kv_heads=kv_heads, layer_offset=layer_offset, bytes_per_block=bytes_per_block,
+                  block_stride=block_stride, page_size=PAGE_SIZE)  # fmt: skip
+    tensors = (
+        torch.cat(queries), pages, torch.cat(new_rows).contiguous(), torch.tensor(read_index, dtype=torch.int64),
+        torch.tensor(cu_q, dtype=torch.int32), torch.tensor(k_first, dtype=torch.int32),
+        torch.tensor(pasts, dtype=torch.int32),
+    )  # fmt: skip
+    return tensors, layout, static, expected
+
+
+def oracle(expected, scaling, window):
+    outs = []
+    for query, keys, values in expected:
+        out = reference.attention(query.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                  values.transpose(0, 1)[None], scaling=scaling, window=window)  # fmt: skip
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)

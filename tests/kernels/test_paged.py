@@ -1,0 +1,46 @@
+"""The torch path of paged rows (`kernels/paged.py`, continuous batching off CUDA) against the oracle: the row
+codec round-trips the CPU path's bits, and attention over rows read in place through the pages' geometry is each
+request's attention alone, whatever its rows before the window hold."""
+
+import pytest
+import torch
+
+from hf_fp8kv.kernels import paged
+from hf_fp8kv.kernels.cpu import dequantize_stacked
+from hf_fp8kv.kernels.formats import FORMATS
+from pages import PAGE_SIZE, build, oracle
+from test_triton_paged import CASES
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head"])
+def test_rows_round_trip_through_the_codec(name):
+    fmt = FORMATS[name]
+    states = torch.randn(2, 3, 7, 24, generator=torch.Generator().manual_seed(0)) * 20
+    layout = paged.RowLayout(fmt, True, 3, 24, torch.float32)
+    stats = torch.zeros(2, 2, dtype=torch.int64)
+    rows, nonfinite = paged.encode_rows(states, layout, stats, None)
+    assert rows.shape == (7, 2, layout.nbytes) and layout.nbytes % paged.ROW_ALIGNMENT == 0 and not nonfinite
+    codes = rows[..., : layout.value_bytes].view(fmt.dtype).unflatten(-1, (3, 24)).permute(1, 2, 0, 3)
+    scales = rows[..., layout.scale_bytes].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
+    assert torch.equal(paged.decode_rows(rows, layout, False, None), dequantize_stacked(codes, scales, fmt, False))
+
+
+# every case, and those with a window again with NaN filler in the rows before it
+ATTEND_CASES = [(case, False) for case in CASES] + [(case, True) for case in CASES if case[-1] is not None]
+
+
+@pytest.mark.parametrize("case,garbage", ATTEND_CASES, ids=lambda x: str(x) if isinstance(x, tuple) else str(x))
+def test_attend_is_each_requests_attention(case, garbage):
+    name, dynamic, requests, group, head_dim, window = case
+    fmt = FORMATS[name]
+    tensors, geometry, static, expected = build(requests, fmt, 2, head_dim, group, dynamic,
+                                                garbage_before=window if garbage else None)  # fmt: skip
+    query, pages, new_rows, read_index, cu_q, k_first, past = tensors
+    layout = paged.RowLayout(fmt, dynamic, 2, head_dim, torch.float32)
+    out = paged.attend(
+        query, pages, new_rows, read_index, cu_q, k_first, past, layout=layout,
+        geometry=paged.PageGeometry(geometry["layer_offset"], geometry["bytes_per_block"], geometry["block_stride"],
+                                    PAGE_SIZE),
+        scaling=head_dim**-0.5, window=window, static_scales=None if static is None else torch.stack(static),
+    )  # fmt: skip
+    torch.testing.assert_close(out, oracle(expected, head_dim**-0.5, window), rtol=1e-5, atol=1e-5)
