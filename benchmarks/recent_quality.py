@@ -1,5 +1,5 @@
-"""Quality and bytes of the full-precision window (newest `recent_tokens` + first `sink_tokens` in the model's
-dtype over an FP8 past) on the bundled real models: the table of docs/window.md.
+"""Quality and bytes of the recent tokens in full precision (newest `recent_tokens` + first `sink_tokens` in the model's
+dtype over an FP8 past) on the bundled real models: the table of docs/recent.md.
 
 Decode mode: `--prefix` tokens of the bundled text are prefilled, then every later token is fed one at a time
 (`--tokens` in all), through each variant's cache and through DynamicCache (the reference): perplexity delta,
@@ -7,8 +7,8 @@ mean and p99 KL of the next-token distributions, top-1 agreement, and the decode
 DynamicCache (same run). Bytes: each cache filled with 2k and 8k random tokens in a bf16 model, against a bf16
 DynamicCache.
 
-    python benchmarks/window_quality.py                    # SmolLM2-135M
-    python benchmarks/window_quality.py --model gemma3
+    python benchmarks/recent_quality.py                    # SmolLM2-135M
+    python benchmarks/recent_quality.py --model gemma3
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
 
 MODELS = {"smollm2": ("SmolLM2-135M", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
-def _window(recent: int, sinks: int) -> dict:
+def _recent(recent: int, sinks: int) -> dict:
     return dict(scales="dynamic", recent_tokens=recent, sink_tokens=sinks)
 
 
 VARIANTS = {
-    "fp8 e4m3 per-token-head (window 0+0)": _window(0, 0),
-    "window 0+4 (sinks only)": _window(0, 4),
-    "window 16+0": _window(16, 0),
-    "window 16+4": _window(16, 4),
-    "window 32+4 (the default)": _window(32, 4),
-    "window 48+4": _window(48, 4),
-    "window 64+0": _window(64, 0),
-    "window 64+4": _window(64, 4),
-    "int8 per-token-head (window 0+0)": dict(kv_cache_dtype="int8_per_token_head", **_window(0, 0)),
+    "fp8 e4m3 per-token-head (recent 0 + sinks 0)": _recent(0, 0),
+    "recent 0 + sinks 4 (sinks only)": _recent(0, 4),
+    "recent 16 + sinks 0": _recent(16, 0),
+    "recent 16 + sinks 4": _recent(16, 4),
+    "recent 32 + sinks 4 (the default)": _recent(32, 4),
+    "recent 48 + sinks 4": _recent(48, 4),
+    "recent 64 + sinks 0": _recent(64, 0),
+    "recent 64 + sinks 4": _recent(64, 4),
+    "int8 per-token-head (recent 0 + sinks 0)": dict(kv_cache_dtype="int8_per_token_head", **_recent(0, 0)),
 }
 
 
