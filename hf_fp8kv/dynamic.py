@@ -67,12 +67,14 @@ class DynamicFP8Layer(FP8Layer):
         `recent_tokens`, all the recent tokens still fit, so none leaves the buffer early."""
         return min(tokens, max(math.ceil(held / self.block_size), 1) * self.block_size)
 
-    def _fit_full_precision(self, end: int) -> None:
-        """Resize the recent and sink buffers for tokens up to `end` (grow before a write, shrink after a crop),
-        keeping the tokens they hold."""
-        if self.recent is not None:
+    def _fit_full_precision(self, end: int, shrink: bool = False) -> None:
+        """Resize the recent and sink buffers for tokens up to `end` (grow before a write when the tokens they must
+        hold do not fit, `shrink` after a crop), keeping the tokens they hold. (A decode step's case, nothing to
+        do, is decided in a comparison per buffer.)"""
+        recent, sinks = self.recent, self.sinks
+        if recent is not None and (shrink or recent.shape[3] < min(self.recent_tokens, end - self.recent_start)):
             self._fit("recent", self.recent_tokens, end - self.recent_start)
-        if self.sinks is not None:
+        if sinks is not None and (shrink or sinks.shape[3] < min(self.sink_tokens, end)):
             self._fit("sinks", self.sink_tokens, end)
 
     def _fit(self, name: str, tokens: int, held: int) -> None:
@@ -101,7 +103,7 @@ class DynamicFP8Layer(FP8Layer):
         used = self.end - self.first
         if needed > self.capacity or self.capacity - (used + new_tokens) > self.block_size:
             self._reallocate(math.ceil((used + new_tokens) / self.block_size) * self.block_size)
-        self._fit_full_precision(self.end + new_tokens)
+        self._fit_full_precision(self.end + new_tokens, shrink=not new_tokens)
 
     def _reallocate(self, capacity: int) -> None:
         """Move the stored tokens `[first, end)` to the front of new buffers of `capacity` slots."""
@@ -120,6 +122,10 @@ class DynamicFP8Layer(FP8Layer):
     def _advance(self, new_tokens: int) -> None:
         self.end += new_tokens
         self.recent_start = max(self.recent_start, self.end - self.recent_tokens)
+
+    def _visible(self, view: KVView, new_tokens: int) -> KVView:
+        view.end, view.recent_start = self.end, self.recent_start  # (one view a step: building one costs 1 us)
+        return view
 
     # --- the cache protocol ------------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -191,13 +197,14 @@ class DynamicFP8SlidingLayer(DynamicFP8Layer):
         target = (math.ceil(used / self.block_size) + 1) * self.block_size
         if self.end + new_tokens - self.offset > self.capacity or self.capacity > target:
             self._reallocate(target)
-        self._fit_full_precision(self.end + new_tokens)
+        self._fit_full_precision(self.end + new_tokens, shrink=not new_tokens)
 
     def _keep_last(self, tokens: int) -> None:
         self.first = max(self.first, self.end - tokens)
 
-    def _visible(self, new_tokens: int) -> KVView:
-        view = self.view(max(self.first, self.end - (self.sliding_window - 1 + new_tokens)))
+    def _visible(self, view: KVView, new_tokens: int) -> KVView:
+        view = super()._visible(view, new_tokens)
+        view.start = max(self.first, self.end - (self.sliding_window - 1 + new_tokens))
         if not self.record_past:
             self._keep_last(self.sliding_window - 1)  # the dropped codes stay in the buffers until the next write
         return view

@@ -199,20 +199,20 @@ class FP8Layer(CacheLayerMixin):
         """Write the new tokens; the tokens this update's queries attend to."""
         new_tokens = key_states.shape[2]
         self._make_room(new_tokens)
-        stored_key = self._stored_key(key_states)
-        self.has_nan |= self._write(stored_key, value_states, self.view())
+        view = self.view()
+        stored_key = self._write(key_states, value_states, view)
         self._advance(new_tokens)
-        return QuantizedKV(self, self._visible(new_tokens), stored_key, value_states)
+        return QuantizedKV(self, self._visible(view, new_tokens), stored_key, value_states)
 
-    def _stored_key(self, key_states: torch.Tensor) -> torch.Tensor:
-        """Keys as stored: divided by the per-channel key scales, if any (the attention folds them back)."""
-        return key_states if self.key_channel_scale is None else key_states / self.key_channel_scale[:, None, :]
-
-    def _write(self, key: torch.Tensor, value: torch.Tensor, view: KVView) -> bool:
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, view: KVView) -> torch.Tensor:
+        """Write the new tokens into `view`'s buffers; the keys as stored (divided by the per-channel key scales,
+        if any: the attention folds them back)."""
+        key = key_states if self.key_channel_scale is None else key_states / self.key_channel_scale[:, None, :]
         # codes are not differentiable; scales must not hold the model's graph (generate runs without grad
         # already: entering no_grad costs 1.6 us, a twentieth of a decode step's host time, measured here)
         with torch.no_grad() if torch.is_grad_enabled() else NO_CONTEXT:
-            return self.kernels.write(key, value, view, self.stats)
+            self.has_nan |= self.kernels.write(key, value_states, view, self.stats)
+        return key
 
     def _make_room(self, new_tokens: int) -> None:
         raise NotImplementedError
@@ -220,9 +220,10 @@ class FP8Layer(CacheLayerMixin):
     def _advance(self, new_tokens: int) -> None:
         raise NotImplementedError
 
-    def _visible(self, new_tokens: int) -> KVView:
-        """The tokens the queries of this update attend to (all of them, but for sliding layers)."""
-        return self.view()
+    def _visible(self, view: KVView, new_tokens: int) -> KVView:
+        """The tokens the queries of this update attend to (all of them, but for sliding layers): `view`, the
+        write's, moved past the new tokens (device positions move by themselves)."""
+        return view
 
     def view(self, start=None) -> KVView:
         raise NotImplementedError

@@ -294,8 +294,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
             codes=codes, scales=scales, fmt=self.fmt, per_token=self.per_token, start=first, end=end,
             recent_start=recent_start, offset=first, recent=self.recent, key_channel_scale=self.key_channel_scale,
         )  # fmt: skip
-        stored_key = self._stored_key(key_states)
-        self._write(stored_key, value_states, linear)
+        stored_key = self._write(key_states, value_states, linear)
         linear.end, linear.recent_start = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens)
         linear.mask_start = 0  # the static mask covers [0, max_cache_len)
         kept = torch.arange(max(linear.end - slots, 0), linear.end, device=self.device)

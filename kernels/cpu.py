@@ -152,7 +152,7 @@ def _scale_columns(view: KVView) -> torch.Tensor:
     making it costs as much as a small op; a compiled graph makes its own)."""
     if torch.compiler.is_compiling():
         return _unsqueezed_scales(view)
-    return view.derived(_scale_columns, _unsqueezed_scales)
+    return view.derived(_scale_columns, _unsqueezed_scales, view.scales)
 
 
 def _unsqueezed_scales(view: KVView) -> torch.Tensor:
@@ -164,7 +164,7 @@ def write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Ten
     """`reference.write`: store the new tokens `[end, end + n)` in the buffers of `view` (before the update);
     returns whether a non-finite input was seen (always True with device positions, which cannot check without
     a sync)."""
-    return _path(view).write(torch.stack((key, value)), view, stats)
+    return (DevicePositions if view.positions is not None else HostPositions).write(torch.stack((key, value)), view, stats)
 
 
 def attend(
@@ -179,8 +179,11 @@ def attend(
 ) -> torch.Tensor:
     """`reference.attend`: the visible tokens decoded (the full-precision ones laid beside or over them), then
     `reference.attention`; `[batch, q_heads, q_len, head_dim]` in the query's dtype."""
-    path = _path(view)
-    keys, values = _keys_values(path.materialize(view), view)
+    path = DevicePositions if view.positions is not None else HostPositions
+    kv = path.materialize(view)
+    if view.key_channel_scale is not None:
+        kv[0] *= view.key_channel_scale[None, :, None, :]
+    keys, values = kv.unbind()
     mask, window = path.mask(query, view, mask, window, keys.shape[2])
     out = attention(query, keys, values, scaling=scaling, mask=mask, window=window, softcap=softcap,
                     sink_logits=sink_logits)  # fmt: skip
@@ -190,11 +193,7 @@ def attend(
 def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 keys and values `[batch, kv_heads, tokens, head_dim]` of the visible tokens (`[start, end)` in
     order), or of every slot with device positions (their positions: `slot_positions`)."""
-    return _keys_values(_path(view).materialize(view), view)
-
-
-def _keys_values(kv: torch.Tensor, view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of materialized `[2, ...]` K/V, the keys times the per-channel key scale."""
+    kv = _path(view).materialize(view)
     if view.key_channel_scale is not None:
         kv[0] *= view.key_channel_scale[None, :, None, :]
     keys, values = kv.unbind()

@@ -32,7 +32,7 @@ Derived = TypeVar("Derived")  # what `KVView.derived` builds
 Position = int | torch.Tensor  # a Python int, or a 0-dim int64 device tensor (static buffers)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class KVView:
     codes: torch.Tensor
     scales: torch.Tensor
@@ -80,13 +80,14 @@ class KVView:
         return (self.codes, self.scales, self.recent, self.sinks, self.sink_start, self.sink_count, self.positions,
                 self.key_channel_scale)  # fmt: skip
 
-    def derived(self, owner: object, build: Callable[["KVView"], Derived]) -> Derived:
+    def derived(self, owner: object, build: Callable[["KVView"], Derived], *uses: torch.Tensor | None) -> Derived:
         """`build(self)`: what depends on the buffers alone (launch arguments, views of them), kept in `memo`
-        under `owner` for the next views of the same buffers (any buffer replaced: built again). The entry holds
-        the buffers, so their ids, compared as ints, cannot be reused by others while it lives."""
+        under `owner` for the next views of the same buffers: built again when one of the buffers it `uses`
+        (default: all of them) is another object. The entry holds them, so their ids, compared as ints, cannot be
+        reused by others while it lives."""
         if self.memo is None:
             return build(self)
-        buffers = self.buffers()
+        buffers = uses or self.buffers()
         ids = tuple(map(id, buffers))
         entry = self.memo.get(owner)
         if entry is None or entry[1] != ids:
