@@ -2,7 +2,8 @@
 
 Capacity grows `block_size` tokens at a time (the buffer is reallocated and the valid part copied) and shrinks
 after a crop, so the bytes held stay within one block of the bytes used; no per-step `torch.cat`. Token t is at
-slot `t - offset`; the stored tokens are `[first, end)`. The recent and sink buffers grow and shrink the same way.
+slot `t - offset`; the stored tokens are `[first, end)`, with codes up to `recent_start` (the recent tokens are held
+only in the recent buffer: each token is stored once). The recent and sink buffers grow and shrink the same way.
 
 `DynamicFP8SlidingLayer` has the contract of transformers' `DynamicSlidingWindowLayer`: an update attends over the
 last `window - 1` stored tokens plus the new ones (a prefill longer than the window sees all of its tokens, the
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 
 from hf_fp8kv.kernels.cpu import ring_pieces
-from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.kernels.view import KVView, coded_end
 from hf_fp8kv.layer import FP8Layer
 
 
@@ -98,20 +99,25 @@ class DynamicFP8Layer(FP8Layer):
         return resized
 
     def _make_room(self, new_tokens: int) -> None:
-        """Make sure tokens up to `end + new_tokens` have a slot; release a block after a crop."""
-        needed = self.end + new_tokens - self.offset
-        used = self.end - self.first
-        if needed > self.capacity or self.capacity - (used + new_tokens) > self.block_size:
-            self._reallocate(math.ceil((used + new_tokens) / self.block_size) * self.block_size)
+        """Make sure the tokens with codes after this update have a slot (the newest `recent_tokens` have none:
+        they are held only in the recent buffer); release a block after a crop."""
+        coded = self._coded_end(new_tokens)
+        used = max(coded - self.first, 0)
+        if coded - self.offset > self.capacity or self.capacity - used > self.block_size:
+            self._reallocate(math.ceil(used / self.block_size) * self.block_size)
         self._fit_full_precision(self.end + new_tokens, shrink=not new_tokens)
 
+    def _coded_end(self, new_tokens: int) -> int:
+        return coded_end(self.end, self.recent_start, new_tokens, self.recent_tokens)
+
     def _reallocate(self, capacity: int) -> None:
-        """Move the stored tokens `[first, end)` to the front of new buffers of `capacity` slots."""
-        stored = slice(self.first - self.offset, self.end - self.offset)
+        """Move the stored codes (tokens `[first, coded end)`) to the front of new buffers of `capacity` slots."""
+        held = max(self._coded_end(0) - self.first, 0)
+        stored = slice(self.first - self.offset, self.first - self.offset + held)
         for name in ("codes", "scale") if self.per_token else ("codes",):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:3], capacity, *old.shape[4:])
-            new[:, :, :, : self.end - self.first] = old[:, :, :, stored]
+            new[:, :, :, :held] = old[:, :, :, stored]
             setattr(self, name, new)
         self.offset = self.first
 
@@ -193,9 +199,9 @@ class DynamicFP8SlidingLayer(DynamicFP8Layer):
 
     def _make_room(self, new_tokens: int) -> None:
         # One spare block beyond what the window needs, so that a compaction happens once per block of steps.
-        used = self.end - self.first + new_tokens
-        target = (math.ceil(used / self.block_size) + 1) * self.block_size
-        if self.end + new_tokens - self.offset > self.capacity or self.capacity > target:
+        coded = self._coded_end(new_tokens)
+        target = (math.ceil(max(coded - self.first, 0) / self.block_size) + 1) * self.block_size
+        if coded - self.offset > self.capacity or self.capacity > target:
             self._reallocate(target)
         self._fit_full_precision(self.end + new_tokens, shrink=not new_tokens)
 

@@ -19,9 +19,9 @@ import torch
 
 from .formats import TINY_SCALE, StorageFormat, get_format
 from .reference import attention, dynamic_scale, quantize
-from .view import KVView
+from .view import KVView, coded_end
 
-# codes up to which the decode multiplies its fp16 (or int8) values by the fp32 scales in one mixed-dtype op; on
+# codes up to which the decode multiplies its fp16 (or int8) values by the scales in one mixed-dtype op; on
 # more, a conversion then an fp32 multiply is faster (1 thread, 4096 tokens of SmolLM2's shapes, 1.6 M codes:
 # 313 -> 208 us; a layer-step 1.74 -> 1.14 ms at 4k, 11.6 -> 8.2 ms at 16k), where a decode step's small tensors
 # are op-dispatch bound (12.7 k codes: as fast either way)
@@ -86,9 +86,12 @@ def write_stacked(
         if not finite:
             amax = states.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)
         numbers = constants(fmt)
-        row_scale = torch.div(amax, numbers.row_max, out=scale)  # into the buffer
+        row_scale = torch.div(amax, numbers.row_max, out=scale if scale.dtype == torch.float32 else amax)
         if tiny_rows or not finite:
             row_scale.clamp_min_(numbers.tiny_scale)
+        if scale.dtype == torch.bfloat16:  # rounded up (the fp32 bits past bf16's carried up, then dropped)
+            row_scale.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
+            scale.copy_(row_scale)
         scaled = states / row_scale
         ok = finite  # a finite row divided by its own amax never leaves the format's range
     else:
@@ -128,6 +131,8 @@ def dequantize_stacked(
             values.bitwise_and_(numbers.clear_bit_14)
         values = values.view(torch.float16)
         scale = scale * numbers.fp16_factor if fmt.fp16_factor != 1.0 else scale
+    elif scale.dtype != torch.float32:
+        scale = scale.float()  # int8 codes times bf16 scales would multiply in bf16 (fp16 ones promote to fp32)
     if codes.numel() < MIXED_MULTIPLY_MAX:
         values = torch.mul(values, scale, out=out)
     else:
@@ -213,9 +218,10 @@ class HostPositions:
         if recent is None:  # pure FP8: every new token goes straight to the codes
             return HostPositions._quantize(states, end, view, stats)
         recent_slots, n = recent.shape[3], states.shape[3]
-        new_recent_start = max(view.recent_start, end + n - recent_slots)
+        new_recent_start = coded_end(end, view.recent_start, n, recent_slots)
         nonfinite = False
-        for first, stop, slot in ring_pieces(view.recent_start, min(new_recent_start, end), recent_slots):  # leaving
+        # leaving (those before the first slot left a sliding window: nobody reads their codes)
+        for first, stop, slot in ring_pieces(max(view.recent_start, view.offset), min(new_recent_start, end), recent_slots):
             nonfinite |= HostPositions._quantize(recent.narrow(3, slot, stop - first), first, view, stats)
         if new_recent_start > end:  # new tokens that are not among the newest `recent_slots`
             nonfinite |= HostPositions._quantize(states.narrow(3, 0, new_recent_start - end), end, view, stats)
@@ -233,46 +239,36 @@ class HostPositions:
 
     @staticmethod
     def materialize(view: KVView) -> torch.Tensor:
-        """The fp32 K/V of tokens `[start, end)`. When the rows share their sinks (no sinks, or all from `start`: no
-        padding), the codes between the sinks and the recent tokens are decoded straight into the result and the
-        full-precision tokens copied beside them; else every code is decoded and the full-precision tokens laid
-        over them. Decoding only the codes it needs took a layer-step with recent tokens from 108 to 103-105 us at
-        the tiny Llama's shapes (`benchmarks/host_overhead.py`), from 2.7 to 1.7-2.0 ms at SmolLM2's at 4k tokens;
-        a `cat` of the pieces was 98 us at the first but 5.0 ms at the second (one more pass over the result)."""
+        """The fp32 K/V of tokens `[start, end)`: the sinks every row shares (no padding) copied first, the codes
+        between them and the recent tokens decoded straight into the result (the recent tokens have no codes),
+        the recent tokens copied after them; when the rows' sinks differ, each row's are laid over afterwards.
+        Decoding only the codes it needs took a layer-step with recent tokens from 108 to 103-105 us at the tiny
+        Llama's shapes (`benchmarks/host_overhead.py`), from 2.7 to 1.7-2.0 ms at SmolLM2's at 4k tokens; a `cat`
+        of the pieces was 98 us at the first but 5.0 ms at the second (one more pass over the result)."""
         start, end = view.start, view.end
         sinks = view.shared_sink_count()
-        if sinks is None or not sinks and view.recent is None:
-            kv = HostPositions._decode(view, start, end)
-            HostPositions._lay_recent(kv, view)
-            HostPositions._lay_sinks(kv, view)
-            return kv
+        shared = sinks or 0
         codes = view.codes
         kv = torch.empty(2, *codes.shape[1:3], end - start, codes.shape[4], dtype=torch.float32, device=codes.device)
-        coded_start = start + sinks
+        coded_start = start + shared
         coded_end = end if view.recent is None else min(max(view.recent_start, coded_start), end)
-        if sinks:
-            kv.narrow(3, 0, sinks).copy_(view.sinks.narrow(3, 0, sinks))
+        if shared:
+            kv.narrow(3, 0, shared).copy_(view.sinks.narrow(3, 0, shared))
         if coded_end > coded_start:
-            HostPositions._decode(view, coded_start, coded_end, out=kv.narrow(3, sinks, coded_end - coded_start))
+            HostPositions._decode(view, coded_start, coded_end, out=kv.narrow(3, shared, coded_end - coded_start))
         for first, stop, slot in ring_pieces(coded_end, end, view.recent.shape[3]) if view.recent is not None else ():
             kv.narrow(3, first - start, stop - first).copy_(view.recent.narrow(3, slot, stop - first))
+        if sinks is None:
+            HostPositions._lay_sinks(kv, view)
         return kv
 
     @staticmethod
-    def _decode(view: KVView, first: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 K/V of the codes of tokens `[first, stop)`, into `out` when given."""
+    def _decode(view: KVView, first: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """fp32 K/V of the codes of tokens `[first, stop)`, into `out`."""
         slot, scales = first - view.offset, _scale_columns(view)
         codes = view.codes.narrow(3, slot, stop - first)
         return dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.per_token else scales, view.fmt,
                                   view.has_nan, out)  # fmt: skip
-
-    @staticmethod
-    def _lay_recent(kv: torch.Tensor, view: KVView) -> None:
-        """Replace the decoded codes of the recent tokens by their full-precision values."""
-        if view.recent is None:
-            return
-        for lo, hi, slot in ring_pieces(max(view.recent_start, view.start), view.end, view.recent.shape[3]):
-            kv[:, :, :, lo - view.start : hi - view.start] = view.recent[:, :, :, slot : slot + hi - lo]
 
     @staticmethod
     def _lay_sinks(kv: torch.Tensor, view: KVView) -> None:
@@ -306,8 +302,8 @@ class DevicePositions:
 
         def quantize_into(rows: torch.Tensor, index: torch.Tensor) -> None:
             if view.per_token:
-                row_scale = dynamic_scale(rows, fmt)[..., None]
-                scales.index_copy_(3, index, row_scale[..., 0])
+                row_scale = dynamic_scale(rows, fmt, scales.dtype)[..., None]
+                scales.index_copy_(3, index, row_scale[..., 0].to(scales.dtype))
             else:
                 row_scale = scales[..., None]
             row_codes, clipped, nonfinite = quantize(rows, row_scale, fmt, count_per_row=True)

@@ -23,16 +23,19 @@ import torch
 import torch.nn.functional as F
 
 from .formats import TINY_SCALE, StorageFormat
-from .view import KVView
+from .view import KVView, coded_end
 
 QUERY_BLOCK = 256  # query rows per block of the explicit-softmax path: its memory stays linear in the prompt
 
 
 # --- values -------------------------------------------------------------------------------------------------------
-def dynamic_scale(x: torch.Tensor, fmt: StorageFormat) -> torch.Tensor:
-    """Per-row scale over the last dim: `max(amax(|finite x|) / fmt.row_max, TINY_SCALE)`."""
-    amax = x.float().abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=-1)
-    return (amax / fmt.row_max).clamp_min(TINY_SCALE)
+def dynamic_scale(x: torch.Tensor, fmt: StorageFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row scale over the last dim: `max(amax(|finite x|) / fmt.row_max, TINY_SCALE)`, as a `dtype` buffer
+    holds it: rounded up to the next `dtype` value (never down, so that `x / scale` stays within the format's
+    range). Returned in fp32."""
+    scale = (x.float().abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=-1) / fmt.row_max).clamp_min(TINY_SCALE)
+    held = scale.to(dtype)
+    return torch.where(held.float() < scale, torch.nextafter(held, torch.full_like(held, math.inf)), held).float()
 
 
 def quantize(
@@ -159,9 +162,11 @@ def write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Ten
     window = view.recent.shape[3] if view.recent is not None else 0
     new = torch.stack((key, value)).float()
     n = new.shape[3]
-    new_recent_start = max(recent_start, end + n - window)
+    new_recent_start = coded_end(end, recent_start, n, window)
     nonfinite = False
     for t in range(recent_start, new_recent_start):  # leaving the recent buffer, or never entering it
+        if not view.ring and t < view.offset:  # before the first slot: it left a sliding window, nobody reads it
+            continue
         x = view.recent[:, :, :, t % window].float() if t < end else new[:, :, :, t - end]
         nonfinite |= _quantize_token(x, t, view, stats)
     for t in range(max(end, new_recent_start), end + n):
@@ -173,7 +178,7 @@ def _quantize_token(x: torch.Tensor, t: int, view: KVView, stats: torch.Tensor) 
     """Quantize token t's `x` `[2, batch, kv_heads, head_dim]` into its code slot."""
     slot = _code_slot(view, t)
     if view.per_token:
-        scale = dynamic_scale(x, view.fmt)
+        scale = dynamic_scale(x, view.fmt, view.scales.dtype)
         view.scales[:, :, :, slot] = scale
     else:
         scale = view.scales[..., 0]

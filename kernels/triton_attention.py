@@ -29,7 +29,7 @@ from .triton_common import (
     LOG2E, MIN_ROWS, as_dot, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
-from .view import KVView
+from .view import KVView, scale_dtypes
 
 REDUCE_ELEMENTS = 2048  # of one reduce program's [rows, head_dim] accumulator: 16 rows spilled at head_dim 256
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
@@ -157,11 +157,11 @@ def _attention_kernel(
         k = tl.load(k_ptr + slot[None, :] * c_st + d[:, None] * c_sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         if PER_TOKEN_K:
-            k_scale = tl.load(k_scale_ptr + slot * s_st, mask=t_ok, other=0.0)
+            k_scale = tl.load(k_scale_ptr + slot * s_st, mask=t_ok, other=0.0).to(tl.float32)
         else:
             k_scale = 1.0
         if PER_TOKEN_V:
-            v_scale = tl.load(v_scale_ptr + slot * s_st, mask=t_ok, other=0.0) * value_boost
+            v_scale = tl.load(v_scale_ptr + slot * s_st, mask=t_ok, other=0.0).to(tl.float32) * value_boost
         else:
             v_scale = 1.0
         visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
@@ -536,8 +536,11 @@ def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | Non
         raise ValueError(f"query {tuple(query.shape)} does not match the cache's codes {tuple(view.codes.shape)}")
     if view.codes.dtype != view.fmt.dtype:
         raise ValueError(f"codes have dtype {view.codes.dtype}, format {view.fmt.name} stores {view.fmt.dtype}")
-    if view.scales.dtype != torch.float32 or view.scales.dim() != 4 or view.scales.shape[2] != kv_heads:
-        raise ValueError(f"scales must be fp32 [2, 1 or batch, {kv_heads}, 1 or slots], got {tuple(view.scales.shape)}")
+    if view.scales.dtype not in scale_dtypes(view) or view.scales.dim() != 4 or view.scales.shape[2] != kv_heads:
+        raise ValueError(
+            f"scales must be fp32 (per-token: or bf16) [2, 1 or batch, {kv_heads}, 1 or slots], got "
+            f"{view.scales.dtype} {tuple(view.scales.shape)}"
+        )
     if not view.static and not q_len <= view.end - view.start:
         raise ValueError(f"the {q_len} query tokens are not among the cache's {view.end - view.start} visible tokens")
     if mask is not None and not view.static and view.mask_start is None and mask.shape[-1] < view.end - view.start:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .triton_common import encode, encoding
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
-from .view import KVView
+from .view import KVView, coded_end, scale_dtypes
 
 MAX_TILE = 4096  # elements of one program's [tokens, head_dim] tile
 NEW, LEAVING = 0, 1  # what a launch stores: the new tokens, or the recent buffer's leaving tokens
@@ -38,6 +38,8 @@ def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_s
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
         scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), 1.1754943508222875e-38)
+        if scale_ptr.dtype.element_ty == tl.bfloat16:  # rounded up: the fp32 bits past bf16's carried, then dropped
+            scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
         tl.store(scale_ptr + slot * s_st, scale, mask=rows_ok)
         y = tl.math.div_rn(x, scale[:, None])
     else:
@@ -90,9 +92,10 @@ def _write_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     new_recent_start = tl.maximum(recent_start, end + new_tokens - recent_slots)
+    lowest = 0 if RING else offset  # a token before the first slot left a sliding window: nobody reads its codes
     if MODE == 1:  # the recent buffer's tokens that leave it: [recent_start, new_recent_start) of those it holds
         t = end - recent_slots + i
-        ok = (i < recent_slots) & (t >= recent_start) & (t >= 0) & (t < new_recent_start) & (t < end)
+        ok = (i < recent_slots) & (t >= recent_start) & (t >= lowest) & (t < new_recent_start) & (t < end)
         r_slot = (t % recent_slots).to(tl.int64)
         x = tl.load(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd, mask=ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
@@ -107,7 +110,7 @@ def _write_kernel(
             r_slot = (t % recent_slots).to(tl.int64)
             if EVICT:  # the token this one replaces in its slot leaves the recent buffer now (n <= R: slots distinct)
                 old = t - recent_slots
-                leaving = row_ok & (old >= recent_start) & (old >= 0)
+                leaving = row_ok & (old >= recent_start) & (old >= lowest)
                 x_old = tl.load(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
                                 mask=leaving[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
                 slot_old = (old % slots if RING else old - offset).to(tl.int64)
@@ -197,13 +200,14 @@ def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: to
         raise ValueError(f"codes have dtype {view.codes.dtype}, format {view.fmt.name} stores {view.fmt.dtype}")
     if (cache_batch, cache_heads, cache_dim) != (batch, heads, head_dim):
         raise ValueError(f"new keys {tuple(key.shape)} do not fit the code buffers {tuple(view.codes.shape)}")
-    if not view.static and not view.ring and view.end + new_tokens - view.offset > view.slots:
+    recent_slots = view.recent.shape[3] if view.recent is not None else 0
+    if not view.static and not view.ring and coded_end(view.end, view.recent_start, new_tokens, recent_slots) - view.offset > view.slots:
         raise ValueError(
-            f"{new_tokens} new tokens at {view.end} overflow the buffers' {view.slots} slots from {view.offset}"
+            f"{new_tokens} new tokens at {view.end} overflow the code buffers' {view.slots} slots from {view.offset}"
         )
     expected = (2, batch, heads, view.codes.shape[3]) if view.per_token else (2, 1, heads, 1)
-    if view.scales.dtype != torch.float32 or tuple(view.scales.shape) != expected:
-        raise ValueError(f"scales must be fp32 {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}")
+    if view.scales.dtype not in scale_dtypes(view) or tuple(view.scales.shape) != expected:
+        raise ValueError(f"scales must be fp32 (per-token: or bf16) {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}")
     if stats.dtype != torch.int64 or stats.shape != (2, 2):
         raise ValueError(f"stats must be an int64 [2, 2] counter, got {stats.dtype} {tuple(stats.shape)}")
     devices = {t.device for t in (key, value, view.codes, view.scales, stats)}

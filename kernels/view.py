@@ -32,6 +32,17 @@ Derived = TypeVar("Derived")  # what `KVView.derived` builds
 Position = int | torch.Tensor  # a Python int, or a 0-dim int64 device tensor (static buffers)
 
 
+def coded_end(end: Position, recent_start: Position, new_tokens: int, recent_slots: int) -> Position:
+    """The end of the tokens with codes once `new_tokens` more are written after `end`: those among the newest
+    `recent_slots` are held only in the recent buffer (each token is stored once)."""
+    return max(recent_start, end + new_tokens - recent_slots) if recent_slots else end + new_tokens
+
+
+def scale_dtypes(view: "KVView") -> tuple[torch.dtype, ...]:
+    """The dtypes a view's scales may have: fp32, and for per-token scales bf16 (rounded up when written)."""
+    return (torch.float32, torch.bfloat16) if view.per_token else (torch.float32,)
+
+
 @dataclass(kw_only=True, slots=True)
 class KVView:
     codes: torch.Tensor

@@ -150,8 +150,8 @@ def test_buffers_grow_one_block_at_a_time():
     for step, new in enumerate([5, 11, 1, 20]):
         layer.update(torch.randn(1, 2, new, 16), torch.randn(1, 2, new, 16))
         assert layer.capacity == math.ceil(layer.length / 16) * 16
-    # bytes held: codes (1 byte) plus fp32 scales per token and head, capacity included
-    assert layer.nbytes == 2 * layer.capacity * 2 * (16 + 4)
+    # bytes held: codes (1 byte) plus bf16 scales per token and head, capacity included
+    assert layer.nbytes == 2 * layer.capacity * 2 * (16 + 2)
 
 
 def test_kv_bytes_at_2k_context_in_bf16():

@@ -85,7 +85,7 @@ def test_crop_releases_buffers():
     layer.update(kv[0], kv[1])
     layer.crop(-370)
     assert layer.get_seq_length() == 30 and layer.capacity <= 30 + 16  # within one block of the tokens held
-    assert layer.nbytes == 2 * layer.capacity * 2 * (16 + 4)
+    assert layer.nbytes == 2 * layer.capacity * 2 * (16 + 2)  # codes and a bf16 scale per token and head
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head"])

@@ -1,6 +1,8 @@
 """The full-precision window: the newest `recent_tokens` and the first `sink_tokens` real tokens of each row in
 the model's dtype, every other token quantized once, when it leaves the window."""
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -85,7 +87,7 @@ def test_each_token_is_quantized_once_when_it_leaves_and_crop_keeps_full_precisi
 
 def _quantized(x):
     fmt = QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt
-    scale = reference.dynamic_scale(x, fmt)[..., None]
+    scale = reference.dynamic_scale(x, fmt, torch.bfloat16)[..., None]
     codes, _, _ = reference.quantize(x, scale, fmt)
     return codes, scale, fmt
 
@@ -123,14 +125,15 @@ WINDOW_SETTINGS = [dict(recent_tokens=r, sink_tokens=s) for r, s in ((0, 0), (0,
 
 
 def used_bytes(layer) -> int:
-    """What the tokens a dynamic layer holds need: a code slot (codes and per-token scales) for each, plus the
-    model-dtype copies of the recent window's and the sinks' tokens."""
+    """What the tokens a dynamic layer holds need: a code slot (codes and per-token scales) for each stored token
+    that is not among the recent ones (those are stored once, in the model's dtype), plus the model-dtype copies
+    of the recent and the sink tokens."""
     batch, heads, head_dim = layer.codes.shape[1], layer.codes.shape[2], layer.codes.shape[4]
-    per_code = 2 * batch * heads * (head_dim + 4)  # keys and values, fp8 codes + an fp32 scale
+    per_code = 2 * batch * heads * (head_dim + layer.scale.element_size())  # keys and values: codes + a scale
     per_fp = 2 * batch * heads * head_dim * layer.dtype.itemsize
     window = min(layer.end - layer.recent_start, layer.recent_tokens)
     sinks = min(layer.end, layer.sink_tokens)
-    return layer.length * per_code + (window + sinks) * per_fp, per_code, per_fp
+    return (layer.length - window) * per_code + (window + sinks) * per_fp, per_code, per_fp
 
 
 @pytest.mark.parametrize("window", WINDOW_SETTINGS, ids=lambda w: f"{w['recent_tokens']}+{w['sink_tokens']}")
@@ -153,6 +156,7 @@ def test_bytes_held_stay_within_one_block_of_bytes_used(window):
         assert_within_a_block()
         model(input_ids=ids[:, 14:], cache=cache)
         assert_within_a_block()
+        assert layer.capacity == math.ceil(max(400 - window["recent_tokens"], 0) / 16) * 16  # none for a recent token
         cache.crop(-390)
         for step in range(20):
             model(input_ids=ids[:, 10 + step : 11 + step], cache=cache)

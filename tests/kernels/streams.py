@@ -30,6 +30,7 @@ class Stream:
     static: int = 0  # max_cache_len of a static (device-positions) layer; 0: dynamic
     ring: bool = False  # static: codes in a ring of `static` slots
     dtype: torch.dtype = torch.float32
+    scale_dtype: torch.dtype = torch.bfloat16  # of per-token scales (the layers'; pages hold fp32)
 
     @property
     def length(self) -> int:
@@ -63,7 +64,7 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
     shape = (2, stream.batch, stream.kv_heads, slots, stream.head_dim)
     codes = torch.full(shape, 0x55, dtype=torch.uint8).view(fmt.dtype)
     if stream.scales == "dynamic":
-        scales = torch.full(shape[:4], -1.0)
+        scales = torch.full(shape[:4], -1.0, dtype=stream.scale_dtype)
     else:
         scales = static_scales(stream, generator)
     recent = torch.zeros(*shape[:3], stream.recent, stream.head_dim, dtype=stream.dtype) if stream.recent else None
@@ -130,7 +131,7 @@ def expected_kv(stream: Stream, kv: torch.Tensor, view: KVView) -> torch.Tensor:
     fmt = FORMATS[stream.fmt]
     x = kv.float()
     if stream.scales == "dynamic":
-        scale = reference.dynamic_scale(x, fmt)[..., None]
+        scale = reference.dynamic_scale(x, fmt, stream.scale_dtype)[..., None]
     else:
         scale = view.scales.cpu()[..., None]
     codes, _, _ = reference.quantize(x, scale, fmt)

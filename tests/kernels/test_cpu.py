@@ -15,11 +15,13 @@ from test_reference import STREAMS
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
-def test_cpu_decode_is_exact_for_every_code_nan_included(fmt):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_decode_is_exact_for_every_code_nan_included(fmt, scale_dtype):
     codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype) if fmt.is_float else torch.arange(-128, 128).to(torch.int8)
-    scale = torch.tensor(0.75)
+    scale = torch.full((256,), 0.7578125, dtype=scale_dtype)  # a bf16 value whose products need fp32
     got = dequantize_stacked(codes, scale, fmt, has_nan=True)
-    expected = decode(codes, fmt) * scale
+    expected = decode(codes, fmt) * scale.float()
+    assert got.dtype == torch.float32
     assert torch.equal(got.isnan(), expected.isnan())
     finite = ~expected.isnan()
     assert torch.equal(got[finite], expected[finite])
@@ -43,7 +45,8 @@ WRITE_VALUES = [0.0, 1e-30, 1.0, 447.0, 449.0, 465.0, 1e30, -1e30, math.inf, -ma
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("special", [False, True])
-def test_write_stacked_is_the_oracle_bit_for_bit(fmt, per_token, special):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_stacked_is_the_oracle_bit_for_bit(fmt, per_token, special, scale_dtype):
     if fmt.per_token_only and not per_token:
         pytest.skip("per-token format")
     torch.manual_seed(1)
@@ -54,14 +57,14 @@ def test_write_stacked_is_the_oracle_bit_for_bit(fmt, per_token, special):
     codes = torch.zeros(states.shape, dtype=torch.uint8).view(fmt.dtype)
     stats = torch.zeros(2, 2, dtype=torch.int64)
     if per_token:
-        scale = torch.zeros(*states.shape[:-1], 1)
-        expected_scale = dynamic_scale(states, fmt)[..., None]
+        scale = torch.zeros(*states.shape[:-1], 1, dtype=scale_dtype)
+        expected_scale = dynamic_scale(states, fmt, scale_dtype)[..., None]
     else:
         scale = expected_scale = torch.tensor([0.5, 2.0]).reshape(2, 1, 1, 1, 1)
     nonfinite = write_stacked(states, codes, scale, fmt, per_token, stats)
     expected, clipped, bad = quantize(states, expected_scale, fmt, count_per_row=True)
     assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
-    assert torch.equal(scale, expected_scale)
+    assert torch.equal(scale.float(), expected_scale)
     assert stats[:, 0].tolist() == clipped.tolist() and stats[:, 1].tolist() == bad.tolist()
     assert nonfinite == special
 

@@ -46,6 +46,17 @@ def test_dynamic_scale_ignores_non_finite_and_zero_rows():
     assert dynamic_scale(x, fmt).tolist() == pytest.approx([2.0, TINY_SCALE, 0.1])
 
 
+def test_bf16_dynamic_scales_are_the_next_bf16_up():
+    """A 2-byte scale is the smallest bf16 at or above the fp32 one, so no value divided by it leaves the range."""
+    fmt = FORMATS["fp8_e4m3"]
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 4096)[:, None]
+    exact, held = dynamic_scale(x, fmt), dynamic_scale(x, fmt, torch.bfloat16)
+    below = torch.nextafter(held.bfloat16(), torch.zeros((), dtype=torch.bfloat16)).float()
+    assert torch.equal(held.bfloat16().float(), held) and (held >= exact).all() and (below < exact).all()
+    assert (held > exact).float().mean() > 0.9  # most fp32 scales are not bf16 values: they did round up
+    assert (x.abs() / held[:, None]).max() <= fmt.row_max
+
+
 def test_e4m3fnuz_dynamic_scales_map_amax_to_224_as_vllm():
     fmt = get_format("fp8_e4m3fnuz")
     assert dynamic_scale(torch.tensor([[448.0, 1.0]]), fmt).item() == 2.0
@@ -57,6 +68,7 @@ STREAMS = [
     Stream(scales="per-head", updates=[30, 1, 1]),
     Stream(recent=8, updates=[20, 1, 1, 3, 1, 1]),  # decode steps and a chunk shorter than the window
     Stream(recent=4, updates=[3, 1, 9, 1]),  # prefill shorter than the window, then a chunk longer
+    Stream(recent=4, updates=[3, 1, 9, 1], scale_dtype=torch.float32),  # the pages' fp32 per-token scales
     Stream(recent=6, sinks=3, sink_rows=[0, 5], scales="per-tensor", fmt="fp8_e5m2"),
     Stream(recent=5, fmt="int8_per_token_head", dtype=torch.bfloat16),
     # rows sharing their sinks: the sinks, the codes and the window are joined, not laid over a decode of all

@@ -9,10 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels import cpu, reference
 from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.reference import quantize
 from hf_fp8kv.kernels.triton_write import encode, encoding, write_kv
+from hf_fp8kv.kernels.view import KVView
 from streams import Stream, fill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +74,7 @@ WRITE_STREAMS = [
     for scales in (["dynamic"] if fmt.per_token_only else ["per-tensor", "per-head", "dynamic"])
 ] + [
     Stream(dtype=torch.bfloat16, recent=4, updates=[6, 1, 1, 2, 9, 1]),  # fused decode steps and both chunk kinds
+    Stream(scale_dtype=torch.float32, recent=4, updates=[6, 1, 9]),
     Stream(fmt="fp8_e5m2", dtype=torch.float16, scales="per-head", recent=3, updates=[2, 1, 1, 1, 5]),
     Stream(static=24, recent=4, updates=[7, 1, 1, 6, 1]),
     Stream(static=8, ring=True, recent=2, updates=[5, 1, 1, 1, 1, 1, 1, 1], fmt="fp8_e4m3fnuz"),
@@ -99,13 +101,40 @@ def test_write_is_bit_identical_to_reference(stream):
     assert (expected["stats"][:, 1] > 0).all()  # the edges did count: NaN and inf in keys and values
 
 
+@pytest.mark.parametrize("new_tokens", [1, 9], ids=["decode step", "chunk"])
+@pytest.mark.parametrize("write", [reference.write, cpu.write, write_kv], ids=["reference", "cpu", "triton"])
+def test_tokens_leaving_the_recent_buffer_before_the_first_slot_are_not_written(write, new_tokens):
+    """A sliding layer holding more recent tokens than its window moves its first slot past them (offset 10,
+    recent tokens from 4): the ones that leave before it have no slot and must not be written anywhere, the
+    guards around the codes included; the rest land where the oracle puts them."""
+    generator = torch.Generator().manual_seed(0)
+    fmt = FORMATS["fp8_e4m3"]
+    guarded = torch.full((2, 1, 2, 8 + 6 + 3, 16), 0x55, dtype=torch.uint8, device=DEVICE).view(fmt.dtype)
+    scales = torch.full((2, 1, 2, 17), -1.0, device=DEVICE)
+    recent = torch.randn(2, 1, 2, 8, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, new_tokens, 16, generator=generator)
+    view = KVView(codes=guarded[:, :, :, 8:14], scales=scales[..., 8:14], fmt=fmt, per_token=True, end=12,
+                  recent_start=4, offset=10, recent=recent.to(DEVICE, copy=True), start=10)  # fmt: skip
+    write(key.to(DEVICE), value.to(DEVICE), view, torch.zeros(2, 2, dtype=torch.int64, device=DEVICE))
+    codes = guarded.view(torch.uint8).cpu()
+    assert (codes[:, :, :, :8] == 0x55).all() and (codes[:, :, :, 14:] == 0x55).all(), "a guard was written"
+    written = (codes[:, :, :, 8:14] != 0x55).any(-1).any(0).any(0).any(0).nonzero().flatten().tolist()
+    # a decode step: token 4 leaves (before the first slot); a chunk of 9: tokens 10 and 11 leave (slots 0, 1)
+    # and the new token 12 goes straight to the codes (slot 2), tokens 13-20 to the recent buffer
+    assert written == ([] if new_tokens == 1 else [0, 1, 2])
+    if new_tokens > 1:
+        token = recent[:, :, :, 10 % 8]
+        expected, _, _ = reference.quantize(token, reference.dynamic_scale(token, fmt)[..., None], fmt)
+        assert torch.equal(view.codes[:, :, :, 0].view(torch.uint8).cpu(), expected.view(torch.uint8))
+
+
 def test_bad_buffers_are_named():
     stream = Stream(scales="per-tensor", updates=[4])
     view, _, stats = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
     key = torch.randn(2, 2, 4, 80, device=DEVICE)
     with pytest.raises(ValueError, match="do not fit the code buffers"):
         write_kv(key[:, :1], key[:, :1], view, stats)
-    with pytest.raises(ValueError, match="overflow the buffers' 7 slots"):
+    with pytest.raises(ValueError, match="overflow the code buffers' 7 slots"):
         view.end = 5
         write_kv(key, key, view, stats)
     view.end = 0
