@@ -9,12 +9,16 @@ DynamicCache.
 
     python benchmarks/recent_quality.py                    # SmolLM2-135M
     python benchmarks/recent_quality.py --model gemma3
+    python benchmarks/recent_quality.py --text code --variants 0 5 9   # held-out text, variants by index
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import inspect
 import time
+from pathlib import Path
 import warnings
 from importlib.resources import files
 
@@ -27,20 +31,31 @@ from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
 
 MODELS = {"smollm2": ("SmolLM2-135M", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
-def _recent(recent: int, sinks: int) -> dict:
-    return dict(scales="dynamic", recent_tokens=recent, sink_tokens=sinks)
+DEFAULTS = {name: p.default for name, p in inspect.signature(QuantizedFP8Cache).parameters.items()}
 
 
-VARIANTS = {
-    "fp8 e4m3 per-token-head (recent 0 + sinks 0)": _recent(0, 0),
-    "recent 0 + sinks 4 (sinks only)": _recent(0, 4),
-    "recent 16 + sinks 0": _recent(16, 0),
-    "recent 16 + sinks 4": _recent(16, 4),
-    "recent 32 + sinks 4 (the default)": _recent(32, 4),
-    "recent 48 + sinks 4": _recent(48, 4),
-    "recent 64 + sinks 0": _recent(64, 0),
-    "recent 64 + sinks 4": _recent(64, 4),
-    "int8 per-token-head (recent 0 + sinks 0)": dict(kv_cache_dtype="int8_per_token_head", **_recent(0, 0)),
+def _recent(recent: int, sinks: int, **kwargs) -> tuple[str, dict]:
+    name = f"recent {recent} + sinks {sinks}"
+    if (recent, sinks) == (DEFAULTS["recent_tokens"], DEFAULTS["sink_tokens"]):
+        name += " (the default)"
+    kwargs = dict(recent_tokens=recent, sink_tokens=sinks, **kwargs)
+    return (name + (", scales auto (1.0)" if kwargs["scales"] == "auto" else "")), kwargs
+
+
+VARIANTS = dict([
+    ("fp8 e4m3 per-token-head (recent 0 + sinks 0)", dict(scales="dynamic", recent_tokens=0, sink_tokens=0)),
+    *(_recent(r, s, scales="dynamic") for r, s in ((0, 4), (16, 0), (16, 4), (32, 4), (48, 4), (64, 0), (64, 4),
+                                                    (96, 4), (128, 4))),
+    _recent(DEFAULTS["recent_tokens"], DEFAULTS["sink_tokens"], scales="auto"),
+    ("int8 per-token-head (recent 0 + sinks 0)",
+     dict(kv_cache_dtype="int8_per_token_head", scales="dynamic", recent_tokens=0, sink_tokens=0)),
+])  # fmt: skip
+# Texts unlike the bundled sample (the held-out measurements of docs/recent.md): Python's own source code and the
+# Apache License 2.0 as transformers ships it, wherever they are installed; any other file by its path
+TEXTS = {
+    "sample": lambda: files("hf_fp8kv").joinpath("data/sample_text.txt").read_text(),
+    "code": lambda: inspect.getsource(argparse),
+    "legal": lambda: importlib.metadata.distribution("transformers").read_text("licenses/LICENSE"),
 }
 
 
@@ -66,15 +81,20 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--tokens", type=int, default=1152, help="text tokens: prefix + decoded")
     parser.add_argument("--prefix", type=int, default=128)
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), help="names, or indices into the list")
+    parser.add_argument("--text", default="sample", help=f"one of {sorted(TEXTS)}, or the path of a text file")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady times on a shared machine)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
     name, load = MODELS[args.model]
     model, tokenizer = load(dtype=torch.float32)
-    text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()
+    text = TEXTS[args.text]() if args.text in TEXTS else Path(args.text).read_text()
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
+    if ids.shape[1] < args.tokens:
+        raise SystemExit(f"--text {args.text} has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
+    names = list(VARIANTS)
+    variants = [names[int(v)] if v.isdigit() else v for v in args.variants]
     with torch.inference_mode():
         started = time.perf_counter()
         reference = decode_mode_logits(model, ids, args.prefix, DynamicCache(config=model.config))
@@ -82,7 +102,7 @@ def main() -> None:
     targets = ids[0, args.prefix :]
     bf16 = {tokens: kv_bytes(model, tokens) for tokens in (2048, 8192)}
     rows = []
-    for variant in args.variants:
+    for variant in variants:
         kwargs = VARIANTS[variant]
         with torch.inference_mode():
             started = time.perf_counter()
@@ -97,7 +117,7 @@ def main() -> None:
             "decode time vs DynamicCache": f"{seconds / reference_seconds:.2f}",
         })  # fmt: skip
         print(rows[-1], flush=True)
-    print(f"{name}, fp32, decode mode: {args.prefix}-token prefix then {ids.shape[1] - args.prefix} tokens one at a "
+    print(f"{name}, fp32, text {args.text!r}, decode mode: {args.prefix}-token prefix then {ids.shape[1] - args.prefix} tokens one at a "
           "time, against DynamicCache; bytes: bf16 model, against a bf16 DynamicCache")  # fmt: skip
     print(format_table(rows))
 

@@ -59,8 +59,8 @@ class QuantizedFP8Cache(Cache):
             `["sliding_window", 0]` or "sliding_window,0".
         backend: "auto", "triton" or "torch" (default: env HF_FP8KV_BACKEND, else "auto").
         block_size: tokens added per buffer growth.
-        recent_tokens: the newest tokens of each sequence kept in the model's dtype (default 32); a token is
-            quantized once, when it leaves them.
+        recent_tokens: the newest tokens of each sequence kept in the model's dtype (default 128), stored only
+            there: a token is quantized once, when it leaves them.
         sink_tokens: the first real tokens of each sequence (attention sinks) kept in the model's dtype
             (full-attention layers; default 4). `recent_tokens=0, sink_tokens=0` is pure FP8, what vLLM
             serves. The defaults and their measurements: docs/recent.md.
@@ -79,7 +79,7 @@ class QuantizedFP8Cache(Cache):
         skip_layers: str | Iterable[int | str] = (),
         backend: str | None = None,
         block_size: int = 64,
-        recent_tokens: int = 32,
+        recent_tokens: int = 128,
         sink_tokens: int = 4,
         max_cache_len: int | None = None,
         max_batch_size: int | None = None,

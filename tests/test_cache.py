@@ -210,7 +210,7 @@ HALF_WINDOWS = {
     "pure": dict(scales="dynamic", **PURE_FP8),
     "sinks only": dict(scales="dynamic", recent_tokens=0, sink_tokens=4),
     "recent only": dict(scales="dynamic", recent_tokens=4, sink_tokens=0),
-    "default": {},  # QuantizedFP8Cache(model): scale 1.0 (warned), window 32 + 4
+    "default": {},  # QuantizedFP8Cache(model): scale 1.0 (warned), recent 128 + sinks 4
 }
 
 

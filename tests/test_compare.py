@@ -154,7 +154,7 @@ def test_headline_leaves_out_what_was_not_compared(tiny_result):
     )
     assert [line.split(" (")[0] for line in dropped(HF_FP8).headline()] == [
         f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale per token and KV "
-        "head, the newest 32 and first 4 tokens in the model's dtype, the defaults; no calibration.",
+        "head, the newest 128 and first 4 tokens in the model's dtype, the defaults; no calibration.",
         "Against the native cache",
     ]
     assert dropped(RECOMMENDED).headline() == []

@@ -17,7 +17,7 @@ PREFIX, DECODE, WINDOW = 508, 16, 512  # decode mode over positions 508..523: th
 CONFIGURATIONS = {
     "all layers": PURE_FP8,
     "sliding skipped": {"skip_layers": "sliding_window", **PURE_FP8},
-    "default window": {},  # newest 32 + first 4 tokens in the model's dtype
+    "default window": {},  # newest 128 + first 4 tokens in the model's dtype
 }
 
 

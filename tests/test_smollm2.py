@@ -158,12 +158,12 @@ def test_decode_mode_quality_beats_transformers_fp8(model_and_tokenizer, decode_
 
 
 def test_default_recent_quality(model_and_tokenizer, decode_text):
-    """The default cache (newest 32 + first 4 tokens in full precision over per-token-head e4m3) against pure
+    """The default cache (newest 128 + first 4 tokens in full precision over per-token-head e4m3) against pure
     FP8 on the same text; thresholds from docs/recent.md's measurements with margin."""
     model, _ = model_and_tokenizer
     window = decode_quality(model, decode_text, QuantizedFP8Cache(model, scales="dynamic"))
     pure = decode_quality(model, decode_text, QuantizedFP8Cache(model, scales="dynamic", recent_tokens=0, sink_tokens=0))
-    print(f"\nwindow 32+4: dppl {window.ppl_delta_pct:+.2f}% KL {window.kl_mean:.2e} top-1 {window.top1_agreement:.3f}; "
+    print(f"\nrecent 128+4: dppl {window.ppl_delta_pct:+.2f}% KL {window.kl_mean:.2e} top-1 {window.top1_agreement:.3f}; "
           f"pure: dppl {pure.ppl_delta_pct:+.2f}% KL {pure.kl_mean:.2e} top-1 {pure.top1_agreement:.3f}")
     assert window.kl_mean < KL_WINDOW and window.kl_mean < 0.3 * pure.kl_mean
     assert window.top1_agreement >= TOP1_WINDOW and abs(window.ppl_delta_pct) < PPL_WINDOW

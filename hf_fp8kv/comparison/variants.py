@@ -39,7 +39,7 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         Variant(REFERENCE, lambda model: DynamicCache(config=model.config), "transformers DynamicCache, model dtype"),
-        _ours(RECOMMENDED, "e4m3, a scale per token and KV head, the newest 32 and first 4 tokens in the model's "
+        _ours(RECOMMENDED, "e4m3, a scale per token and KV head, the newest 128 and first 4 tokens in the model's "
               "dtype, the defaults; no calibration", scales="dynamic"),
         _ours("fp8_per_token_head", "e4m3, a scale per token and KV head on every token (vLLM's), no calibration",
               scales="dynamic", recent_tokens=0, sink_tokens=0),
