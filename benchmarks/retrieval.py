@@ -50,16 +50,17 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def read_trials(path: Path, variants: list[str]) -> list[RetrievalTrial]:
-    """The trials in `path` of the prompts every one of `variants` answered."""
-    if not path.exists():
-        return []
-    trials = [RetrievalTrial(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-    answered: dict[tuple, set[str]] = {}
-    for t in trials:
-        answered.setdefault((t.length, t.depth, t.trial), set()).add(t.variant)
-    complete = {prompt for prompt, names in answered.items() if set(variants) <= names}
-    return [t for t in trials if t.variant in variants and (t.length, t.depth, t.trial) in complete]
+def read_trials(path: Path) -> dict[tuple[str, int, float, int], RetrievalTrial]:
+    """The answers in `path` by (variant, length, depth, trial)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    trials = (RetrievalTrial(**json.loads(line)) for line in lines if line.strip())
+    return {(t.variant, t.length, t.depth, t.trial): t for t in trials}
+
+
+def complete(trials: dict[tuple[str, int, float, int], RetrievalTrial], variants: list[str]) -> list[RetrievalTrial]:
+    """The answers of `variants` to the prompts every one of them answered, prompt by prompt in the order read."""
+    prompts = dict.fromkeys(key[1:] for key in trials)
+    return [trials[(v, *p)] for p in prompts if all((name, *p) in trials for name in variants) for v in variants]
 
 
 def report(trials: list[RetrievalTrial], variants: list[str]) -> str:
@@ -74,13 +75,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8192], help="tokens, prompt + answer")
     parser.add_argument("--depths", type=_ints, default=[0, 25, 50, 75, 100], help="percent of the filler before the key")
     parser.add_argument("--trials", type=int, default=2, help="keys per (length, depth) cell")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, help="JSON lines of every answer (appended as the prompts complete)")
-    parser.add_argument("--resume", action="store_true", help="skip the prompts --out already holds")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the answers --out already holds (by variant and prompt); report all it holds")
     args = parser.parse_args()
     names = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
@@ -93,37 +96,39 @@ def main() -> None:
     names = [v.name for v in variants]  # the reference first
     title, load = MODELS[args.model]
     model, tokenizer = load(dtype=DTYPES[args.dtype])
-    done = read_trials(args.out, names) if args.resume else []
+    model = model.to(args.device)
+    done = read_trials(args.out) if args.resume else {}
     if args.out and not args.resume:
         args.out.write_text("")
-    done_prompts = {(t.length, t.depth, t.trial) for t in done}
     prompts = probe_prompts(model, tokenizer, probe, builtin_text(), chat=True)
     prompts = sorted(prompts, key=lambda p: p.trial)  # trial by trial over the grid: a stopped run stays balanced
-    print(f"{title}, {args.dtype}, {machine(next(model.parameters()).device)}, torch backend; lengths {args.lengths}, "
+    print(f"{title}, {args.dtype}, {machine(model.device)}; lengths {args.lengths}, "
           f"depths {args.depths}%, {args.trials} trials, {args.max_new_tokens} new tokens; "
-          f"{len(done_prompts)} prompts resumed", flush=True)  # fmt: skip
+          f"{len(done)} answers resumed", flush=True)  # fmt: skip
     for variant in variants:
         print(f"  {variant.name}: {variant.description}")
     seconds = dict.fromkeys(names, 0.0)
-    trials = list(done)
     warnings.simplefilter("once")
     for prompt in prompts:
-        if (prompt.length, prompt.depth, prompt.trial) in done_prompts:
-            continue
         answers = []
         for variant in variants:
+            if (variant.name, prompt.length, prompt.depth, prompt.trial) in done:
+                continue
             started = time.perf_counter()
             answers += run_probe(model, tokenizer, [prompt], {variant.name: variant.make_cache}, probe.max_new_tokens)
             seconds[variant.name] += time.perf_counter() - started
+        if not answers:
+            continue
         print(f"{prompt.length} tokens, depth {100 * prompt.depth:.0f}%, trial {prompt.trial}, key {prompt.key}: "
               + ", ".join(f"{a.variant} {a.answer.strip()!r}{'' if a.found else ' MISS'}" for a in answers),
               flush=True)  # fmt: skip
-        trials += answers
+        done |= {(a.variant, a.length, a.depth, a.trial): a for a in answers}
         if args.out:
             with args.out.open("a") as out:
                 out.writelines(json.dumps(dataclasses.asdict(a)) + "\n" for a in answers)
     print("\nseconds per variant (this run, prefill and answer): "
           + ", ".join(f"{name} {s:.0f}" for name, s in seconds.items()))  # fmt: skip
+    trials = complete(done, names)
     print(report(trials, names))
     failing = [name for name in RECOMMENDED_CONFIGURATIONS if name in names and missed(trials, REFERENCE, name)]
     print("\nRecommended configurations that miss a key the native cache found: " + (", ".join(failing) or "none"))
