@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from hf_fp8kv.comparison import BUILTIN_VARIANTS, RECOMMENDED, compare, read_lines, resolve_variants
+from hf_fp8kv.retrieval import PasskeyProbe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--contexts", type=_int_list, default=[128, 256, 512, 1024],
                      help="comma-separated context lengths for memory and decode speed (empty string: skip)")
     cmp.add_argument("--decode-steps", type=int, default=8, help="timed decode steps at each context")
+    cmp.add_argument("--retrieval-lengths", type=_int_list, default=[],
+                     help="comma-separated context lengths of a passkey-retrieval probe (default: no probe; it "
+                     "prefills a prompt of each length per trial and variant)")
+    cmp.add_argument("--retrieval-depths", type=_int_list, default=[0, 50, 100],
+                     help="comma-separated depths of the key in the filler, in percent (0: first, 100: last)")
+    cmp.add_argument("--retrieval-trials", type=int, default=2, help="keys per (length, depth) cell")
     cmp.add_argument("--memory-budget-gib", type=float, help="budget for the largest-batch column "
                      "(default: the GPU's memory, else the machine's RAM)")
     cmp.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
@@ -102,6 +109,12 @@ def run_compare(args: argparse.Namespace) -> int:
     texts = [path.read_text(encoding="utf-8") for path in args.text_file] if args.text_file else None
     variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     resolve_variants(variants)  # a bad name fails before the model loads
+    retrieval = None
+    if args.retrieval_lengths:
+        if not args.retrieval_depths or any(not 0 <= percent <= 100 for percent in args.retrieval_depths):
+            raise ValueError(f"--retrieval-depths {args.retrieval_depths}: percents from 0 to 100")
+        depths = tuple(percent / 100 for percent in args.retrieval_depths)
+        retrieval = PasskeyProbe(tuple(args.retrieval_lengths), depths, args.retrieval_trials)
     dtype_name = args.dtype if args.dtype != "auto" else "bfloat16" if args.device.startswith("cuda") else "float32"
     model, tokenizer = load_model(args.model, args.gguf_file, DTYPES[dtype_name])
     result = compare(
@@ -116,6 +129,7 @@ def run_compare(args: argparse.Namespace) -> int:
         contexts=args.contexts,
         decode_steps=args.decode_steps,
         memory_budget_gib=args.memory_budget_gib,
+        retrieval=retrieval,
         progress=not args.no_progress,
     )
     print(result)

@@ -37,7 +37,8 @@ def test_default_model_prints_the_tables_and_writes_the_plots(capsys, tmp_path, 
     # what the recommended variant gains opens the report and, after the tables, closes the output
     assert out.startswith("== Summary ==\nRecommended: fp8_recent = QuantizedFP8Cache(model, scales='dynamic')")
     assert out.count("Against the native cache (native): ") == 2
-    assert out.rstrip().splitlines()[-1].startswith("Against the native cache (native): ")
+    assert out.rstrip().splitlines()[-2].startswith("Against the native cache (native): ")
+    assert out.rstrip().splitlines()[-1].startswith("Break-even of decode step time against native on this machine (")
     assert "prompt 1: Say hello." in out
     for name in ("report.txt", "report.html", "kl_vs_position.png", "memory_vs_context.png", "step_time_vs_context.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -52,9 +53,14 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
     text.write_text("The keeper wrote the weather down at six every morning and six every evening. " * 4)
     theirs = ["hf_quantized_fp8"] if HAS_FP8_QUANTIZED_CACHE else []  # transformers' fp8 cache: from 5.21
     status, out, err = run(capsys, *SMALL, "--model", str(tmp_path / "model"), "--variants", ",".join(["fp8_e4m3", *theirs]),
-                           "--prompts-file", str(prompts_file), "--text-file", str(text), "--out", str(tmp_path / "out"))
+                           "--prompts-file", str(prompts_file), "--text-file", str(text), "--out", str(tmp_path / "out"),
+                           "--retrieval-lengths", "160", "--retrieval-depths", "0,100", "--retrieval-trials", "1")
     assert status == 0
     assert all(name in out for name in ("native", "fp8_e4m3", *theirs, "Cost (batch 1)"))
+    table = out.split("== Passkey retrieval (keys found / trials, by context length and key depth) ==\n")[1]
+    columns = " +".join(["length", "depth_%", "trials", "native", "fp8_e4m3", *theirs])
+    assert re.match(columns + r"\n[- ]+\n +160 +0 +1 +[01]/1 ", table)
+    assert (tmp_path / "out" / "retrieval.png").stat().st_size > 0
     assert "Recommended" not in out  # fp8_recent was not compared
     # the scale-1.0 variant's warning is summarized once in the report, not printed raw
     assert out.count("fp8_e4m3 warned (UncalibratedScalesWarning): ") == 1 and "Warning" not in err
@@ -69,6 +75,8 @@ def test_local_model_directory(capsys, tmp_path, prompts_file):
         (["--text-file", "SHORT", "--prefill", "64"], r"text 1 has \d+ tokens, no more than prefill=64"),
         (["--gguf-file", "model.gguf"], "--gguf-file needs --model"),
         (["--model", "DIR", "--gguf-file", "model.gguf"], "--gguf-file 'model.gguf': no such file in"),
+        (["--retrieval-lengths", "1024", "--retrieval-depths", "50,150"], r"--retrieval-depths \[50, 150\]: percents"),
+        (["--retrieval-lengths", "9000"], r"retrieval length 9000 is beyond the model's context \(8192 tokens\)"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_error(capsys, tmp_path, args, message):

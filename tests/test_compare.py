@@ -17,11 +17,13 @@ from hf_fp8kv.comparison import (
     BUILTIN_VARIANTS,
     HF_FP8,
     RECOMMENDED,
+    PasskeyProbe,
     RaisedWarning,
     builtin_text,
     kv_bytes,
     resolve_variants,
 )
+from hf_fp8kv.comparison.break_even import BreakEven
 from hf_fp8kv.comparison.report import relative
 from hf_fp8kv.compat import HAS_FP8_QUANTIZED_CACHE, cache_kwargs
 from tests.models import PURE_FP8, smollm2, tiny_model
@@ -59,6 +61,7 @@ def tiny_run(tiny):
             eval_tokens=40,
             contexts=(24, 200),
             decode_steps=2,
+            retrieval=PasskeyProbe(lengths=(200,), depths=(0.0, 1.0), trials=1, max_new_tokens=4),
             progress=False,
         )
     return result, escaped
@@ -81,6 +84,9 @@ def test_tables_have_a_row_per_variant_prompt_bucket_and_context(tiny_result):
     assert [r["context"] for r in quality[:: len(names)]] == ["all", "16-31", "32-55"]
     assert sum(r["tokens"] for r in quality if r["context"] != "all" and r["variant"] == "fp8") == 40
     assert [(r["variant"], r["context"]) for r in tiny_result.cost_rows()] == [(n, c) for n in names for c in (24, 200)]
+    retrieval = tiny_result.tables()["Passkey retrieval (keys found / trials, by context length and key depth)"]
+    assert [(r["length"], r["depth_%"], r["trials"]) for r in retrieval] == [(200, 0, 1), (200, 100, 1), ("all", "", 2)]
+    assert list(retrieval[0])[3:] == names
 
 
 def test_reference_against_itself_is_exact(tiny_result):
@@ -120,7 +126,7 @@ def test_report_renders_and_saves_png_plots(tiny_result, tmp_path):
     assert "[[" in text and "<mark>" in page  # the broken variant's first divergent token is marked
     paths = tiny_result.save(tmp_path / "report")
     pngs = [p for p in paths if p.suffix == ".png"]
-    assert {p.stem for p in pngs} == {"kl_vs_position", "memory_vs_context", "step_time_vs_context"}
+    assert {p.stem for p in pngs} == {"kl_vs_position", "memory_vs_context", "step_time_vs_context", "retrieval"}
     for png in pngs:
         data = png.read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
@@ -132,7 +138,7 @@ def test_report_opens_with_the_recommended_variant_and_its_gains(tiny_result):
     time against the native cache and transformers' fp8 cache, from the same figures as the tables."""
     headline = tiny_result.headline()
     assert headline[0] == f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale " \
-                          "per token and KV head, the newest 32 and first 4 tokens in the model's dtype, the " \
+                          "per token and KV head, the newest 128 and first 4 tokens in the model's dtype, the " \
                           "defaults; no calibration."
     summary = by_variant(tiny_result.summary_rows())
     costs = {(p.variant, p.context): p for p in tiny_result.costs}
@@ -144,12 +150,25 @@ def test_report_opens_with_the_recommended_variant_and_its_gains(tiny_result):
         f"{relative(ours_cost.step_ms, native.step_ms, 'less', 'more')} time per decode step "
         f"({ours_cost.step_ms:.3g} vs {native.step_ms:.3g} ms; both at 200 tokens, batch 1)."
     )
-    assert len(headline) == 2 + len(THEIRS)
+    assert len(headline) == 4 + len(THEIRS)
     if THEIRS:
         hf, theirs = summary[HF_FP8], costs[HF_FP8, 200]
         assert headline[2].startswith(f"Against transformers' fp8 cache ({HF_FP8}): ")
         assert f"mean KL ({ours['kl_mean']:.2g} vs {hf['kl_mean']:.2g}), top-1 agreement " in headline[2]
         assert f"({ours_cost.step_ms:.3g} vs {theirs.step_ms:.3g} ms; both at 200 tokens, batch 1)." in headline[2]
+    break_even_line, retrieval_line = headline[2 + len(THEIRS) :]
+    break_even = BreakEven.of(*([p for p in tiny_result.costs if p.variant == v] for v in (RECOMMENDED, "native")))
+    assert break_even_line == (
+        f"Break-even of decode step time against native on this machine ({tiny_result.machine}, batch 1): "
+        f"{RECOMMENDED} {break_even.sentence()}."
+    )
+    assert tiny_result.machine.endswith(f" CPU, {torch.get_num_threads()} torch threads")
+    assert ours["break_even"] == break_even.cell() and summary["native"]["break_even"] == "-"
+    found = {name: sum(t.found for t in tiny_result.retrieval if t.variant == name) for name in ("native", RECOMMENDED)}
+    assert retrieval_line.startswith(
+        f"Passkey retrieval: native found {found['native']} of 2 keys, {RECOMMENDED} {found[RECOMMENDED]}"
+    )
+    assert ours["retrieval_%"] == 100 * found[RECOMMENDED] / 2
     text = str(tiny_result)
     assert text.startswith("== Summary ==\n" + "\n".join(headline) + "\n")
     assert text.index(headline[-1]) < text.index("verdict") < text.index("variants:\n  native: ")
@@ -160,15 +179,18 @@ def test_headline_leaves_out_what_was_not_compared(tiny_result):
     dropped = lambda *names: dataclasses.replace(  # noqa: E731
         tiny_result, variants=[v for v in tiny_result.variants if v.name not in names]
     )
-    assert [line.split(" (")[0] for line in dropped(HF_FP8).headline()] == [
+    lines = dropped(HF_FP8).headline()
+    assert [line.split(" (")[0] for line in lines[:2]] == [
         f"Recommended: {RECOMMENDED} = QuantizedFP8Cache(model, scales='dynamic'): e4m3, a scale per token and KV "
         "head, the newest 128 and first 4 tokens in the model's dtype, the defaults; no calibration.",
         "Against the native cache",
     ]
+    assert lines[2].startswith("Break-even of decode step time against native on this machine (")
+    assert lines[3].startswith("Passkey retrieval: native found ") and len(lines) == 4
     assert dropped(RECOMMENDED).headline() == []
     assert "Recommended" not in str(dropped(RECOMMENDED))
-    no_costs = dataclasses.replace(tiny_result, costs=[]).headline()
-    assert "KV cache" not in no_costs[1] and "mean KL" in no_costs[1]
+    no_costs = dataclasses.replace(tiny_result, costs=[], retrieval=[]).headline()
+    assert "KV cache" not in no_costs[1] and "mean KL" in no_costs[1] and len(no_costs) == 2 + len(THEIRS)
     if THEIRS:
         assert "decode step" not in no_costs[2] and "mean KL" in no_costs[2]
 

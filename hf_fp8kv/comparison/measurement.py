@@ -7,10 +7,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import platform
 import time
 import warnings
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -253,6 +255,17 @@ class LiveTensorBytes(TorchDispatchMode):
         super().__exit__(*exc)
         for finalizer in self.finalizers:
             finalizer.detach()
+
+
+def machine(device: torch.device) -> str:
+    """What measures the step times: the GPU's name, or the CPU's and the torch threads it runs."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), name)
+    return f"{name} CPU, {torch.get_num_threads()} torch threads"
 
 
 def _synchronize(device: torch.device) -> None:

@@ -11,9 +11,12 @@ from typing import Any, Callable
 
 import torch
 
+from hf_fp8kv import retrieval
+from hf_fp8kv.comparison.break_even import BreakEven
 from hf_fp8kv.comparison.measurement import CostPoint, Generation, RaisedWarning
 from hf_fp8kv.comparison.variants import HF_FP8, RECOMMENDED, Variant
 from hf_fp8kv.evaluate import Quality, TokenScores
+from hf_fp8kv.retrieval import RetrievalTrial
 from hf_fp8kv.table import format_table
 
 MIB = 2**20
@@ -35,6 +38,8 @@ class Comparison:
     top_k: int
     device: str
     warnings_raised: list[RaisedWarning] = field(default_factory=list)
+    machine: str = ""  # what measured the step times: the GPU, or the CPU and its torch threads
+    retrieval: list[RetrievalTrial] = field(default_factory=list)  # passkey answers, when the probe ran
 
     @property
     def reference(self) -> str:
@@ -43,7 +48,9 @@ class Comparison:
     # --- the story ---------------------------------------------------------------------------------------
     def headline(self) -> list[str]:
         """The report's first lines: the recommended variant (`RECOMMENDED`), then one sentence each on what it
-        gains against the native cache and against transformers' fp8 cache. Empty when it was not compared."""
+        gains against the native cache and against transformers' fp8 cache, from which context its decode step is
+        no slower than the native cache's (when costs were measured) and which keys it retrieves (when the probe
+        ran). Empty when it was not compared."""
         names = [v.name for v in self.variants]
         if RECOMMENDED not in names:
             return []
@@ -51,7 +58,19 @@ class Comparison:
         for name, label in ((self.reference, "the native cache"), (HF_FP8, "transformers' fp8 cache")):
             if name in names:
                 lines.append(f"Against {label} ({name}): {self._gains(name)}.")
+        break_even = self.break_even(RECOMMENDED)
+        if break_even is not None:
+            lines.append(
+                f"Break-even of decode step time against {self.reference} on this machine ({self.machine}, batch 1): "
+                f"{RECOMMENDED} {break_even.sentence()}."
+            )
+        if self.retrieval:
+            lines.append(f"Passkey retrieval: {retrieval.against_reference(self.retrieval, self.reference, RECOMMENDED)}.")
         return lines
+
+    def break_even(self, variant: str) -> BreakEven | None:
+        """Where `variant`'s decode step time falls to the reference's (None without common cost points)."""
+        return BreakEven.of(*([p for p in self.costs if p.variant == name] for name in (variant, self.reference)))
 
     def _gains(self, other: str) -> str:
         ours, theirs = Quality.of(self.scores[RECOMMENDED]), Quality.of(self.scores[other])
@@ -91,6 +110,8 @@ class Comparison:
                 "kl_mean": q.kl_mean,
                 "top1_%": 100.0 * q.top1_agreement,
             }
+            if self.retrieval:
+                row["retrieval_%"] = 100.0 * retrieval.found_rate(self.retrieval, variant.name)
             point = largest.get(variant.name)
             if point is not None:
                 per_token = point.kv_bytes / point.tokens
@@ -102,6 +123,8 @@ class Comparison:
                         f"max_batch@{point.context}": self.max_batch(per_token, point.context),
                     }
                 )
+                break_even = self.break_even(variant.name)
+                row["break_even"] = "-" if variant.name == self.reference or break_even is None else break_even.cell()
             rows.append(row)
         return rows
 
@@ -177,6 +200,10 @@ class Comparison:
         }
         if self.costs:
             tables["Cost (batch 1)"] = self.cost_rows()
+        if self.retrieval:
+            tables["Passkey retrieval (keys found / trials, by context length and key depth)"] = (
+                retrieval.retrieval_rows(self.retrieval)
+            )
         return tables
 
     def header(self) -> list[str]:
@@ -217,12 +244,17 @@ class Comparison:
         return "\n".join(p for p in parts if p)
 
     # --- figures ---------------------------------------------------------------------------------------
+    def plots(self) -> dict[str, Callable[[Comparison, Any], None]]:
+        """The plots by name: the three of `PLOTS`, and the retrieval map when the probe ran."""
+        return {**PLOTS, "retrieval": Comparison._plot_retrieval} if self.retrieval else PLOTS
+
     def plot(self):
-        """A matplotlib Figure with the three plots side by side."""
+        """A matplotlib Figure with the plots side by side."""
         from matplotlib.figure import Figure
 
-        figure = Figure(figsize=(18, 4.5), layout="constrained")
-        for ax, draw in zip(figure.subplots(1, len(PLOTS)), PLOTS.values()):
+        plots = self.plots()
+        figure = Figure(figsize=(6 * len(plots), 4.5), layout="constrained")
+        for ax, draw in zip(figure.subplots(1, len(plots)), plots.values()):
             draw(self, ax)
         return figure
 
@@ -235,7 +267,7 @@ class Comparison:
         paths = [out / "report.txt", out / "report.html"]
         paths[0].write_text(str(self) + "\n", encoding="utf-8")
         paths[1].write_text(self._repr_html_(), encoding="utf-8")
-        for name, draw in PLOTS.items():
+        for name, draw in self.plots().items():
             figure = Figure(figsize=(7, 4.5), layout="constrained")
             draw(self, figure.add_subplot())
             paths.append(out / f"{name}.png")
@@ -275,6 +307,30 @@ class Comparison:
             ax.plot([p.context for p in points], [p.step_ms for p in points], "o-", label=variant.name)
         ax.set(xlabel="context (tokens)", ylabel="ms per decode step", title="Decode step time vs context (batch 1)")
         _legend(ax)
+
+    def _plot_retrieval(self, ax) -> None:
+        """One map per variant, side by side in `ax`: the share of keys found by context length and key depth."""
+        table = retrieval.cells(self.retrieval)
+        lengths = sorted({length for length, _ in table})
+        depths = sorted({depth for _, depth in table})
+        ax.set_axis_off()
+        ax.set_title("Passkey retrieval: keys found by context length and depth")
+        width = 1 / len(self.variants)
+        for i, variant in enumerate(self.variants):
+            inner = ax.inset_axes((i * width + 0.15 * width, 0.12, 0.8 * width, 0.78))
+            rates = torch.full((len(lengths), len(depths)), float("nan"))
+            for (length, depth), outcomes in table.items():
+                found = outcomes[variant.name]
+                rates[lengths.index(length), depths.index(depth)] = sum(found) / len(found)
+                inner.text(depths.index(depth), lengths.index(length), f"{sum(found)}/{len(found)}",
+                           ha="center", va="center", fontsize="x-small")  # fmt: skip
+            inner.imshow(rates.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+            inner.set_xticks(range(len(depths)), [f"{100 * d:.0f}" for d in depths], fontsize="x-small")
+            inner.set_yticks(range(len(lengths)), lengths if i == 0 else [], fontsize="x-small")
+            inner.set_title(variant.name, fontsize="small")
+            inner.set_xlabel("depth %", fontsize="x-small")
+            if i == 0:
+                inner.set_ylabel("context (tokens)", fontsize="small")
 
 
 PLOTS: dict[str, Callable[[Comparison, Any], None]] = {

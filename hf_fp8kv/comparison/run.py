@@ -15,10 +15,12 @@ from hf_fp8kv.comparison.measurement import (
     compare_generations,
     cost_points,
     decode_mode_scores,
+    machine,
     weight_bytes,
 )
 from hf_fp8kv.comparison.report import Comparison
 from hf_fp8kv.comparison.variants import VariantSpec, resolve_variants
+from hf_fp8kv.retrieval import PasskeyProbe, probe_prompts, run_probe
 
 
 def compare(
@@ -37,6 +39,7 @@ def compare(
     top_k: int = 5,
     memory_budget_gib: float | None = None,
     chat_template: bool | None = None,
+    retrieval: PasskeyProbe | None = None,
     progress: bool = True,
 ) -> Comparison:
     """Compare KV cache variants on `model` against the native `DynamicCache`.
@@ -53,6 +56,9 @@ def compare(
         top_k: k of vLLM's rule at the first divergent token.
         memory_budget_gib: budget for the largest batch (default: the GPU's memory, else the machine's RAM).
         chat_template: wrap prompts in the tokenizer's chat template (default: when it has one).
+        retrieval: a passkey-retrieval probe to run on every variant (off by default: it prefills long prompts),
+            e.g. `PasskeyProbe(lengths=(2048, 4096), depths=(0.0, 0.5, 1.0), trials=4)`; its filler is the first
+            text's sentences.
 
     Warnings the variants raise while they run are recorded in `warnings_raised` and listed once in the report
     instead of printed.
@@ -78,9 +84,14 @@ def compare(
 
     use_chat = chat_template if chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     prompt_ids = [_prompt_ids(tokenizer, p, use_chat, device) for p in prompt_list]
+    passkeys = probe_prompts(model, tokenizer, retrieval, text_list[0], use_chat) if retrieval else []
     generations = compare_generations(model, tokenizer, prompt_ids, variant_list, max_new_tokens, top_k, progress, log)
     positions, scores = decode_mode_scores(model, text_ids, prefill, variant_list, progress, log)
     costs = cost_points(model, text_ids[0][0], variant_list, context_list, decode_steps, progress, log)
+    answers = []
+    if retrieval:
+        caches = {v.name: v.make_cache for v in variant_list}
+        answers = run_probe(model, tokenizer, passkeys, caches, retrieval.max_new_tokens, progress, log.running)
     return Comparison(
         variants=variant_list,
         prompts=prompt_list,
@@ -94,6 +105,8 @@ def compare(
         top_k=top_k,
         device=str(device),
         warnings_raised=list(log.raised.values()),
+        machine=machine(device),
+        retrieval=answers,
     )
 
 

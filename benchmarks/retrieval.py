@@ -1,0 +1,138 @@
+"""Passkey retrieval on a bundled real model: native cache vs every variant `hf_fp8kv.compare` knows, plus the
+recent-64 + sinks-4 candidate default. The retrieval table of docs/retrieval.md.
+
+A random 5-digit key is hidden at each depth of filler text (the bundled sample's sentences, shuffled per
+trial) in prompts of each length, in the chat template; each cache answers greedily; exact match. Trials run
+trial by trial over the whole grid and each prompt's answers are appended to `--out` (JSON lines) as soon as
+every variant has answered, so a run stopped early leaves a balanced table and `--resume` continues it.
+
+    python benchmarks/retrieval.py --out benchmarks/results/retrieval-smollm2.jsonl
+    python benchmarks/retrieval.py --lengths 1024,4096 --depths 0,50,100 --trials 1 --variants native,fp8_recent
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from hf_fp8kv.bundled import load_gemma3, load_smollm2
+from hf_fp8kv.comparison import BUILTIN_VARIANTS, RECOMMENDED, REFERENCE, builtin_text, resolve_variants
+from hf_fp8kv.comparison.measurement import machine
+from hf_fp8kv.retrieval import (
+    PasskeyProbe,
+    RetrievalTrial,
+    against_reference,
+    found_rate,
+    missed,
+    probe_prompts,
+    retrieval_rows,
+    run_probe,
+)
+from hf_fp8kv.table import format_table
+
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CANDIDATE = "fp8_recent64"  # the likely next default: the newest 64 and first 4 tokens in the model's dtype
+VARIANTS = {
+    **{name: name for name in BUILTIN_VARIANTS},
+    CANDIDATE: dict(scales="dynamic", recent_tokens=64, sink_tokens=4),
+}
+RECOMMENDED_CONFIGURATIONS = (RECOMMENDED, CANDIDATE)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def read_trials(path: Path) -> dict[tuple[str, int, float, int], RetrievalTrial]:
+    """The answers in `path` by (variant, length, depth, trial)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    trials = (RetrievalTrial(**json.loads(line)) for line in lines if line.strip())
+    return {(t.variant, t.length, t.depth, t.trial): t for t in trials}
+
+
+def complete(trials: dict[tuple[str, int, float, int], RetrievalTrial], variants: list[str]) -> list[RetrievalTrial]:
+    """The answers of `variants` to the prompts every one of them answered, prompt by prompt in the order read."""
+    prompts = dict.fromkeys(key[1:] for key in trials)
+    return [trials[(v, *p)] for p in prompts if all((name, *p) in trials for name in variants) for v in variants]
+
+
+def report(trials: list[RetrievalTrial], variants: list[str]) -> str:
+    """The table, each variant's share of keys found, and each variant against the native cache."""
+    lines = [format_table(retrieval_rows(trials)), ""]
+    lines += [f"{name}: {100 * found_rate(trials, name):.1f}% of keys found" for name in variants]
+    lines += [""] + [against_reference(trials, REFERENCE, name) for name in variants if name != REFERENCE]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8192], help="tokens, prompt + answer")
+    parser.add_argument("--depths", type=_ints, default=[0, 25, 50, 75, 100], help="percent of the filler before the key")
+    parser.add_argument("--trials", type=int, default=2, help="keys per (length, depth) cell")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--out", type=Path, help="JSON lines of every answer (appended as the prompts complete)")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the answers --out already holds (by variant and prompt); report all it holds")
+    args = parser.parse_args()
+    names = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; valid: {', '.join(VARIANTS)}")
+    if args.resume and args.out is None:
+        parser.error("--resume needs --out")
+    probe = PasskeyProbe(tuple(args.lengths), tuple(d / 100 for d in args.depths), args.trials, args.max_new_tokens)
+    variants = resolve_variants({name: VARIANTS[name] for name in names})
+    names = [v.name for v in variants]  # the reference first
+    title, load = MODELS[args.model]
+    model, tokenizer = load(dtype=DTYPES[args.dtype])
+    model = model.to(args.device)
+    done = read_trials(args.out) if args.resume else {}
+    if args.out and not args.resume:
+        args.out.write_text("")
+    prompts = probe_prompts(model, tokenizer, probe, builtin_text(), chat=True)
+    prompts = sorted(prompts, key=lambda p: p.trial)  # trial by trial over the grid: a stopped run stays balanced
+    print(f"{title}, {args.dtype}, {machine(model.device)}; lengths {args.lengths}, "
+          f"depths {args.depths}%, {args.trials} trials, {args.max_new_tokens} new tokens; "
+          f"{len(done)} answers resumed", flush=True)  # fmt: skip
+    for variant in variants:
+        print(f"  {variant.name}: {variant.description}")
+    seconds = dict.fromkeys(names, 0.0)
+    warnings.simplefilter("once")
+    for prompt in prompts:
+        answers = []
+        for variant in variants:
+            if (variant.name, prompt.length, prompt.depth, prompt.trial) in done:
+                continue
+            started = time.perf_counter()
+            answers += run_probe(model, tokenizer, [prompt], {variant.name: variant.make_cache}, probe.max_new_tokens)
+            seconds[variant.name] += time.perf_counter() - started
+        if not answers:
+            continue
+        print(f"{prompt.length} tokens, depth {100 * prompt.depth:.0f}%, trial {prompt.trial}, key {prompt.key}: "
+              + ", ".join(f"{a.variant} {a.answer.strip()!r}{'' if a.found else ' MISS'}" for a in answers),
+              flush=True)  # fmt: skip
+        done |= {(a.variant, a.length, a.depth, a.trial): a for a in answers}
+        if args.out:
+            with args.out.open("a") as out:
+                out.writelines(json.dumps(dataclasses.asdict(a)) + "\n" for a in answers)
+    print("\nseconds per variant (this run, prefill and answer): "
+          + ", ".join(f"{name} {s:.0f}" for name, s in seconds.items()))  # fmt: skip
+    trials = complete(done, names)
+    print(report(trials, names))
+    failing = [name for name in RECOMMENDED_CONFIGURATIONS if name in names and missed(trials, REFERENCE, name)]
+    print("\nRecommended configurations that miss a key the native cache found: " + (", ".join(failing) or "none"))
+
+
+if __name__ == "__main__":
+    main()
