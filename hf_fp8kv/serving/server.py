@@ -161,7 +161,6 @@ class FP8Serve(Serve):
         return page_state(self.manager)
 
 
-
 def _wait_for_pages(manager):
     """The paged cache the manager's generation thread builds when it starts."""
     cb = manager._cb
