@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache, calibrate
 from hf_fp8kv.bundled import smollm2_dir
+from hf_fp8kv.compat import cache_kwargs
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
 
     cache = QuantizedFP8Cache(model, scales=scales)
     prompt = tokenizer("The lighthouse keeper wrote", return_tensors="pt")
-    output = model.generate(**prompt, max_new_tokens=20, do_sample=False, cache=cache)
+    output = model.generate(**prompt, max_new_tokens=20, do_sample=False, **cache_kwargs(cache))
     print(tokenizer.decode(output[0], skip_special_tokens=True))
     print(cache)  # per layer: storage, granularity, source of the scales, K/V scales, bytes, clipped values
 

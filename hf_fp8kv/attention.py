@@ -19,6 +19,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from hf_fp8kv import compat
+
 ATTENTION_NAME = "fp8kv"
 # our attention's names -> the implementation each hands over to (the model's implementation before the switch)
 FP8_ATTENTION_NAMES = {ATTENTION_NAME: "sdpa", f"{ATTENTION_NAME}_eager": "eager"}
@@ -63,6 +65,9 @@ def fallback_implementation(config) -> str:
 
 def fp8kv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over our FP8 cache when `key` is its view, else the model's previous implementation."""
+    paged = compat.paged_cache_from_kwargs(kwargs)
+    if paged is not None and not isinstance(key, FP8KeyStates):  # continuous batching left the write to us
+        key, value = paged.update(key, value, module.layer_idx, kwargs)
     if not isinstance(key, FP8KeyStates):
         fallback = fallback_implementation(module.config)
         if fallback == "eager":  # each model has its own eager function (Gemma 2's applies softcap)

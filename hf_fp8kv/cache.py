@@ -7,14 +7,9 @@ import warnings
 from typing import Iterable
 
 import torch
-from transformers.cache_utils import (
-    Cache,
-    DummyLayer,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    StaticLayer,
-)
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from hf_fp8kv import compat
 from hf_fp8kv.attention import ATTENTION_NAME, attention_implementation, is_fp8_attention, use_fp8_attention
 from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
@@ -110,7 +105,7 @@ class QuantizedFP8Cache(Cache):
         """Layer `i`'s storage: an FP8 layer of its type and policy, transformers' own layer when skipped."""
         kind, kwargs = settings.layer_types[i], settings.layer_kwargs[i]
         if kind not in POLICIES:
-            return DummyLayer()
+            return compat.no_cache_layer(kind)
         dynamic, static, skipped = POLICIES[kind]
         if i in settings.skip:
             # a static cache's masks cover [0, max_cache_len) on every layer type: every slot in full precision
@@ -149,10 +144,17 @@ class QuantizedFP8Cache(Cache):
         return False
 
     # --- what a generate call will ask, checked before its first step ---------------------------------------
-    def check_generation(self, max_cache_length: int, batch_size: int, assisted: bool) -> None:
+    def check_generation(self, max_cache_length: int, batch_size: int, assisted: bool, chunked: bool) -> None:
         """Refuse, before the model runs, a generate call this cache cannot serve: more tokens than a static
         cache holds (`max_cache_length`: prompt + new tokens - 1), a larger batch (rows x beams or returned
-        sequences) than its buffers, or assisted / prompt-lookup decoding on layers that cannot roll back."""
+        sequences) than its buffers, assisted / prompt-lookup decoding on layers that cannot roll back, or a
+        `chunked` prefill onto a filled cache where transformers would write the conversation twice."""
+        if chunked and not compat.CHUNKED_PREFILL_CONTINUES and self.get_seq_length():
+            raise ValueError(
+                f"prefill_chunk_size with a cache that already holds {self.get_seq_length()} tokens: this transformers "
+                "restarts a chunked prefill at the first token and would write the conversation twice (transformers "
+                "5.24 continues it); continue without prefill_chunk_size, or upgrade transformers"
+            )
         static = [layer for layer in self.layers if isinstance(layer, StaticFP8Layer)]
         limit = min((layer.max_cache_len for layer in static), default=None)
         if limit is not None and max_cache_length > limit:
@@ -181,7 +183,9 @@ class QuantizedFP8Cache(Cache):
         self.token_history.clear()
 
     def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
+        # transformers 5.17's assisted decoding passes a 0-dim tensor (its count of matched tokens): our layers keep
+        # positions as Python ints, so it is read once here (a tensor `end` would be advanced in place twice a step)
+        super().crop(int(tokens_to_remove))
         self.token_history.crop(self.get_seq_length())
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

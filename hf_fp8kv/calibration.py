@@ -15,8 +15,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv import compat
 from hf_fp8kv.checkpoint import KVScales
+from hf_fp8kv.kernels.formats import get_format
 
 OCP_MAX = get_format("fp8_e4m3").max  # scales are stored in the OCP e4m3 convention: amax / 448
 MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its head's scale
@@ -62,7 +63,7 @@ def calibrate(
         for inputs in tqdm(model_inputs(data, tokenizer, max_length, model.device), total=total,
                            desc="calibrate", disable=not progress):  # fmt: skip
             mask = inputs.get("attention_mask")
-            model(**inputs, cache=_RecordingCache(model.config, observer, mask), use_cache=True, **extra)
+            compat.forward(model, _RecordingCache(model.config, observer, mask), **inputs, **extra)
             observer.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
     if not observer.channel_amax:
         raise ValueError("calibration saw no keys: data was empty or the model never called the cache")

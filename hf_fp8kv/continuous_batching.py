@@ -15,13 +15,16 @@ block copies (forks, CPU offloading) and index arithmetic stay as they are. With
 dense cache's default), each request in flight also holds its newest and first tokens in the model's dtype
 beside its pages (`paged_recent.py`).
 
-These are transformers internals, not public API: `enable` checks the version (`TESTED_TRANSFORMERS`) and the
-names it relies on, and refuses anything else with an error naming the version.
+These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
+sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the
+paged cache reaches the attention function as `cache=` (which then writes the new tokens: `compat`), from 5.24 the
+attention module writes them; the pages, allocators and indices are the same.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import logging
 import math
@@ -37,12 +40,19 @@ from transformers.generation.continuous_batching.cache import (
     PagedAttentionMemoryHandler,
     group_layers_by_attn_type,
 )
-from transformers.generation.continuous_batching.cache_allocators import (
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
-    FullAttentionCacheAllocator,
-    SlidingAttentionCacheAllocator,
-)
+
+try:
+    from transformers.generation.continuous_batching.cache_allocators import (
+        FULL_ATTENTION,
+        SLIDING_ATTENTION,
+        FullAttentionCacheAllocator,
+        SlidingAttentionCacheAllocator,
+    )
+except ImportError as error:  # an import that moved: the allocators are a package from transformers 5.18 on
+    raise ImportError(
+        f"hf_fp8kv.continuous_batching needs transformers 5.20 or later (its paged-cache allocators); transformers "
+        f"{transformers.__version__} is installed. QuantizedFP8Cache with model.generate works with it."
+    ) from error
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousMixin
 from transformers.generation.continuous_batching.utils import find_num_key_value_heads
 
@@ -55,7 +65,29 @@ from hf_fp8kv.paged_recent import RequestSlots
 from hf_fp8kv.scales import ScalesArg
 from hf_fp8kv.settings import check_count, resolve_settings
 
-TESTED_TRANSFORMERS = "5.24"
+# The sources (`_source_digest`) of the internals `enable` relies on (`_internals`), in the transformers releases
+# where the tests passed; `enable` refuses any other.
+VERIFIED_TRANSFORMERS = "5.20-5.24"
+VERIFIED_INTERNALS: dict[str, set[str]] = {  # 5.20; where 5.21 (manager) and 5.24 (cache, memory handler) differ
+    "CacheAllocator": {"eca946b9427f2982"},
+    "FullAttentionCacheAllocator": {"0645997145453be8"},
+    "SlidingAttentionCacheAllocator": {"e387230391ff13bf"},
+    "PagedAttentionCache.__init__": {"0f37a4fe830b387f", "90db8dad79880e11"},
+    "PagedAttentionCache.update": {"4ba112795f0ef346"},
+    # (the request slots of the recent and sink tokens follow these: the same source in 5.20 to 5.24)
+    "PagedAttentionCache.can_store_request_tokens": {"021cc19cbe54a87d"},
+    "PagedAttentionCache.free_blocks": {"b966bf16f435357b"},
+    "PagedAttentionCache.free_all_requests": {"5bdb053392d5ddf4"},
+    "PagedAttentionCache.extend_read_and_write_indices": {"c15b991842218c78"},
+    "PagedAttentionCache.prepare_fork_request": {"fba1d9d1d3f45a5b"},
+    "PagedAttentionMemoryHandler": {"6a160b0b71c22e89", "0c9933b0fad2ae95"},
+    "group_layers_by_attn_type": {"2f38000fc6f10bfc"},
+    "ContinuousBatchingManager.__init__": {"d04c8e6c28c29311", "3037dc8d5ae04c5e"},
+    "ContinuousBatchingManager._create_batch_processor": {"a606593698427df1"},
+    "ContinuousMixin.init_continuous_batching": {"142ab58ebeef6c1c"},
+    "ContinuousBatchingIOs.get_model_kwargs": {"9fed47790bcfa2da"},
+    "find_num_key_value_heads": {"7c33dcea9979a2f7"},
+}  # fmt: skip
 SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
 SETTINGS_ATTRIBUTE = "_fp8kv_paged_settings"
 # Without `max_requests`, the recent and sink tokens of the requests in flight get an eighth of the KV memory:
@@ -172,35 +204,45 @@ def disable(model: torch.nn.Module) -> None:
         model.set_attn_implementation(settings.previous_attention)
 
 
-def check_transformers_version(version: str | None = None) -> None:
-    """Raise unless transformers is the tested version and its continuous-batching internals are as expected."""
-    version = transformers.__version__ if version is None else version
-    if version.split(".")[:2] != TESTED_TRANSFORMERS.split("."):
-        raise RuntimeError(
-            f"hf_fp8kv.continuous_batching relies on continuous-batching internals of transformers "
-            f"{TESTED_TRANSFORMERS}.x; transformers {version} is installed. Install "
-            f"transformers=={TESTED_TRANSFORMERS}.* or use QuantizedFP8Cache with model.generate"
-        )
-    from transformers.generation.continuous_batching import cache, continuous_api
-
-    allocator, sliding = FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
-    expected = {
-        continuous_api.ContinuousBatchingManager._create_batch_processor: {"PagedAttentionCache"},
-        _unwrap(continuous_api.ContinuousMixin.init_continuous_batching): {"ContinuousBatchingManager"},
-        cache.PagedAttentionCache.__init__: {"ATTN_TYPE_TO_ALLOCATOR", "PagedAttentionMemoryHandler",
-                                             "FullAttentionCacheAllocator"},
-        allocator.register_cache_tensor: {"_after_cache_tensor_init"},
-        allocator.get_read_indices: {"block_physical_stride"},
-        allocator.get_write_indices: {"block_physical_stride"},
-        sliding._token_indices_to_physical_indices: {"block_physical_stride"},
-    }  # fmt: skip
-    for function, names in expected.items():
-        missing = names - set(function.__code__.co_names)
-        if missing:
+def check_transformers_version() -> None:
+    """Raise unless every continuous-batching internal `enable` relies on has a source it was verified with."""
+    for name, piece in _internals().items():
+        try:
+            digest = _source_digest(piece)
+        except (OSError, TypeError):  # no source to compare
+            digest = None
+        if digest not in VERIFIED_INTERNALS.get(name, ()):
             raise RuntimeError(
-                f"transformers {version}: {function.__qualname__} no longer uses {sorted(missing)}; "
-                f"hf_fp8kv.continuous_batching was tested with transformers {TESTED_TRANSFORMERS}.x"
+                f"transformers {transformers.__version__} is installed: its continuous-batching {name} differs from "
+                f"the ones hf_fp8kv.continuous_batching was verified with (transformers {VERIFIED_TRANSFORMERS}). "
+                f"Install transformers {VERIFIED_TRANSFORMERS} or use QuantizedFP8Cache with model.generate"
             )
+
+
+def _internals() -> dict[str, object]:
+    """What `enable` subclasses, rebinds or calls in transformers' continuous batching, by name."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    classes = {c for a in (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator) for c in a.__mro__}
+    pieces = {c.__qualname__: c for c in classes if c.__module__.startswith("transformers.")}
+    for function in (
+        PagedAttentionCache.__init__, PagedAttentionCache.update, PagedAttentionCache.can_store_request_tokens,
+        PagedAttentionCache.free_blocks, PagedAttentionCache.free_all_requests,
+        PagedAttentionCache.extend_read_and_write_indices, PagedAttentionCache.prepare_fork_request,
+        group_layers_by_attn_type,
+        ContinuousBatchingManager.__init__, ContinuousBatchingManager._create_batch_processor,
+        ContinuousMixin.init_continuous_batching, ContinuousBatchingIOs.get_model_kwargs, find_num_key_value_heads,
+    ):  # fmt: skip
+        pieces[_unwrap(function).__qualname__] = function
+    pieces["PagedAttentionMemoryHandler"] = PagedAttentionMemoryHandler
+    return pieces
+
+
+def _source_digest(piece) -> str:
+    """A digest of the source of `piece`, without its comment and blank lines."""
+    lines = inspect.getsource(_unwrap(piece)).splitlines()
+    kept = [line.rstrip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
 def _unwrap(function):

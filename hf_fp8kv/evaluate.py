@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from hf_fp8kv import compat
+
 
 @torch.inference_mode()
 def decode_mode_logits(
@@ -26,10 +28,10 @@ def decode_mode_logits(
     length = input_ids.shape[1]
     if not 0 < prefix < length:
         raise ValueError(f"prefix={prefix} must be between 1 and the text length - 1 ({length - 1} tokens)")
-    out = model(input_ids=input_ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
+    out = compat.forward(model, cache, input_ids=input_ids[:, :prefix], logits_to_keep=1)
     rows = [out.logits[0, -1].float()]
     for position in tqdm(range(prefix, length - 1), disable=not progress, desc="decode", leave=False):
-        out = model(input_ids=input_ids[:, position : position + 1], cache=cache, use_cache=True)
+        out = compat.forward(model, cache, input_ids=input_ids[:, position : position + 1])
         rows.append(out.logits[0, -1].float())
         if step_callback is not None:
             step_callback(position)
@@ -112,7 +114,7 @@ def greedy_with_logits(model: torch.nn.Module, inputs: dict, cache, max_new_toke
     """Greedy `generate` through `cache`: new tokens `[batch, new]` and raw logits `[batch, new, vocab]` (fp32)."""
     out = model.generate(
         **inputs,
-        cache=cache,
+        **compat.cache_kwargs(cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         output_logits=True,

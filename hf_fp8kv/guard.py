@@ -173,7 +173,7 @@ class CheckedCachePreparation:
             sequences = max(config.num_beams or 1, config.num_return_sequences or 1)
             cache.check_generation(
                 call["max_cache_length"], call.get("batch_size", 1) * sequences,
-                getattr(mode, "value", mode) == "assisted_generation",
+                getattr(mode, "value", mode) == "assisted_generation", config.prefill_chunk_size is not None,
             )  # fmt: skip
         return method(self.model, *args, **kwargs)
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from hf_fp8kv import compat
 from hf_fp8kv.cache import QuantizedFP8Cache
 
 
@@ -34,7 +35,7 @@ class FreshCacheGenerate:
     def __call__(self, *args, **kwargs):
         explicit = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
         if not explicit and kwargs.get("use_cache", True):
-            kwargs["cache"] = QuantizedFP8Cache(self.model, **self.cache_kwargs)
+            kwargs[compat.CACHE_ARG] = QuantizedFP8Cache(self.model, **self.cache_kwargs)
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         return type(self.model).generate(self.model, *args, **kwargs)

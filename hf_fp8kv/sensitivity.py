@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from hf_fp8kv import compat
 from hf_fp8kv.cache import QuantizedFP8Cache
 from hf_fp8kv.calibration import model_inputs
 from hf_fp8kv.evaluate import per_token_kl
@@ -68,7 +69,7 @@ def layer_sensitivity(
     to a quarter of the layers.
     """
     inputs = list(model_inputs(texts, tokenizer, max_length, model.device))
-    reference = [model(**x, cache=DynamicCache(config=model.config), use_cache=True).logits.float() for x in inputs]
+    reference = [compat.forward(model, DynamicCache(config=model.config), **x).logits.float() for x in inputs]
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
 
     def measure(skip: list[int]) -> tuple[float, float]:
@@ -77,7 +78,7 @@ def layer_sensitivity(
             cache = QuantizedFP8Cache(
                 model, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip, recent_tokens=0, sink_tokens=0
             )
-            logits = model(**x, cache=cache, use_cache=True).logits.float()
+            logits = compat.forward(model, cache, **x).logits.float()
             valid = x["attention_mask"].bool() if "attention_mask" in x else torch.ones(ref.shape[:2], dtype=bool)
             kls.append(per_token_kl(ref[valid], logits[valid]))
             agree.append(ref[valid].argmax(-1) == logits[valid].argmax(-1))

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 
+from hf_fp8kv import compat
 from hf_fp8kv.kernels.formats import StorageFormat, get_format
 from hf_fp8kv.kernels.ops import check_backend
 from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, UncalibratedScalesWarning, resolve_scales
@@ -21,7 +21,7 @@ from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, Uncalib
 # chunk size (its mask keeps the chunks apart), as in transformers; "dummy" layers (KV shared with another layer,
 # or no attention) hold nothing.
 STORED_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+SLIDING_TYPES = compat.SLIDING_TYPES
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def resolve_settings(
         max_batch_size = check_count("max_batch_size", max_batch_size, minimum=1)
     backend = check_backend(backend)
     fmt = get_format(platform_dtype(kv_cache_dtype))
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    layer_types, layer_kwargs = compat.layer_types_and_kwargs(text_config)
     check_supported(text_config, layer_types)
     skip = skip_layer_indices(skip_layers, layer_types)
     stored = [i for i, kind in enumerate(layer_types) if i not in skip and kind in STORED_TYPES]
@@ -148,7 +148,7 @@ def check_supported(text_config, layer_types: list[str]) -> None:
     if getattr(text_config, "is_encoder_decoder", False):
         raise ValueError(f"model type {model_type!r} is encoder-decoder: QuantizedFP8Cache serves decoder-only models")
     for i, layer_type in enumerate(layer_types):
-        if layer_type not in (*STORED_TYPES, "dummy"):
+        if layer_type not in (*STORED_TYPES, *compat.NO_CACHE_TYPES):
             raise ValueError(
                 f"layer {i} of model type {model_type!r} is a {layer_type!r} layer: QuantizedFP8Cache stores "
                 f"per-token K/V of {', '.join(STORED_TYPES)} layers only"

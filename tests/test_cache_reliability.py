@@ -8,11 +8,12 @@ import threading
 
 import pytest
 import torch
+from hf_fp8kv.kernels.formats import get_format
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.comparison import LiveTensorBytes
-from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
 from hf_fp8kv.scales import PerTokenScales
 from tests.models import PURE_FP8, tiny_model
@@ -27,9 +28,9 @@ def test_two_threads_with_two_caches_get_the_sequential_logits():
     def run(model) -> torch.Tensor:
         cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=2)
         with torch.no_grad():
-            logits = [model(input_ids=PROMPT, cache=cache).logits[:, -1]]
+            logits = [model(input_ids=PROMPT, **cache_kwargs(cache)).logits[:, -1]]
             for step in range(30):
-                logits.append(model(input_ids=PROMPT[:, step % 12 : step % 12 + 1], cache=cache).logits[:, -1])
+                logits.append(model(input_ids=PROMPT[:, step % 12 : step % 12 + 1], **cache_kwargs(cache)).logits[:, -1])
         return torch.cat(logits)
 
     sequential = [run(model) for model in models]
@@ -50,7 +51,7 @@ def test_two_threads_with_two_caches_get_the_sequential_logits():
 def _peak_prefill_bytes(model, tokens: int, cache) -> int:
     ids = torch.randint(3, 120, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     with torch.no_grad(), LiveTensorBytes([]) as live:
-        model(input_ids=ids, cache=cache, logits_to_keep=1)
+        model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1)
     return live.peak
 
 
@@ -70,7 +71,7 @@ def test_bf16_on_the_triton_interpreter_generates_what_torch_does():
     outputs = {}
     for backend in ("torch", "triton"):
         cache = QuantizedFP8Cache(model, scales="dynamic", backend=backend, recent_tokens=3)
-        out = model.generate(input_ids=PROMPT, max_new_tokens=5, do_sample=False, cache=cache,
+        out = model.generate(input_ids=PROMPT, max_new_tokens=5, do_sample=False, **cache_kwargs(cache),
                              output_logits=True, return_dict_in_generate=True)  # fmt: skip
         outputs[backend] = (out.sequences, torch.stack(out.logits).float())
     assert torch.equal(outputs["triton"][0], outputs["torch"][0])
@@ -166,11 +167,11 @@ def test_each_model_keeps_its_own_previous_attention():
 
     gemma = tiny_model("gemma2", attn_implementation="eager", num_hidden_layers=2, sliding_window=4)
     with torch.no_grad():
-        expected = gemma(input_ids=PROMPT, cache=DynamicCache(config=gemma.config)).logits
+        expected = gemma(input_ids=PROMPT, **cache_kwargs(DynamicCache(config=gemma.config))).logits
     QuantizedFP8Cache(gemma, scales="dynamic")
     twin = copy.deepcopy(gemma)
     with torch.no_grad():
-        got = twin(input_ids=PROMPT, cache=DynamicCache(config=twin.config)).logits
+        got = twin(input_ids=PROMPT, **cache_kwargs(DynamicCache(config=twin.config))).logits
     assert torch.equal(got, expected)
     assert fallback_implementation(twin.model.layers[0].self_attn.config) == "eager"
 
@@ -180,7 +181,7 @@ def test_output_attentions_with_fp8_attention_warns():
     model = tiny_model(attn_implementation="eager")
     cache = QuantizedFP8Cache(model, scales="dynamic")
     with torch.no_grad(), pytest.warns(UserWarning, match="does not return attention weights"):
-        model(input_ids=PROMPT, cache=cache, output_attentions=True)
+        model(input_ids=PROMPT, **cache_kwargs(cache), output_attentions=True)
 
 
 def test_cache_of_another_config_or_model_takes_the_warned_slow_path():
@@ -191,11 +192,11 @@ def test_cache_of_another_config_or_model_takes_the_warned_slow_path():
     model = tiny_model()
     reference = tiny_model()
     with torch.no_grad():
-        expected = reference(input_ids=PROMPT, cache=QuantizedFP8Cache(reference, scales="dynamic")).logits
+        expected = reference(input_ids=PROMPT, **cache_kwargs(QuantizedFP8Cache(reference, scales="dynamic"))).logits
     for cache in (QuantizedFP8Cache(config=copy.deepcopy(model.config), scales="dynamic"),
                   QuantizedFP8Cache(tiny_model(), scales="dynamic")):  # fmt: skip
         with torch.no_grad(), pytest.warns(UserWarning, match="built for another model or config"):
-            got = model(input_ids=PROMPT, cache=cache).logits
+            got = model(input_ids=PROMPT, **cache_kwargs(cache)).logits
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert model.config._attn_implementation == "sdpa"
 
@@ -207,11 +208,11 @@ def test_integral_lengths_of_any_type_are_accepted():
     model = tiny_model()
     lengths = dict(recent_tokens=np.int64(4), sink_tokens=np.int32(2), block_size=np.int16(16))
     expected = model.generate(input_ids=PROMPT, max_new_tokens=4, do_sample=False,
-                              cache=QuantizedFP8Cache(model, scales="dynamic", recent_tokens=4, sink_tokens=2))  # fmt: skip
+                              **cache_kwargs(QuantizedFP8Cache(model, scales="dynamic", recent_tokens=4, sink_tokens=2)))  # fmt: skip
     for static in ({}, dict(max_cache_len=np.int64(32), max_batch_size=np.int64(1))):
         cache = QuantizedFP8Cache(model, scales="dynamic", **lengths, **static)
         assert type(cache.layers[0].recent_tokens) is int
-        got = model.generate(input_ids=PROMPT, max_new_tokens=4, do_sample=False, cache=cache)
+        got = model.generate(input_ids=PROMPT, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
         assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="max_cache_len=32.0 must be an int"):
         QuantizedFP8Cache(model, max_cache_len=32.0)
@@ -224,7 +225,7 @@ def test_a_filled_cache_pickles_and_continues_where_it_was(static):
     model = tiny_model()
     cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=3, max_cache_len=40 if static else None)
     with torch.no_grad():
-        model(input_ids=PROMPT, cache=cache)
+        model(input_ids=PROMPT, **cache_kwargs(cache))
         restored = pickle.loads(pickle.dumps(cache))
         step = PROMPT[:, :1]
-        assert torch.equal(model(input_ids=step, cache=restored).logits, model(input_ids=step, cache=cache).logits)
+        assert torch.equal(model(input_ids=step, **cache_kwargs(restored)).logits, model(input_ids=step, **cache_kwargs(cache)).logits)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from transformers import DynamicCache
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning, calibrate
+from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.evaluate import decode_mode_logits, quality
 from tests.models import PURE_FP8, smollm2, tiny_model
 
@@ -42,7 +43,7 @@ def test_scales_are_the_amax_of_the_keys_the_cache_sees(smollm2_scales):
         ids = tokenizer(text, return_tensors="pt").input_ids[:, :CALIBRATION_TOKENS]
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            model(input_ids=ids, cache=cache, use_cache=True)
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
         last = {}
         for i, layer in enumerate(cache.layers):
             last[i] = (layer.keys.abs().amax(dim=(0, 2, 3)), layer.values.abs().amax(dim=(0, 2, 3)))
@@ -102,7 +103,7 @@ def test_calibrated_static_holds_its_own_against_scale_one_in_decode_mode(smollm
     ids = tokenizer(paragraphs[-2], return_tensors="pt").input_ids[:, :150]
     prefix = 30
     with torch.inference_mode():  # an unquantized cache: one pass gives the decode-mode logits
-        reference = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits[0, prefix - 1 : -1].float()
+        reference = model(input_ids=ids, **cache_kwargs(DynamicCache(config=model.config))).logits[0, prefix - 1 : -1].float()
     results = {}
     for name, given in (("1.0", 1.0), ("calibrated", per_tensor)):
         logits = decode_mode_logits(model, ids, prefix, QuantizedFP8Cache(model, scales=given, **PURE_FP8))
@@ -160,7 +161,7 @@ def test_strategies_and_percentile_clipping():
         warnings.simplefilter("error", UncalibratedScalesWarning)
         min_max, median = (QuantizedFP8Cache(model, scales=s, **PURE_FP8) for s in (per_tensor, clipped))
     for cache in (min_max, median):
-        model(input_ids=ids[:1], cache=cache)
+        model(input_ids=ids[:1], **cache_kwargs(cache))
     assert sum(r["clipped"] for r in min_max.summary()) == 0 < sum(r["clipped"] for r in median.summary())
 
 

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning
 from hf_fp8kv.checkpoint import SCALES_FILE
+from hf_fp8kv.compat import cache_kwargs
 from tests.models import tiny_model
 
 ATTN = "model.layers.{}.self_attn"
@@ -112,7 +113,7 @@ def test_model_from_pretrained_uses_its_scales_in_generate(saved, tmp_path):
     directory = checkpoint(saved, tmp_path, tensors, config=config)
     model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=None).eval()
     cache = QuantizedFP8Cache(model)
-    out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, cache=cache)
+    out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, **cache_kwargs(cache))
     assert out.shape == (1, 6)
     assert cache.layers[1].value_scale.flatten().tolist() == pytest.approx([0.02, 0.02])
 

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.compat import cache_kwargs
 from tests.models import tiny_model
 
 STEPS = 24
@@ -26,12 +27,12 @@ def decode(model, forward, prompt: torch.Tensor) -> list[int]:
     cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, **WINDOW)
     tokens = []
     with torch.no_grad():
-        out = model(input_ids=prompt, cache=cache)
+        out = model(input_ids=prompt, **cache_kwargs(cache))
         position = prompt.shape[1]
         for _ in range(STEPS):
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(int(token))
-            out = forward(input_ids=token, cache=cache, position_ids=torch.tensor([[position]]))
+            out = forward(input_ids=token, **cache_kwargs(cache), position_ids=torch.tensor([[position]]))
             position += 1
     return tokens
 
@@ -56,7 +57,7 @@ def test_generate_compiles_the_decode_step_itself():
 
     def generate(**kwargs):
         cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=40, **WINDOW)
-        return model.generate(input_ids=prompt, max_new_tokens=STEPS, do_sample=False, cache=cache, **kwargs)
+        return model.generate(input_ids=prompt, max_new_tokens=STEPS, do_sample=False, **cache_kwargs(cache), **kwargs)
 
     eager = generate(disable_compile=True)
     config = CompileConfig(fullgraph=True, mode="default")
@@ -71,7 +72,7 @@ def test_prompt_longer_than_the_static_cache_is_refused_before_the_model_runs():
     model = model_of("llama")
     cache = QuantizedFP8Cache(model, max_cache_len=8)
     with pytest.raises(ValueError, match="max_cache_len=8"):
-        model.generate(input_ids=torch.arange(3, 13)[None], max_new_tokens=2, cache=cache)
+        model.generate(input_ids=torch.arange(3, 13)[None], max_new_tokens=2, **cache_kwargs(cache))
     assert cache.get_seq_length() == 0
 
 
@@ -86,12 +87,12 @@ def test_eager_turn_after_compiled_steps(model_type):
     def run(forward) -> torch.Tensor:
         cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, **WINDOW)
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([[5]]), cache=cache)  # fewer tokens than the sinks
+            out = model(input_ids=torch.tensor([[5]]), **cache_kwargs(cache))  # fewer tokens than the sinks
             for position in range(1, STEPS // 2):  # past the ring of 8
                 token = out.logits[:, -1:].argmax(-1)
-                out = forward(input_ids=token, cache=cache, position_ids=torch.tensor([[position]]))
+                out = forward(input_ids=token, **cache_kwargs(cache), position_ids=torch.tensor([[position]]))
             positions = torch.arange(STEPS // 2, STEPS // 2 + turn.shape[1])[None]
-            return model(input_ids=turn, cache=cache, position_ids=positions).logits
+            return model(input_ids=turn, **cache_kwargs(cache), position_ids=positions).logits
 
     # inductor's own drift on these logits (max 0.5) is ~1e-3; stale positions gave 0.04 (llama), 0.37 (gemma3)
     eager = run(model.forward)
@@ -110,11 +111,11 @@ def test_compiled_forward_with_the_dynamic_cache():
         cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=4, sink_tokens=2)
         tokens = []
         with torch.no_grad():
-            out = forward(input_ids=prompt, cache=cache)
+            out = forward(input_ids=prompt, **cache_kwargs(cache))
             for _ in range(12):  # past the recent tokens
                 token = out.logits[:, -1:].argmax(-1)
                 tokens.append(int(token))
-                out = forward(input_ids=token, cache=cache)
+                out = forward(input_ids=token, **cache_kwargs(cache))
         return tokens
 
     counters.clear()

@@ -11,7 +11,12 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning
-from hf_fp8kv import continuous_batching as cb
+
+try:
+    from hf_fp8kv import continuous_batching as cb
+except ImportError as error:  # transformers before 5.20: test_compat checks the message
+    pytest.skip(str(error), allow_module_level=True)
+from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.evaluate import greedy_with_logits, topk_rule
 from tests.models import PURE_FP8, smollm2, tiny_model
 from tests.prompts import PROMPTS
@@ -240,8 +245,8 @@ def test_sliding_and_full_groups_match_generate(scales, skip, variant):
     for ids, output in zip(inputs, outputs.values()):
         prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         with torch.inference_mode():
-            ref = model.generate(**prompt, max_new_tokens=NEW_TOKENS, do_sample=False, cache=QuantizedFP8Cache(
-                model, scales=scales, skip_layers=skip, **VARIANTS[variant]))  # fmt: skip
+            ref = model.generate(**prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **cache_kwargs(QuantizedFP8Cache(
+                model, scales=scales, skip_layers=skip, **VARIANTS[variant])))  # fmt: skip
         expected = ref[0, len(ids) :].tolist()  # generate stops at EOS, the batch (eos -1) goes on
         assert output.generated_tokens[: len(expected)] == expected
     cb.disable(model)
@@ -291,7 +296,7 @@ def batch_and_generate_logits(model, ids: list[int], settings: dict) -> tuple[to
         cb.disable(model)
     with torch.inference_mode():
         ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             cache=QuantizedFP8Cache(model, **settings), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             **cache_kwargs(QuantizedFP8Cache(model, **settings)), max_new_tokens=NEW_TOKENS, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
     return torch.stack(logits[:NEW_TOKENS]), torch.stack(ref.logits)[:, 0].float()
 
@@ -385,9 +390,12 @@ def test_enabled_model_pickles_and_serves_after_loading():
     cb.disable(model)
 
 
-def test_bad_input_errors():
-    with pytest.raises(RuntimeError, match=r"transformers 5\.25\.0 is installed"):
-        cb.check_transformers_version("5.25.0")
+def test_bad_input_errors(monkeypatch):
+    cb.check_transformers_version()  # the installed transformers is one of those verified
+    with monkeypatch.context() as patch:  # an internal whose source is not one of those verified
+        patch.setitem(cb.VERIFIED_INTERNALS, "PagedAttentionCache.update", set())
+        with pytest.raises(RuntimeError, match=r"is installed: its continuous-batching PagedAttentionCache.update"):
+            cb.enable(tiny_model("llama"), scales="dynamic")
     model = tiny_model("llama")
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="flash_attention_2"):

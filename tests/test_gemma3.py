@@ -9,8 +9,8 @@ import pytest
 from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
-from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
 from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
+from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, quality, topk_rule
 from tests.models import PURE_FP8
 
 PREFIX, DECODE, WINDOW = 508, 16, 512  # decode mode over positions 508..523: the sliding layers drop tokens

@@ -48,9 +48,8 @@ def gpu_static():
 
 def known_loops() -> dict:
     """The report's reading of the known kernels' loops, by kernel and `num_stages`."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from hf_fp8kv.kernels.triton_launch import Launch
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     report = gpu_static()
     a = torch.empty(BLOCK * BLOCK + 1, dtype=torch.float16)[1:]  # 2 bytes past an allocation: not 16-aligned

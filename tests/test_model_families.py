@@ -7,8 +7,8 @@ from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from hf_fp8kv import QuantizedFP8Cache
-from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, topk_rule
 from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
+from hf_fp8kv.evaluate import decode_mode_logits, greedy_with_logits, topk_rule
 from tests.models import tiny_model
 
 HYBRID = dict(sliding_window=8, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])

@@ -6,6 +6,7 @@ from transformers import pipeline
 
 from hf_fp8kv import CacheReuseError, QuantizedFP8Cache
 from hf_fp8kv import pipeline as fp8_pipeline
+from hf_fp8kv.compat import cache_kwargs
 from tests.models import smollm2
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,", "Hi"]
@@ -29,7 +30,7 @@ def pipeline_tokens(pipe, batch_size: int, **kwargs) -> list[list[int]]:
 def generate_tokens(model, input_ids, attention_mask) -> torch.Tensor:
     cache = QuantizedFP8Cache(model, scales="dynamic")
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=NEW, do_sample=False,
-                          cache=cache)
+                          **cache_kwargs(cache))
 
 
 def test_enabled_pipeline_equals_generate_prompt_by_prompt(pipe):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
 from tests.models import PURE_FP8, tiny_model
 
@@ -38,8 +39,8 @@ def test_each_layer_buffers_live_where_its_keys_arrive(skip_layers):
     model = split_over_cpu_and_meta(tiny_model("gemma3_text", **HYBRID))
     cache = QuantizedFP8Cache(model, scales="dynamic", skip_layers=skip_layers)
     ids = torch.randint(0, 128, (2, 12))
-    logits = model(input_ids=ids, cache=cache).logits
-    logits = model(input_ids=ids[:, :1], cache=cache).logits  # one decode step past the window
+    logits = model(input_ids=ids, **cache_kwargs(cache)).logits
+    logits = model(input_ids=ids[:, :1], **cache_kwargs(cache)).logits  # one decode step past the window
     assert logits.device.type == "meta" and logits.shape == (2, 1, 128)
     sliding, full = cache.layers
     assert isinstance(full, DynamicFP8Layer) and full.key_codes.device.type == "meta"
@@ -57,7 +58,7 @@ def filled_cache() -> QuantizedFP8Cache:
                        layer_types=["sliding_attention", "full_attention"] * 2)
     cache = QuantizedFP8Cache(model, scales=0.05, offloading=True, **PURE_FP8)
     cache.offloading = False  # Cache.update's offloading path needs CUDA streams: fill the layers without it
-    model(input_ids=torch.randint(0, 128, (1, 20)), cache=cache)
+    model(input_ids=torch.randint(0, 128, (1, 20)), **cache_kwargs(cache))
     cache.offloading = True
     return cache
 

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from hf_fp8kv.kernels.formats import get_format
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache
-from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.compat import cache_kwargs
 from tests.models import PURE_FP8, tiny_model
 
 KV_HEADS, HEAD_DIM = 2, 16
@@ -111,7 +112,7 @@ def test_per_channel_key_scale_folds_into_the_query_exactly():
     ids = torch.tensor([[5, 17, 42, 8, 99, 23]])
     ones = per_channel_scales(keys, torch.ones(KV_HEADS, HEAD_DIM))
     plain = KVScales(key=ones.key, value=ones.value)
-    runs = [model.generate(ids, max_new_tokens=6, do_sample=False, cache=QuantizedFP8Cache(model, scales=s))
+    runs = [model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(QuantizedFP8Cache(model, scales=s)))
             for s in (ones, plain)]  # fmt: skip
     assert torch.equal(runs[0], runs[1])
 
@@ -139,6 +140,6 @@ def test_per_channel_key_scale_on_the_triton_backend_matches_torch():
     for backend in ("torch", "triton"):
         cache = QuantizedFP8Cache(model, scales=scales, backend=backend)
         with torch.inference_mode():
-            logits[backend] = [model(input_ids=ids, cache=cache).logits, model(input_ids=ids[:, :1], cache=cache).logits]
+            logits[backend] = [model(input_ids=ids, **cache_kwargs(cache)).logits, model(input_ids=ids[:, :1], **cache_kwargs(cache)).logits]
     for torch_logits, triton_logits in zip(logits["torch"], logits["triton"]):
         torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-5, atol=1e-5)

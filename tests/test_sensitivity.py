@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache, UncalibratedScalesWarning, layer_sensitivity
+from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.evaluate import decode_mode_logits
 from tests.models import PURE_FP8, tiny_model
 
@@ -37,9 +38,9 @@ def test_one_pass_through_the_cache_is_decode_mode(model):
     pass gives the decode-mode logits (up to batched-vs-single float noise)."""
     ids = IDS[0]
     with torch.inference_mode():
-        one_pass = model(input_ids=ids, cache=QuantizedFP8Cache(model, scales=0.01, **PURE_FP8)).logits[0, 7:-1]
+        one_pass = model(input_ids=ids, **cache_kwargs(QuantizedFP8Cache(model, scales=0.01, **PURE_FP8))).logits[0, 7:-1]
     decode = decode_mode_logits(model, ids, 8, QuantizedFP8Cache(model, scales=0.01, **PURE_FP8))
     with torch.inference_mode():
-        plain = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits[0, 7:-1]
+        plain = model(input_ids=ids, **cache_kwargs(DynamicCache(config=model.config))).logits[0, 7:-1]
     error = (one_pass - decode).abs().max()
     assert error < 0.01 * (plain - decode).abs().max()

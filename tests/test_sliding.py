@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from hf_fp8kv.kernels.formats import get_format
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
 from hf_fp8kv.layer import QuantizedKV
 from hf_fp8kv.scales import PerHeadScales, PerTokenScales
-from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
 
 WINDOW, BLOCK, HEADS, DIM = 8, 4, 2, 16
 # Prefill shorter than the window, decode across it, a chunk longer than the window, more decode.

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.compat import cache_kwargs
 from tests.models import PURE_FP8, tiny_model
 
 WINDOWS = {"pure": PURE_FP8, "recent 4": dict(recent_tokens=4, sink_tokens=0), "default": {}}
@@ -22,11 +23,11 @@ def chat(model, cache, crop: int = 0) -> torch.Tensor:
     at once once the ring is full); the last logits."""
     cache.activate_past_recording()
     with torch.no_grad():
-        model(input_ids=IDS[:, :20], cache=cache)
-        model(input_ids=IDS[:, 20:24], cache=cache)
+        model(input_ids=IDS[:, :20], **cache_kwargs(cache))
+        model(input_ids=IDS[:, 20:24], **cache_kwargs(cache))
         cache.crop(-crop)
         start = 24 - crop
-        return model(input_ids=IDS[:, start : start + 2], cache=cache).logits
+        return model(input_ids=IDS[:, start : start + 2], **cache_kwargs(cache)).logits
 
 
 @pytest.mark.parametrize("recent_tokens", [0, 4, 7, 8, 9, 32])
@@ -58,7 +59,7 @@ def test_assisted_decoding_on_a_ring_that_can_wrap_is_refused_before_the_model_r
     cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=64)
     with pytest.raises(ValueError, match="assisted and prompt-lookup decoding.*layer 0 cannot roll back"):
         model.generate(input_ids=LOOKUP_PROMPT, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
-                       cache=cache)  # fmt: skip
+                       **cache_kwargs(cache))  # fmt: skip
     assert cache.get_seq_length() == 0
 
 
@@ -70,7 +71,7 @@ def test_prompt_lookup_on_a_static_ring_that_never_wraps_is_greedy(window):
     for lookup in (None, 3):
         cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=32, **window)
         tokens[lookup] = model.generate(input_ids=LOOKUP_PROMPT, max_new_tokens=12, do_sample=False,
-                                        prompt_lookup_num_tokens=lookup, cache=cache)  # fmt: skip
+                                        prompt_lookup_num_tokens=lookup, **cache_kwargs(cache))  # fmt: skip
     assert torch.equal(tokens[3], tokens[None])
 
 
@@ -82,14 +83,14 @@ def test_any_batch_up_to_max_batch_size():
     cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=16, max_batch_size=4)
     for rows in (2, 4, 1):
         cache.reset()
-        got = model.generate(input_ids=prompts[:rows], max_new_tokens=4, do_sample=False, cache=cache)
+        got = model.generate(input_ids=prompts[:rows], max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
         fresh = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=16, max_batch_size=4)
-        expected = model.generate(input_ids=prompts[:rows], max_new_tokens=4, do_sample=False, cache=fresh)
+        expected = model.generate(input_ids=prompts[:rows], max_new_tokens=4, do_sample=False, **cache_kwargs(fresh))
         assert torch.equal(got, expected)
         assert cache.nbytes == fresh.nbytes  # 4 rows allocated from the first update
     cache.reset()
     with pytest.raises(ValueError, match="max_batch_size=4"):
-        model.generate(input_ids=torch.cat([prompts, prompts[:1]]), max_new_tokens=2, cache=cache)
+        model.generate(input_ids=torch.cat([prompts, prompts[:1]]), max_new_tokens=2, **cache_kwargs(cache))
     with pytest.raises(ValueError, match="max_batch_size applies to a static cache"):
         QuantizedFP8Cache(model, max_batch_size=4)
 
@@ -100,7 +101,7 @@ def test_beams_on_the_static_cache_keep_the_buffers_in_place():
     outputs = {}
     for name, kwargs in (("dynamic", {}), ("static", dict(max_cache_len=16, max_batch_size=2))):
         cache = QuantizedFP8Cache(model, scales="dynamic", **kwargs)
-        outputs[name] = model.generate(input_ids=prompt, max_new_tokens=6, num_beams=2, do_sample=False, cache=cache)
+        outputs[name] = model.generate(input_ids=prompt, max_new_tokens=6, num_beams=2, do_sample=False, **cache_kwargs(cache))
     assert torch.equal(outputs["static"], outputs["dynamic"])
 
 
@@ -116,6 +117,6 @@ def test_generate_past_max_cache_len_is_refused_before_the_first_step(compiled):
     config._compile_all_devices = True  # generate compiles on CUDA by itself; on the CPU only when asked
     extra = dict(compile_config=config) if compiled else dict(disable_compile=True)
     with pytest.raises(ValueError, match=r"may hold 14 tokens.*max_cache_len=12"):
-        model.generate(input_ids=IDS[:, :6], max_new_tokens=9, do_sample=False, cache=cache, **extra)
+        model.generate(input_ids=IDS[:, :6], max_new_tokens=9, do_sample=False, **cache_kwargs(cache), **extra)
     assert cache.get_seq_length() == 0
-    model.generate(input_ids=IDS[:, :6], max_new_tokens=7, do_sample=False, cache=cache)  # 12 tokens: fits
+    model.generate(input_ids=IDS[:, :6], max_new_tokens=7, do_sample=False, **cache_kwargs(cache))  # 12 tokens: fits

@@ -3,10 +3,11 @@ the model's dtype, every other token quantized once, when it leaves the window."
 
 import pytest
 import torch
+from hf_fp8kv.kernels import reference
 from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
-from hf_fp8kv.kernels import reference
+from hf_fp8kv.compat import cache_kwargs
 from tests.models import PURE_FP8, tiny_model
 
 PROMPTS = torch.tensor([[0, 0, 0, 5, 17, 42, 8, 99, 3, 14], [23, 64, 11, 3, 7, 120, 1, 9, 51, 4]])
@@ -14,7 +15,7 @@ PADDING = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
 
 
 def generate(model, cache, **kwargs):
-    out = model.generate(input_ids=PROMPTS, attention_mask=PADDING, max_new_tokens=6, do_sample=False, cache=cache,
+    out = model.generate(input_ids=PROMPTS, attention_mask=PADDING, max_new_tokens=6, do_sample=False, **cache_kwargs(cache),
                          output_logits=True, return_dict_in_generate=True, **kwargs)  # fmt: skip
     return out.sequences, torch.stack(out.logits) if out.logits else None
 
@@ -42,7 +43,7 @@ def test_beams_and_assisted_decoding_keep_the_window_in_step(method):
     generated = {}
     for name, cache in [("dynamic", DynamicCache(config=model.config)),
                         ("window", QuantizedFP8Cache(model, scales="dynamic", recent_tokens=40, sink_tokens=2))]:  # fmt: skip
-        out = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, cache=cache, **method)
+        out = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, **cache_kwargs(cache), **method)
         generated[name] = out
     assert torch.equal(generated["window"], generated["dynamic"])
 
@@ -51,12 +52,12 @@ def test_sinks_are_each_rows_first_real_tokens():
     model = tiny_model()
     cache = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=2, sink_tokens=3)
     layer = cache.layers[0]
-    model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
+    model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
     assert layer.sink_tracker.rows == [3, 0]  # row 0 is padded by 3
     assert layer.sink_count.tolist() == [3, 3] and layer.sink_start.tolist() == [3, 0]
     # the sinks hold the same values as the recent window held for them: compare through a fresh full window
     full = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=64)
-    model(input_ids=PROMPTS, attention_mask=PADDING, cache=full)
+    model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(full))
     recent = full.layers[0].recent
     assert torch.equal(layer.sinks[:, 0], recent[:, 0, :, 3:6]) and torch.equal(layer.sinks[:, 1], recent[:, 1, :, :3])
 
@@ -95,7 +96,7 @@ def test_window_shows_in_summary_and_bytes():
     pure = QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8)
     window = QuantizedFP8Cache(model, scales="dynamic", recent_tokens=8, sink_tokens=2)
     for cache in (pure, window):
-        model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
+        model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
     extra = sum(layer.recent.nbytes + layer.sinks.nbytes for layer in window.layers)
     assert extra == 2 * (2 * 2 * 2 * (8 + 2) * 16 * 4) and window.nbytes == pure.nbytes + extra  # 2 layers
     assert all(row["recent+sinks"] == "8+2" for row in window.summary())
@@ -106,7 +107,7 @@ def test_zero_window_is_pure_fp8():
     """`recent_tokens=0, sink_tokens=0` stores every token as codes at once."""
     model = tiny_model()
     cache = QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8)
-    model(input_ids=PROMPTS, attention_mask=PADDING, cache=cache)
+    model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
     layer = cache.layers[0]
     assert layer.recent is None and layer.sinks is None and layer.recent_start == layer.end == 10
 
@@ -149,13 +150,13 @@ def test_bytes_held_stay_within_one_block_of_bytes_used(window):
         assert used <= layer.nbytes <= used + slack, (layer.end, layer.nbytes, used, slack)
 
     with torch.no_grad():
-        model(input_ids=ids[:, :14], cache=cache)
+        model(input_ids=ids[:, :14], **cache_kwargs(cache))
         assert_within_a_block()
-        model(input_ids=ids[:, 14:], cache=cache)
+        model(input_ids=ids[:, 14:], **cache_kwargs(cache))
         assert_within_a_block()
         cache.crop(-390)
         for step in range(20):
-            model(input_ids=ids[:, 10 + step : 11 + step], cache=cache)
+            model(input_ids=ids[:, 10 + step : 11 + step], **cache_kwargs(cache))
             assert_within_a_block()
 
 
@@ -178,9 +179,9 @@ def test_growing_and_cropping_the_window_keeps_its_tokens(backend):
     logits = []
     for cache in caches:
         with torch.no_grad():
-            model(input_ids=ids[:, :5], cache=cache)
+            model(input_ids=ids[:, :5], **cache_kwargs(cache))
             for t in range(5, 20):
-                model(input_ids=ids[:, t : t + 1], cache=cache)
+                model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache))
             cache.crop(-11)
-            logits.append(torch.cat([model(input_ids=ids[:, t : t + 1], cache=cache).logits for t in range(9, 14)]))
+            logits.append(torch.cat([model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(9, 14)]))
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
+from hf_fp8kv import compat
 from hf_fp8kv.comparison.variants import Variant
 from hf_fp8kv.evaluate import TokenScores, decode_mode_logits, greedy_with_logits, topk_rule
 
@@ -164,7 +165,7 @@ def _grow_and_time(model, variant: Variant, text: torch.Tensor, contexts: list[i
     length, points = 0, []
 
     def forward(end: int) -> None:
-        model(input_ids=ids[None, length:end], cache=cache, use_cache=True)
+        compat.forward(model, cache, input_ids=ids[None, length:end])
 
     for context in contexts:
         if context > length:

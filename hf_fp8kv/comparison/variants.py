@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
+from hf_fp8kv import compat
 from hf_fp8kv.cache import QuantizedFP8Cache
 
 CacheFactory = Callable[[torch.nn.Module], Cache]
@@ -52,6 +53,7 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
             "transformers QuantizedCache(backend='fp8'): per-tensor scale frozen at prefill",
         ),
     )
+    if v.name != HF_FP8 or compat.HAS_FP8_QUANTIZED_CACHE  # transformers' fp8 cache: from transformers 5.21
 }
 
 

@@ -16,9 +16,10 @@ import torch
 from transformers.cli.serve import Serve
 
 from hf_fp8kv import continuous_batching
-from hf_fp8kv.continuous_batching import TESTED_TRANSFORMERS, check_transformers_version, dense_default
+from hf_fp8kv.continuous_batching import check_transformers_version, dense_default
 from hf_fp8kv.serving import requests
 
+TESTED_SERVE = "5.24"  # the transformers whose server this module was tested with
 CPU_KV_MEMORY_MIB = 256  # on the CPU transformers sizes the pages from the host's RAM: a default budget instead
 STARTUP_TIMEOUT_S = 300  # for the manager's thread to build the pages
 logger = logging.getLogger("uvicorn.error")  # configured by the time the server is set up: lines in uvicorn's format
@@ -74,7 +75,7 @@ def check_transformers_serve() -> None:
                 if name not in owner.__init__.__code__.co_names]  # fmt: skip
     if missing:
         raise RuntimeError(
-            f"hf-fp8kv serve relies on transformers serve's internals of transformers {TESTED_TRANSFORMERS}.x; this "
+            f"hf-fp8kv serve relies on transformers serve's internals of transformers {TESTED_SERVE}.x; this "
             f"transformers lacks {missing}"
         )
 
