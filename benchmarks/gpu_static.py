@@ -106,7 +106,8 @@ class Case:
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
         if self.kind == "paged":
             shape = f"{self.batch} req q{self.q_len} ctx{self.context}"
-            return f"{dtype} d{self.head_dim} gqa{self.group} {scales} paged {shape}"
+            held = f" recent {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
+            return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{held} paged {shape}"
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
         rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
         shape = f"b{self.batch} kvh{self.kv_heads}" + (f" q{self.q_len}" if self.q_len > 1 else "")
@@ -144,6 +145,13 @@ def cases(quick: bool = False) -> list[Case]:
         for p in (False, True)
     ]
     paged += [Case("paged", batch=4, q_len=256, per_token=True, head_dim=d, context=4096, waves=False) for d in (128, 256)]
+    # with each request's recent and sink tokens in the model's dtype beside its pages
+    paged += [
+        Case("paged", batch=64, head_dim=d, per_token=p, context=4096, waves=False, recent=32, sinks=4)
+        for d in (64, 128, 256)
+        for p in (False, True)
+    ]
+    paged += [Case("paged", batch=4, q_len=256, per_token=True, context=4096, waves=False, recent=32, sinks=4)]
     return decode + no_split + few_heads + prefill + window + write + paged
 
 
@@ -200,11 +208,17 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
     read_index = torch.empty(case.batch * case.context, dtype=torch.int64, device=device)
     lengths = [torch.empty(case.batch + n, dtype=torch.int32, device=device) for n in (1, 0, 0)]  # cu_q, k_first, past
     static = None if case.per_token else tuple(torch.ones(case.kv_heads, device=device) for _ in range(2))
+    recent = None
+    if case.recent or case.sinks:
+        rows = torch.empty(case.batch * (case.recent + case.sinks), 2, case.kv_heads, case.head_dim, dtype=dtype,
+                           device=device)  # fmt: skip
+        requests = torch.empty(4, case.batch, dtype=torch.int32, device=device)
+        recent = paged.RecentRows(rows, case.recent, case.sinks, requests, ([],) * 4)
     _, launch = triton_paged.plan_paged_attention(
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
         layer_offset=3 * 2 * PAGE_SIZE * row_bytes, bytes_per_block=bytes_per_block,
         block_stride=LAYERS * 2 * PAGE_SIZE, page_size=PAGE_SIZE, scaling=case.head_dim**-0.5, static_scales=static,
-        max_q_len=case.q_len, cuda=True,
+        max_q_len=case.q_len, recent=recent, cuda=True,
     )  # fmt: skip
     return launch
 
@@ -307,10 +321,12 @@ def loops(instrs: list[Instr]) -> list[list[Instr]]:
 
 
 def main_loop(instrs: list[Instr]) -> list[Instr] | None:
-    """The hot loop of a matrix kernel: the loop with the most tensor-core instructions, the innermost
-    (fewest instructions) on a tie; None when no loop holds any."""
+    """The hot loop of a matrix kernel: the loop with the most tensor-core instructions; on a tie the one that
+    streams its tiles (asynchronous copies: the KV loop, not a short loop over full-precision tokens after it),
+    then the innermost (fewest instructions); None when no loop holds any."""
     with_dots = [body for body in loops(instrs) if any(i.is_(*DOTS) for i in body)]
-    return max(with_dots, key=lambda body: (sum(i.is_(*DOTS) for i in body), -len(body)), default=None)
+    return max(with_dots, key=lambda body: (sum(i.is_(*DOTS) for i in body), any(i.is_(*ASYNC_COPIES) for i in body),
+                                            -len(body)), default=None)  # fmt: skip
 
 
 PTX_LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.M)

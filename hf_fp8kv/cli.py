@@ -1,4 +1,5 @@
-"""The `hf-fp8kv` command (also `python -m hf_fp8kv`): `hf-fp8kv compare` prints the A/B report and writes its plots."""
+"""The `hf-fp8kv` command (also `python -m hf_fp8kv`): `hf-fp8kv compare` prints the A/B report and writes its plots;
+`hf-fp8kv serve` runs transformers' OpenAI-compatible server on FP8 pages (`hf_fp8kv.serving`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-fp8kv", description="FP8 KV cache tools for Hugging Face transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(  # (run by `main` before parsing: its options are transformers serve's, see `serve --help`)
+        "serve", add_help=False,
+        help="transformers' OpenAI-compatible server with continuous batching on FP8 pages (hf-fp8kv[serve])",
+    )  # fmt: skip
     cmp = commands.add_parser(
         "compare",
         help="A/B-compare KV caches: greedy outputs, decode-mode quality, memory, speed",
@@ -142,6 +147,11 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-fp8kv` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from hf_fp8kv.serving.command import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return run_compare(args)

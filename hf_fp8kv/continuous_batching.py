@@ -11,7 +11,9 @@ full-precision copy of the cache.
 A page row is one token's keys (or values) of one layer: `[codes of every KV head | fp32 scale per head]`
 (per-token-head scales), `[codes]` (static scales) or the model-dtype values (layers in `skip_layers`). A block
 is one page per layer of its attention group, laid out inside the block's bytes, so transformers' sectors,
-block copies (forks, CPU offloading) and index arithmetic stay as they are.
+block copies (forks, CPU offloading) and index arithmetic stay as they are. With recent and sink tokens (the
+dense cache's default), each request in flight also holds its newest and first tokens in the model's dtype
+beside its pages (`paged_recent.py`).
 
 These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
 sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the
@@ -55,11 +57,13 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.generation.continuous_batching.utils import find_num_key_value_heads
 
 from hf_fp8kv.attention import ATTENTION_NAME, FP8KeyStates, use_fp8_attention
+from hf_fp8kv.cache import QuantizedFP8Cache
 from hf_fp8kv.kernels.formats import StorageFormat
 from hf_fp8kv.kernels.ops import backend_for
-from hf_fp8kv.kernels.paged import PageGeometry, RowLayout
+from hf_fp8kv.kernels.paged import PageGeometry, RecentRows, RowLayout
+from hf_fp8kv.paged_recent import RequestSlots
 from hf_fp8kv.scales import ScalesArg
-from hf_fp8kv.settings import resolve_settings
+from hf_fp8kv.settings import check_count, resolve_settings
 
 # The sources (`_source_digest`) of the internals `enable` relies on (`_internals`), in the transformers releases
 # where the tests passed; `enable` refuses any other.
@@ -70,6 +74,12 @@ VERIFIED_INTERNALS: dict[str, set[str]] = {  # 5.20; where 5.21 (manager) and 5.
     "SlidingAttentionCacheAllocator": {"e387230391ff13bf"},
     "PagedAttentionCache.__init__": {"0f37a4fe830b387f", "90db8dad79880e11"},
     "PagedAttentionCache.update": {"4ba112795f0ef346"},
+    # (the request slots of the recent and sink tokens follow these: the same source in 5.20 to 5.24)
+    "PagedAttentionCache.can_store_request_tokens": {"021cc19cbe54a87d"},
+    "PagedAttentionCache.free_blocks": {"b966bf16f435357b"},
+    "PagedAttentionCache.free_all_requests": {"5bdb053392d5ddf4"},
+    "PagedAttentionCache.extend_read_and_write_indices": {"c15b991842218c78"},
+    "PagedAttentionCache.prepare_fork_request": {"fba1d9d1d3f45a5b"},
     "PagedAttentionMemoryHandler": {"6a160b0b71c22e89", "0c9933b0fad2ae95"},
     "group_layers_by_attn_type": {"2f38000fc6f10bfc"},
     "ContinuousBatchingManager.__init__": {"d04c8e6c28c29311", "3037dc8d5ae04c5e"},
@@ -80,22 +90,55 @@ VERIFIED_INTERNALS: dict[str, set[str]] = {  # 5.20; where 5.21 (manager) and 5.
 }  # fmt: skip
 SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
 SETTINGS_ATTRIBUTE = "_fp8kv_paged_settings"
+# Without `max_requests`, the recent and sink tokens of the requests in flight get an eighth of the KV memory:
+# FP8 pages in the other seven eighths still hold 1.7x the blocks of bf16 pages (1.96x x 7/8)
+RECENT_SHARE = 8
 logger = logging.getLogger(__name__)
+
+
+def dense_default(name: str) -> int:
+    """`QuantizedFP8Cache`'s default for its argument `name`: continuous batching follows the dense cache's."""
+    return inspect.signature(QuantizedFP8Cache.__init__).parameters[name].default
 
 
 @dataclass
 class PagedSettings:
-    """What `enable` resolved: one row layout per layer, and the attention implementation it replaced."""
+    """What `enable` resolved: one row layout per layer, the recent and sink tokens, and the attention
+    implementation it replaced."""
 
     fmt: StorageFormat
     layouts: dict[int, RowLayout]
     fixed_scales: dict[int, torch.Tensor]  # layers with one scale per KV head: fp32 [2 (K, V), kv_heads]
     backend: str
     previous_attention: str
+    recent_tokens: int = 0
+    sink_tokens: int = 0
+    sliding_layers: frozenset[int] = frozenset()
+    max_requests: int | None = None  # requests in flight at once (None: from the memory, see `requests_in`)
 
     def block_bytes(self, layers: Iterable[int], page_size: int) -> int:
         """Bytes of one block of `layers`: one page of K and V per layer."""
         return sum(2 * page_size * self.layouts[i].nbytes for i in layers)
+
+    def held_rows(self, layer: int) -> int:
+        """Rows a request holds in `layer` for its recent and sink tokens (no sinks on sliding layers, none at all
+        on a layer kept in the model dtype)."""
+        if self.layouts[layer].fmt is None:
+            return 0
+        return self.recent_tokens + (0 if layer in self.sliding_layers else self.sink_tokens)
+
+    def request_bytes(self) -> int:
+        """Bytes of one request's recent and sink tokens, every layer."""
+        return sum(2 * self.held_rows(i) * layout.kv_heads * layout.head_dim * layout.dtype.itemsize
+                   for i, layout in self.layouts.items())  # fmt: skip
+
+    def requests_in(self, memory: int) -> int:
+        """Requests in flight at once under a KV memory setting of `memory` bytes: `max_requests`, else as many
+        as `1 / RECENT_SHARE` of it holds (at least one); 0 without recent or sink tokens."""
+        per_request = self.request_bytes()
+        if not per_request:
+            return 0
+        return self.max_requests or max(1, memory // RECENT_SHARE // per_request)
 
 
 # --- enable / disable ------------------------------------------------------------------------------------------
@@ -106,21 +149,24 @@ def enable(
     scales: ScalesArg = "auto",
     skip_layers: str | Iterable[int | str] = (),
     backend: str | None = None,
-    recent_tokens: int = 0,
-    sink_tokens: int = 0,
+    recent_tokens: int | None = None,
+    sink_tokens: int | None = None,
+    max_requests: int | None = None,
 ) -> PagedSettings:
     """Make `model.generate_batch(...)` and `model.init_continuous_batching(...)` store K/V pages in FP8.
 
-    The arguments are `QuantizedFP8Cache`'s (`kv_cache_dtype`, `scales`, `skip_layers`, `backend`); pages are
-    pure FP8 as in vLLM, so `recent_tokens` and `sink_tokens` must be 0. Calling `enable` again replaces the
-    settings; `disable(model)` restores transformers' own pages. Returns the resolved settings.
+    The arguments are `QuantizedFP8Cache`'s (`kv_cache_dtype`, `scales`, `skip_layers`, `backend`,
+    `recent_tokens`, `sink_tokens`; None: its default): each request keeps its newest and first tokens in the
+    model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is pure FP8, as vLLM serves it.
+    `max_requests`: requests in flight at once, each holding its recent and sink tokens (default: as many as an
+    eighth of the KV memory holds; others wait, as for pages). Calling `enable` again replaces the settings;
+    `disable(model)` restores transformers' own pages. Returns the resolved settings.
     """
     check_transformers_version()
-    if recent_tokens or sink_tokens:
-        raise ValueError(
-            f"recent_tokens={recent_tokens}, sink_tokens={sink_tokens}: continuous batching pages are pure FP8 (as in "
-            "vLLM); a recent tokens in full precision is only available with QuantizedFP8Cache in generate"
-        )
+    recent_tokens = dense_default("recent_tokens") if recent_tokens is None else recent_tokens
+    sink_tokens = dense_default("sink_tokens") if sink_tokens is None else sink_tokens
+    if max_requests is not None:
+        max_requests = check_count("max_requests", max_requests, minimum=1)
     disable(model)  # enabling again starts from transformers' own state
     implementation = model.config._attn_implementation
     if implementation not in SUPPORTED_ATTENTION:
@@ -129,16 +175,17 @@ def enable(
             "attn_implementation='sdpa' or 'eager' (our attention replaces it for every layer)"
         )
     config = model.config.get_text_config(decoder=True)
-    group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
+    groups = group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
     resolved = resolve_settings(model.config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers,
-                                backend=backend)  # fmt: skip
+                                backend=backend, recent_tokens=recent_tokens, sink_tokens=sink_tokens)  # fmt: skip
     layouts = {
         i: RowLayout(resolved.fmt if resolved.stored(i) else None, resolved.stored(i) and resolved.scales[i].per_token,
                      resolved.kv_heads, resolved.head_dim, model.dtype, getattr(resolved.scales.get(i), "key_channel", None))
         for i in range(config.num_hidden_layers)
     }  # fmt: skip
     fixed = {i: torch.stack((scheme.key, scheme.value)) for i, scheme in resolved.scales.items() if not scheme.per_token}
-    settings = PagedSettings(resolved.fmt, layouts, fixed, resolved.backend, implementation)
+    settings = PagedSettings(resolved.fmt, layouts, fixed, resolved.backend, implementation, resolved.recent_tokens,
+                             resolved.sink_tokens, frozenset(groups.get(SLIDING_ATTENTION, ())), max_requests)
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
     setattr(model, SETTINGS_ATTRIBUTE, settings)
@@ -179,7 +226,10 @@ def _internals() -> dict[str, object]:
     classes = {c for a in (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator) for c in a.__mro__}
     pieces = {c.__qualname__: c for c in classes if c.__module__.startswith("transformers.")}
     for function in (
-        PagedAttentionCache.__init__, PagedAttentionCache.update, group_layers_by_attn_type,
+        PagedAttentionCache.__init__, PagedAttentionCache.update, PagedAttentionCache.can_store_request_tokens,
+        PagedAttentionCache.free_blocks, PagedAttentionCache.free_all_requests,
+        PagedAttentionCache.extend_read_and_write_indices, PagedAttentionCache.prepare_fork_request,
+        group_layers_by_attn_type,
         ContinuousBatchingManager.__init__, ContinuousBatchingManager._create_batch_processor,
         ContinuousMixin.init_continuous_batching, ContinuousBatchingIOs.get_model_kwargs, find_num_key_value_heads,
     ):  # fmt: skip
@@ -228,14 +278,16 @@ class FP8InitContinuousBatching:
 class FP8ContinuousBatchingManager(ContinuousBatchingManager):
     """transformers' manager over an `FP8PagedAttentionCache`, with our attention on every layer.
 
-    The flash decode fast path (block tables) and CUDA graphs are turned off: our attention reads pages
-    through the read indices and takes its per-request lengths on the host.
+    The flash decode fast path (block tables), CUDA graphs and asynchronous batching are turned off: our attention
+    reads pages through the read indices and takes its per-request lengths on the host, and the cache learns each
+    step's requests as the host prepares it, right before its forward.
     """
 
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
         config = replace(continuous_batching_config or ContinuousBatchingConfig())
         config.max_blocks_per_request = 0
         config.use_cuda_graph = False
+        config.use_async_batching = False
         super().__init__(model, generation_config, config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
@@ -252,13 +304,15 @@ class FP8ContinuousBatchingManager(ContinuousBatchingManager):
 class FP8MemoryHandler(PagedAttentionMemoryHandler):
     """transformers' sizing with FP8 pages: our attention makes no batch-wide full-precision copy of the pages it
     reads (transformers' sdpa path charges one per cache token), only one request's keys and values of one
-    layer at a time, in fp32, which is charged once, for the longest request the model takes."""
+    layer at a time, in fp32, which is charged once, for the longest request the model takes; the requests'
+    recent and sink tokens (`held_bytes`) are charged once too."""
 
-    def __init__(self, settings: PagedSettings, *args, **kwargs):
+    def __init__(self, settings: PagedSettings, held_bytes: int, *args, **kwargs):
         super().__init__(*args, **kwargs)
         layout = next(iter(settings.layouts.values()))
         longest = getattr(self.config, "max_position_embeddings", None) or 8192
         self.request_read_bytes = 2 * layout.kv_heads * layout.head_dim * 4 * longest
+        self.held_bytes = held_bytes
 
     @property
     def bytes_per_cache_token(self) -> int:
@@ -266,22 +320,24 @@ class FP8MemoryHandler(PagedAttentionMemoryHandler):
 
     @property
     def fixed_overhead_bytes(self) -> int:
-        return super().fixed_overhead_bytes + self.request_read_bytes
+        return super().fixed_overhead_bytes + self.request_read_bytes + self.held_bytes
 
 
-def _native_sectors(config, cb_config, dtype, native_block_bytes, model_supports_logits_to_keep) -> tuple[int, int]:
-    """Sectors (and bytes per sector) that transformers' own pages get from a memory setting, as it sizes them."""
+def _native_sectors(config, cb_config, dtype, native_block_bytes, model_supports_logits_to_keep) -> tuple[int, int, int]:
+    """Sectors (and bytes per sector) that transformers' own pages get from a memory setting, as it sizes them,
+    and the memory it sizes from."""
     groups = group_layers_by_attn_type(config)
     page_bytes = native_block_bytes // config.num_hidden_layers
     block_sizes = [page_bytes * len(indices) for indices in groups.values()]
     bytes_per_sector = math.lcm(*block_sizes, 128)
     tokens_per_sector = max((bytes_per_sector // size) * cb_config.page_size for size in block_sizes)
-    _, num_sectors = PagedAttentionMemoryHandler(
+    handler = PagedAttentionMemoryHandler(
         config=config, cb_config=cb_config, dtype=dtype, bytes_per_sector=bytes_per_sector,
         tokens_per_sector=tokens_per_sector, bytes_per_block=native_block_bytes, attn_types=list(groups),
         model_supports_logits_to_keep=model_supports_logits_to_keep,
-    ).infer_max_batch_tokens_and_num_sectors()  # fmt: skip
-    return num_sectors, bytes_per_sector
+    )  # fmt: skip
+    _, num_sectors = handler.infer_max_batch_tokens_and_num_sectors()
+    return num_sectors, bytes_per_sector, handler.available_memory
 
 
 class FP8PagedAttentionCache(PagedAttentionCache):
@@ -289,7 +345,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
 
     Attributes beyond transformers': `num_blocks` counts FP8 blocks; `native_num_blocks` is what pages in the
     model dtype would give under the same memory setting; `capacity_ratio` their ratio; `block_bytes` /
-    `native_block_bytes` the bytes of one whole-model block of `page_size` tokens.
+    `native_block_bytes` the bytes of one whole-model block of `page_size` tokens; `request_slots` the requests'
+    recent and sink tokens (`held_bytes` in all; None for pure FP8).
     """
 
     def __init__(self, settings: PagedSettings, config, continuous_batching_config, device, distributed_helper,
@@ -307,32 +364,83 @@ class FP8PagedAttentionCache(PagedAttentionCache):
         # before our pages are allocated: on the CPU the free memory transformers sees is the process's
         native_sectors = None
         if continuous_batching_config.num_blocks is None:
-            native_sectors, native_sector_bytes = _native_sectors(
+            native_sectors, native_sector_bytes, memory = _native_sectors(
                 config, continuous_batching_config, dtype, self.native_block_bytes, model_supports_logits_to_keep
             )
+        else:
+            memory = continuous_batching_config.num_blocks * self.block_bytes
+        slots = settings.requests_in(memory)
+        self.held_bytes = slots * settings.request_bytes()
+        self.request_slots = RequestSlots(settings.recent_tokens, settings.sink_tokens, slots) if slots else None
         per_layer_page = types.SimpleNamespace(get_bytes_per_page=lambda *_: math.ceil(self.block_bytes / num_layers))
         allocators = {
-            FULL_ATTENTION: functools.partial(FP8FullAttentionAllocator, settings),
-            SLIDING_ATTENTION: functools.partial(FP8SlidingAttentionAllocator, settings),
+            FULL_ATTENTION: functools.partial(FP8FullAttentionAllocator, settings, self.request_slots),
+            SLIDING_ATTENTION: functools.partial(FP8SlidingAttentionAllocator, settings, self.request_slots),
         }
         init = _rebind(
             PagedAttentionCache.__init__, ATTN_TYPE_TO_ALLOCATOR=allocators,
             FullAttentionCacheAllocator=per_layer_page,
-            PagedAttentionMemoryHandler=functools.partial(FP8MemoryHandler, settings),
+            PagedAttentionMemoryHandler=functools.partial(FP8MemoryHandler, settings, self.held_bytes),
         )  # fmt: skip
         init(self, config, continuous_batching_config, device, distributed_helper, dtype,
              model_supports_logits_to_keep)  # fmt: skip
-        if native_sectors is None:  # a capacity target (num_blocks): compare in the bytes these pages hold
-            self.native_num_blocks = self.num_sectors * self.bytes_per_sector // self.native_block_bytes
+        if native_sectors is None:  # a capacity target (num_blocks): compare in the bytes these pages (and rows) hold
+            held = self.num_sectors * self.bytes_per_sector + self.held_bytes
+            self.native_num_blocks = held // self.native_block_bytes
         else:
             self.native_num_blocks = native_sectors * native_sector_bytes // self.native_block_bytes
         self.capacity_ratio = self.num_blocks / max(self.native_num_blocks, 1)
+        recent = (
+            f"; recent {settings.recent_tokens} + sinks {settings.sink_tokens} tokens in {dtype} for up to {slots} "
+            f"requests at once ({self.held_bytes / 2**20:.1f} MiB)" if slots else "; pure FP8"
+        )  # fmt: skip
         logger.info(
             f"FP8 pages ({settings.fmt.name}): {self.num_blocks} blocks of {page_size} tokens, "
             f"{self.block_bytes} bytes per block; pages in {dtype} would give {self.native_num_blocks} blocks "
             f"({self.native_block_bytes} bytes per block) under the same memory setting: "
-            f"{self.capacity_ratio:.2f}x the tokens"
+            f"{self.capacity_ratio:.2f}x the tokens{recent}"
         )
+
+    # the requests' slots for their recent and sink tokens follow their blocks
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """transformers' check, and (recent or sink tokens) a slot for a request that holds none yet: with none
+        free, the request waits as when the pages are full."""
+        slots = self.request_slots
+        if slots is None or state.request_id in slots.held:
+            return super().can_store_request_tokens(state, request_len, dry_run)
+        if not slots.free:
+            return False
+        stored = super().can_store_request_tokens(state, request_len, dry_run)
+        if stored and not dry_run:
+            slots.admit(state.request_id)
+        return stored
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        super().free_blocks(request_id, no_cache)
+        if self.request_slots is not None:
+            self.request_slots.release(request_id)
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        super().free_all_requests(clear_ledgers)
+        if self.request_slots is not None:
+            self.request_slots.release_all()
+
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
+        super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
+        if self.request_slots is not None:
+            self.request_slots.schedule(request_id, past_length, query_length, write_index)
+
+    def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst) -> list[str]:
+        """transformers' fork, for as many children as there are free slots (they get a copy of the parent's
+        recent and sink tokens; the others are prefilled anew by transformers)."""
+        slots = self.request_slots
+        if slots is None:
+            return super().prepare_fork_request(src_state, dst_req_ids, copy_src_and_dst)
+        forked = super().prepare_fork_request(src_state, dst_req_ids[: len(slots.free)], copy_src_and_dst)
+        allocators = self.cache_allocators.values()
+        rows = [(a.recent_rows[i], self.settings.held_rows(i)) for a in allocators for i in a.recent_rows]
+        slots.fork(src_state.request_id, forked, [r for r, _ in rows], [n for _, n in rows])
+        return forked
 
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx, kwargs):
@@ -340,6 +448,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
         allocator = self.layer_to_allocator[layer_idx]
         if kwargs.get("block_table") is not None:
             raise RuntimeError("FP8 pages are read through read indices: the block-table decode path must be off")
+        if self.request_slots is not None:
+            self.request_slots.start_step()
         paged = allocator.write_and_view(
             key_states, value_states, layer_idx, kwargs["read_index"][allocator.index],
             kwargs["write_index"][allocator.index], kwargs["cu_seq_lens_q"],
@@ -358,6 +468,7 @@ class FP8PagedAttentionCache(PagedAttentionCache):
                 "storage": layout.fmt.name if layout.fmt else f"skipped ({layout.dtype})",
                 "scales": ("per-token-head" if layout.per_token else "per-head") if layout.fmt else "-",
                 "row_bytes": layout.nbytes,
+                "recent+sinks": self.settings.held_rows(i),
                 "clipped": int(counts[:, 0].sum()) if counts is not None else 0,
                 "non-finite": int(counts[:, 1].sum()) if counts is not None else 0,
             })  # fmt: skip
@@ -368,8 +479,8 @@ class FP8PagesMixin:
     """Pages of mixed row layouts inside each block; reads and writes by transformers' physical indices
     (`block * block_physical_stride + slot`)."""
 
-    def __init__(self, settings: PagedSettings, *args, layer_indices: list[int], **kwargs):
-        self.settings = settings
+    def __init__(self, settings: PagedSettings, slots: RequestSlots | None, *args, layer_indices: list[int], **kwargs):
+        self.settings, self.slots = settings, slots
         self.layouts = [settings.layouts[i] for i in layer_indices]
         self.has_nan = dict.fromkeys(layer_indices, False)
         super().__init__(*args, layer_indices=layer_indices, **kwargs)
@@ -396,6 +507,12 @@ class FP8PagesMixin:
         # per layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed over every write
         self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i in quantized}
         self.fixed_scales = {i: self.settings.fixed_scales[i].to(device) for i in quantized if i in self.settings.fixed_scales}
+        # per layer: each slot's recent and sink tokens, [slots * held rows, 2 (K, V), kv_heads, head_dim]
+        self.recent_rows: dict[int, torch.Tensor] = {}
+        for i, layout in zip(self.layer_indices, self.layouts):
+            if self.slots is not None and self.settings.held_rows(i):
+                shape = (self.slots.slots * self.settings.held_rows(i), 2, layout.kv_heads, layout.head_dim)
+                self.recent_rows[i] = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("FP8 pages have no block-table view: they are read through read indices")
@@ -405,6 +522,7 @@ class FP8PagesMixin:
         """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` and return what
         the attention reads: per request, its past rows (by `read_index`) and its new rows."""
         layout = self.settings.layouts[layer_idx]
+        recent = self._write_recent(key, value, layer_idx) if layer_idx in self.recent_rows else None
         if layout.key_channel is not None:
             key = key / layout.key_channel.to(key.device)[None, :, None, :]
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
@@ -412,7 +530,17 @@ class FP8PagesMixin:
         self.has_nan[layer_idx] |= nonfinite
         blocks, slots = self.geometry[layer_idx].locate(write_index)
         self.page_rows[layer_idx][blocks, :, slots] = rows
-        return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q, recent)
+
+    def _write_recent(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> RecentRows:
+        """Copy this step's recent and sink tokens into the layer's rows; what the attention reads there."""
+        sinks = self.settings.held_rows(layer_idx) - self.settings.recent_tokens
+        step = self.slots.group(self.index, sinks, lambda past, new: self.get_seqlen_k(past, new) - new, key.device)
+        rows = self.recent_rows[layer_idx]
+        if step.sources.numel():
+            new = torch.stack((key[0], value[0]), dim=1).transpose(0, 2)  # [q, 2, kv_heads, head_dim]
+            rows.index_copy_(0, step.targets, new.index_select(0, step.sources).to(rows.dtype))
+        return self.slots.rows_of(step, rows, sinks)
 
 
 class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
@@ -434,10 +562,10 @@ class PagedKV(FP8KeyStates):
     """One layer's pages for this step of a continuous batch: the FP8 attention function (`fp8kv`) calls
     `attend`, which reads each request's past rows through its read indices and its new rows."""
 
-    def __init__(self, allocator, layer_idx, new_rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q):
+    def __init__(self, allocator, layer_idx, new_rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q, recent):
         self.allocator, self.layer_idx, self.new_rows = allocator, layer_idx, new_rows
         self.read_index, self.cu_seq_lens_q, self.cu_seq_lens_k = read_index, cu_seq_lens_q, cu_seq_lens_k
-        self.max_length_q = max_length_q
+        self.max_length_q, self.recent = max_length_q, recent
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -461,7 +589,7 @@ class PagedKV(FP8KeyStates):
             layout=allocator.settings.layouts[self.layer_idx], geometry=allocator.geometry[self.layer_idx],
             scaling=scaling, window=allocator.window, softcap=softcap, sink_logits=sink_logits,
             static_scales=allocator.fixed_scales.get(self.layer_idx), has_nan=allocator.has_nan[self.layer_idx],
-            max_q_len=self.max_length_q,
+            max_q_len=self.max_length_q, recent=self.recent,
         )  # fmt: skip
         return out.transpose(0, 1)[None]
 

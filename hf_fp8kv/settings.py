@@ -117,7 +117,7 @@ def skip_layer_indices(skip_layers: str | Iterable[int | str], layer_types: list
             f"skip_layers={skip_layers!r}: pass a list of layer indices and/or 'sliding_window' (e.g. "
             f"skip_layers=[{skip_layers!r}])"
         )
-    items = skip_layers.split(",") if isinstance(skip_layers, str) else list(skip_layers)
+    items = [s for s in skip_layers.split(",") if s.strip()] if isinstance(skip_layers, str) else list(skip_layers)
     skip, bad = set(), []
     for item in items:
         name = item.strip() if isinstance(item, str) else item

@@ -144,13 +144,13 @@ class TritonBackend(TorchBackend):
     def paged_attend(
         self, query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, layout: paged.RowLayout,
         geometry: paged.PageGeometry, scaling: float, window=None, softcap=None, sink_logits=None, static_scales=None,
-        has_nan: bool = True, max_q_len: int | None = None,
+        has_nan: bool = True, max_q_len: int | None = None, recent: paged.RecentRows | None = None,
     ) -> torch.Tensor:  # fmt: skip
         if layout.fmt is None or softcap is not None or sink_logits is not None or layout.key_channel is not None:
             return super().paged_attend(
                 query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, layout=layout, geometry=geometry,
                 scaling=scaling, window=window, softcap=softcap, sink_logits=sink_logits, static_scales=static_scales,
-                has_nan=has_nan,
+                has_nan=has_nan, recent=recent,
             )  # fmt: skip  (features the paged kernel does not have)
         from .triton_paged import paged_attention
 
@@ -159,7 +159,7 @@ class TritonBackend(TorchBackend):
             query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=layout.fmt, kv_heads=layout.kv_heads,
             layer_offset=geometry.layer_offset, bytes_per_block=geometry.bytes_per_block,
             block_stride=geometry.block_stride, page_size=geometry.page_size, scaling=scaling, window=window,
-            static_scales=pair, max_q_len=max_q_len,
+            static_scales=pair, max_q_len=max_q_len, recent=recent,
         )  # fmt: skip
         return out.to(query.dtype)
 

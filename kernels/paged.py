@@ -11,6 +11,10 @@ the pages through `read_index[k_first[r] : k_first[r] + past[r]]`, the last `q_l
 step's tokens, encoded as rows `[tokens, 2, row_bytes]`), causally (query i is key `past + i`), and within
 `window` keys when it is set. `attend` is the torch path (and the Triton paged kernel's reference): each
 request's rows are decoded and attended in turn, never the whole cache.
+
+With recent and sink tokens (`RecentRows`), each request also holds its newest and first tokens in the model's
+dtype beside its pages, and those keys are read from there instead of from their codes, as the dense cache reads
+its recent and sink buffers.
 """
 
 from __future__ import annotations
@@ -80,6 +84,37 @@ class PageGeometry:
         return index // self.block_stride, index % self.block_stride
 
 
+@dataclass(frozen=True)
+class RecentRows:
+    """One layer's recent and sink tokens in the model's dtype, per request, beside its pages.
+
+    `rows` `[slots * (recent + sinks), 2 (K, V), kv_heads, head_dim]`: the request holding slot s keeps its token
+    at position t at row `s * (recent + sinks) + t % recent` while t is among its newest `recent` tokens, and its
+    sink token t (t < `sinks`) at row `s * (recent + sinks) + recent + t`. `requests` (int32 `[4, requests]`, on
+    the rows' device; `host`: the same as lists) gives, per request of the step: its slot, its sink tokens held
+    (keys `[0, count)` are read from the sink rows; full-attention layers only), the position from which keys are
+    read from the recent rows, and the position of its first key (sliding layers read from their window's start).
+    """
+
+    rows: torch.Tensor
+    recent: int
+    sinks: int
+    requests: torch.Tensor
+    host: tuple[list[int], list[int], list[int], list[int]]
+
+    def lay_over(self, kv: torch.Tensor, request: int) -> None:
+        """Replace, in request `request`'s decoded keys and values `kv` (`[2, kv_heads, keys, head_dim]`), the
+        codes of its held recent and sink tokens by their model-dtype rows."""
+        slot, sinks, recent_start, key_start = (column[request] for column in self.host)
+        base, keys = slot * (self.recent + self.sinks), kv.shape[2]
+        if sinks:  # (full-attention layers only: their keys start at position 0)
+            kv[:, :, :sinks] = self.rows[base + self.recent : base + self.recent + sinks].permute(1, 2, 0, 3)
+        first = max(recent_start - key_start, 0)
+        if first < keys:
+            ring = base + torch.arange(key_start + first, key_start + keys, device=self.rows.device) % self.recent
+            kv[:, :, first:] = self.rows[ring].permute(1, 2, 0, 3)
+
+
 def encode_rows(
     states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None, static_scales: torch.Tensor | None
 ) -> tuple[torch.Tensor, bool]:
@@ -139,9 +174,11 @@ def attend(
     sink_logits: torch.Tensor | None = None,
     static_scales: torch.Tensor | None = None,
     has_nan: bool = True,
+    recent: RecentRows | None = None,
 ) -> torch.Tensor:
     """Attention `[tokens, q_heads, head_dim]` (the query's dtype) of `query` `[tokens, q_heads, head_dim]`: each
-    request's queries over its own rows (see the module docstring), one request at a time."""
+    request's queries over its own rows (see the module docstring), one request at a time; the held recent and
+    sink tokens from `recent`."""
     out = torch.zeros_like(query)
     page_rows = geometry.rows(pages, new_rows.shape[-1])
     cu_q, firsts, pasts = cu_seq_lens_q.tolist(), k_first.tolist(), past.tolist()
@@ -154,6 +191,8 @@ def attend(
             blocks, slots = geometry.locate(read_index[first : first + count])
             rows = torch.cat((page_rows[blocks, :, slots], rows))
         kv = decode_rows(rows, layout, has_nan, static_scales)
+        if recent is not None:
+            recent.lay_over(kv, r)
         out[q_first : q_first + q_len] = attention(
             query[q_first : q_first + q_len].transpose(0, 1)[None], kv[0][None], kv[1][None], scaling=scaling,
             window=window, softcap=softcap, sink_logits=sink_logits,

@@ -6,7 +6,9 @@ attention these kernels reproduce). One program handles `BLOCK_M` rows of one re
 (query position, query head of the group) pair, so a GQA group reads each K/V tile once. As in
 `triton_attention`: codes are converted by the hardware on CUDA (e4m3fn, e5m2) or by exact bit operations
 (`decode_codes`), dots run in fp16 (fp32 for fp32 queries), per-token scales multiply scores and probabilities,
-per-head scales the query and the output.
+per-head scales the query and the output. A request's recent and sink tokens held in the model's dtype
+(`paged.RecentRows`) are left out of the codes' loop and read after it, in the same online softmax, as the dense
+kernel reads its recent and sink buffers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import triton
 import triton.language as tl
 
 from .formats import TINY_SCALE, StorageFormat
-from .paged import ROW_ALIGNMENT, row_size
+from .paged import ROW_ALIGNMENT, RecentRows, row_size
+from .triton_attention import _attend_full_precision
 from .triton_common import (
     HW_CODE_TYPES, LOG2E, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings, encode, encoding,
 )
@@ -44,6 +47,46 @@ def _row_scale(row_ptr, ok, value_bytes, kv_head, ALIGNED: tl.constexpr = False)
         bits |= tl.load(base + 3, mask=ok, other=0).to(tl.int32) << 24
         scale = bits.to(tl.float32, bitcast=True)
     return scale
+
+
+@triton.jit
+def _held_keys(meta_ptr, request, requests):
+    """A request's held full-precision keys (`paged.RecentRows.requests`): the end of its sink keys, the first key
+    read from its recent rows, the position of its first key, and its slot."""
+    meta = meta_ptr + request
+    key_start = tl.load(meta + 3 * requests)
+    recent_lo = tl.maximum(tl.load(meta + 2 * requests) - key_start, 0)
+    return tl.load(meta + requests), recent_lo, key_start, tl.load(meta).to(tl.int64)
+
+
+@triton.jit
+def _attend_held(
+    q, acc, m_i, l_i, rows_ptr, kv_head, recent_slots, sink_end, recent_lo, key_start, k_end, fp_weight, q_pos,
+    row_ok, d, d_ok, n, window, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """A request's held recent and sink tokens (its slot's rows at `rows_ptr`) into the softmax, in values: their
+    scores times `fp_weight` (undoing the query's K scale and code factor)."""
+    row = 2 * KV_HEADS * HEAD_DIM
+    k_rows = rows_ptr + kv_head * HEAD_DIM
+    v_rows = k_rows + KV_HEADS * HEAD_DIM
+    weight = tl.full(n.shape, fp_weight, tl.float32)
+    # (`k_rows` stands in for the mask arguments, unused without HAS_MASK; the window is the visibility rule's)
+    for n0 in tl.range(recent_lo, k_end, n.shape[0], num_stages=1):
+        t = n0 + n
+        acc, m_i, l_i = _attend_full_precision(
+            q, acc, m_i, l_i, k_rows, v_rows, (key_start + t) % recent_slots, t, t < k_end, row, 1, d, d_ok, weight,
+            q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, True, False,
+            PRECISION, DOT,
+        )  # fmt: skip
+    for n0 in tl.range(0, tl.minimum(sink_end, k_end), n.shape[0], num_stages=1):
+        t = n0 + n
+        acc, m_i, l_i = _attend_full_precision(
+            q, acc, m_i, l_i, k_rows, v_rows, recent_slots + t, t, t < tl.minimum(sink_end, k_end), row, 1, d, d_ok,
+            weight, q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, False,
+            False, PRECISION, DOT,
+        )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -119,16 +162,19 @@ def encode_rows(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, pages_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
+    recent_ptr, recent_meta_ptr,
     q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, page_size, row_bytes,
-    value_bytes, value_boost, out_factor, new_offset,
+    value_bytes, value_boost, out_factor, code_factor, new_offset, requests, recent_slots, recent_rows_per_slot,
     BLOCK_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    HAS_RECENT: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
-    position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile."""
+    position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile. With HAS_RECENT,
+    the request's held recent and sink tokens are read from `recent_ptr`'s model-dtype rows after the codes."""
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     first_row = tl.program_id(2) * BLOCK_M
@@ -165,6 +211,12 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         window_lo = past + first_row // GROUP - window + 1
         k_lo = tl.maximum(window_lo, 0) // BLOCK_N * BLOCK_N
+    # the keys read from the codes: [sink_end, codes_end) (key indices; the others are held in full precision)
+    codes_end = k_end
+    if HAS_RECENT:
+        sink_end, recent_lo, _, _ = _held_keys(recent_meta_ptr, request, requests)
+        codes_end = tl.minimum(k_end, recent_lo)
+        k_lo = tl.maximum(k_lo, sink_end)  # (a start off the tile grid: no per-tile sink mask in the loop)
     # the page bytes as the codes `decode_codes` takes (a typed load, as in `_attention_kernel`): the fp8 type for
     # the hardware conversion, else int8 bits
     codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
@@ -173,16 +225,16 @@ def _paged_attention_kernel(
     # each tile's page indices are loaded one iteration ahead, into registers: loaded in the iteration that uses
     # them, they left the codes' copies one tile in flight (gpu_static: `DEPBAR.LE SB0, 0`), two this way
     n = tl.arange(0, BLOCK_N)
-    phys_next = tl.load(read_ptr + k_first + k_lo + n, mask=(k_lo + n < past) & (k_lo + n < k_end), other=0)
-    for n0 in tl.range(k_lo, k_end, BLOCK_N, num_stages=STAGES):
+    phys_next = tl.load(read_ptr + k_first + k_lo + n, mask=(k_lo + n < past) & (k_lo + n < codes_end), other=0)
+    for n0 in tl.range(k_lo, codes_end, BLOCK_N, num_stages=STAGES):
         t = n0 + n
-        t_ok = t < k_end
+        t_ok = t < codes_end
         if HAS_WINDOW:  # the first tile's keys before every row's window are never read
             t_ok = t_ok & (t >= window_lo)
         in_pages = t_ok & (t < past)
         phys = phys_next.to(tl.int32)  # 32-bit division below
         t_next = t + BLOCK_N
-        phys_next = tl.load(read_ptr + k_first + t_next, mask=(t_next < past) & (t_next < k_end), other=0)
+        phys_next = tl.load(read_ptr + k_first + t_next, mask=(t_next < past) & (t_next < codes_end), other=0)
         # (a constant divisor: a multiply-high, where a runtime one took ~20 instructions per token)
         block, slot = phys // BLOCK_STRIDE, phys % BLOCK_STRIDE
         page_row = block.to(tl.int64) * bytes_per_block + layer_offset + slot * row_bytes
@@ -213,9 +265,20 @@ def _paged_attention_kernel(
             visible = visible & (t[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, PER_TOKEN, PER_TOKEN, False,
                                      PRECISION, False)  # fmt: skip
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * out_factor
+    out_scale = out_factor
     if not PER_TOKEN:
-        out = out * tl.load(v_scale_ptr + kv_head)
+        out_scale *= tl.load(v_scale_ptr + kv_head)
+    acc = acc * out_scale
+    if HAS_RECENT:  # the held tokens, in values: their scores times 1 / (the query's K scale and code factor)
+        # (loaded again: kept across the codes' loop, they spilled at head_dim 128 with static scales, gpu_static)
+        sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
+        k_head = 1.0 if PER_TOKEN else tl.load(k_scale_ptr + kv_head)
+        acc, m_i, l_i = _attend_held(
+            q, acc, m_i, l_i, recent_ptr + recent_slot * recent_rows_per_slot * 2 * KV_HEADS * HEAD_DIM, kv_head,
+            recent_slots, sink_end, recent_lo, key_start, k_end, 1.0 / (k_head * code_factor), q_pos, row_ok, d,
+            d_ok, n, window, KV_HEADS, HEAD_DIM, HAS_WINDOW, PRECISION, DOT,
+        )  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * o_st + head[:, None] * o_sh + d[None, :], out,
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
@@ -255,18 +318,20 @@ def paged_attention(
     window: int | None = None,
     static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_q_len: int | None = None,
+    recent: RecentRows | None = None,
 ) -> torch.Tensor:
     """fp32 attention output `[tokens, q_heads, head_dim]` of `query` `[tokens, q_heads, head_dim]` (every
     request's rows, `cu_seq_lens_q` int32 `[requests + 1]`) over paged rows (see the module docstring).
 
     `pages`: the uint8 page bytes; `new_rows`: uint8 `[tokens, 2, row_bytes]`; `read_index`: int64 physical
     indices; `k_first` / `past`: int32 `[requests]`; `static_scales`: fp32 `[kv_heads]` K and V scales (None:
-    per-token-head scales stored in the rows). Codes in the fp8 formats or int8.
+    per-token-head scales stored in the rows); `recent`: the requests' recent and sink tokens in the model's dtype
+    (contiguous rows). Codes in the fp8 formats or int8.
     """
     out, launch = plan_paged_attention(
         query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=fmt, kv_heads=kv_heads,
         layer_offset=layer_offset, bytes_per_block=bytes_per_block, block_stride=block_stride, page_size=page_size,
-        scaling=scaling, window=window, static_scales=static_scales, max_q_len=max_q_len,
+        scaling=scaling, window=window, static_scales=static_scales, max_q_len=max_q_len, recent=recent,
     )  # fmt: skip
     if launch is not None:
         launch_all([launch], query.device)
@@ -277,7 +342,7 @@ def plan_paged_attention(
     query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, fmt: StorageFormat, kv_heads: int,
     layer_offset: int, bytes_per_block: int, block_stride: int, page_size: int, scaling: float,
     window: int | None = None, static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_q_len: int | None = None, cuda: bool | None = None,
+    max_q_len: int | None = None, recent: RecentRows | None = None, cuda: bool | None = None,
 ) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
     """The output of `paged_attention` and the launch that fills it (None: nothing to attend); `cuda=True` plans
     CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU (`benchmarks/gpu_static.py`)."""
@@ -298,6 +363,10 @@ def plan_paged_attention(
     for name, tensor in (("pages", pages), ("new_rows", new_rows)):
         if tensor.dtype != torch.uint8 or not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous uint8, got {tensor.dtype}")
+    if recent is not None and (recent.rows.shape[1:] != (2, kv_heads, head_dim) or not recent.rows.is_contiguous()):
+        raise ValueError(
+            f"recent.rows must be contiguous [rows, 2, {kv_heads}, {head_dim}], got {tuple(recent.rows.shape)}"
+        )
     requests = cu_seq_lens_q.numel() - 1
     if max_q_len is None:
         max_q_len = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()) if requests else 0
@@ -316,17 +385,20 @@ def plan_paged_attention(
     new_offset = new_rows.data_ptr() - pages.data_ptr()
     offsets = (row_bytes, layer_offset, bytes_per_block, new_offset)
     aligned = all(n % ROW_ALIGNMENT == 0 for n in offsets) and value_bytes % 4 == 0  # 16-byte rows, 4-byte scales
+    recent_args = (out, out, 1, 1) if recent is None else (
+        recent.rows, recent.requests, recent.recent or 1, recent.recent + recent.sinks
+    )  # fmt: skip  (placeholders the kernel never reads without HAS_RECENT)
     args = (
-        query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, query.stride(0),
-        query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E.value * code_factor, window or 0, layer_offset,
-        bytes_per_block, page_size, row_bytes, value_bytes, value_boost, code_factor / value_boost,
-        new_offset,
+        query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2],
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E.value * code_factor,
+        window or 0, layer_offset, bytes_per_block, page_size, row_bytes, value_bytes, value_boost,
+        code_factor / value_boost, code_factor, new_offset, requests, *recent_args[2:],
     )  # fmt: skip
     constexprs = dict(
         BLOCK_STRIDE=block_stride, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m,
         BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert,
         CODE_TYPE=HW_CODE_TYPES.get(fmt.dtype, tl.int8), FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
-        DOT=dot, PRECISION=decode.precision, **options,
+        HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision, **options,
     )  # fmt: skip
     return out, Launch(_paged_attention_kernel, grid, args, constexprs)

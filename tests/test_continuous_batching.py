@@ -1,5 +1,6 @@
 """Continuous batching over FP8 pages (`hf_fp8kv.continuous_batching`) on SmolLM2-135M-Instruct and tiny models:
-agreement with `generate` + `QuantizedFP8Cache` under vLLM's top-5 rule, queueing under a tight page budget,
+agreement with `generate` + `QuantizedFP8Cache` (recent and sink tokens, or pure FP8) under vLLM's top-5 rule and
+logit for logit, queueing under a tight page budget or few request slots, preemption, forks, prefix sharing,
 cancellation, streaming from the manager, sliding/full layer groups, the memory gain and the errors."""
 
 import pickle
@@ -18,21 +19,17 @@ except ImportError as error:  # transformers before 5.20: test_compat checks the
 from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.evaluate import greedy_with_logits, topk_rule
 from tests.models import PURE_FP8, smollm2, tiny_model
+from tests.prompts import PROMPTS
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three uses of a paperclip, with one sentence of explanation for each of them.",
-    "What is 12 times 7?",
-    "Explain in one sentence why the sky is blue.",
-    "Name a color.",
-    "Translate 'good morning' into Spanish, French, German and Italian, then say which one you find the most "
-    "pleasant to pronounce and why.",
-    "Give me a synonym of happy.",
-]
 NEW_TOKENS = 5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: CUDA, else the interpreter
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+# the dense cache's default (recent and sink tokens), and pure FP8
+VARIANTS = {"recent+sinks": {}, "pure": PURE_FP8}
+# request slots for every request of a test at once (the default, an eighth of these tiny page budgets, holds one)
+REQUESTS = 8
 
 
 def pages(**kwargs) -> ContinuousBatchingConfig:
@@ -43,7 +40,7 @@ def pages(**kwargs) -> ContinuousBatchingConfig:
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
     model, tokenizer = smollm2()
-    cb.enable(model, scales="dynamic")
+    cb.enable(model, scales="dynamic", max_requests=REQUESTS)
     yield model, tokenizer
     cb.disable(model)
 
@@ -66,41 +63,83 @@ def last_logits(model, ids: list[int]) -> torch.Tensor:
     return captured[0]
 
 
-def test_generate_batch_agrees_with_generate_under_top5_rule(model_and_tokenizer):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_generate_batch_agrees_with_generate_under_top5_rule(model_and_tokenizer, variant):
     model, tokenizer = model_and_tokenizer
+    cb.enable(model, scales="dynamic", max_requests=REQUESTS, **VARIANTS[variant])
     inputs = [chat_ids(tokenizer, p) for p in PROMPTS]
     assert len({len(ids) for ids in inputs}) >= 6  # mixed lengths: 1 to 4 pages of 16 tokens
-    outputs = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(), warmup=False)
+    # no prefix sharing: every request holds its own sink tokens (a shared prefix is read from its codes)
+    outputs = model.generate_batch(inputs, generation_config=GREEDY, warmup=False,
+                                   continuous_batching_config=pages(allow_block_sharing=False))  # fmt: skip
     assert len(outputs) == len(PROMPTS)
     for ids, output in zip(inputs, outputs.values()):
         assert output.error is None and len(output.generated_tokens) == NEW_TOKENS
-        tokens = torch.tensor(output.generated_tokens)
-        prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-        with torch.inference_mode():
-            ref_tokens, ref_logits = greedy_with_logits(model, prompt, QuantizedFP8Cache(model, scales="dynamic", **PURE_FP8),
-                                                        NEW_TOKENS)  # fmt: skip
-        at, _ = topk_rule(ref_tokens[0], ref_logits[0], tokens, ref_logits[0])
-        if at is not None:  # the batch's own logits at the divergence
-            logits = torch.zeros_like(ref_logits[0])
-            logits[at] = last_logits(model, ids + output.generated_tokens[:at])
-            at, ok = topk_rule(ref_tokens[0], ref_logits[0], tokens, logits)
-            assert ok, f"{tokenizer.decode(ids)!r}: diverges from generate at {at} outside the top 5"
+        check_top5(model, tokenizer, ids, output.generated_tokens,
+                   QuantizedFP8Cache(model, scales="dynamic", **VARIANTS[variant]))  # fmt: skip
+    cb.enable(model, scales="dynamic", max_requests=REQUESTS)
 
 
-def test_tight_page_budget_queues_and_completes_every_request(model_and_tokenizer):
+def check_top5(model, tokenizer, ids: list[int], generated: list[int], cache) -> None:
+    """vLLM's top-5 rule: `generated` (greedy, continuous batching) against `generate` with `cache` for `ids` alone;
+    at a divergence, the batch's own logits."""
+    tokens = torch.tensor(generated)
+    prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+    with torch.inference_mode():
+        ref_tokens, ref_logits = greedy_with_logits(model, prompt, cache, len(generated))
+    at, _ = topk_rule(ref_tokens[0], ref_logits[0], tokens, ref_logits[0])
+    if at is not None:
+        logits = torch.zeros_like(ref_logits[0])
+        logits[at] = last_logits(model, ids + generated[:at])
+        at, ok = topk_rule(ref_tokens[0], ref_logits[0], tokens, logits)
+        assert ok, f"{tokenizer.decode(ids)!r}: diverges from generate at {at} outside the top 5"
+
+
+def test_a_prefix_from_the_prefix_cache_is_read_from_its_codes(model_and_tokenizer):
+    """The same prompt twice, one after the other: the second takes the first's complete blocks from transformers'
+    prefix cache (its sink tokens and those blocks read from their codes) and still passes the top-5 rule."""
+    model, tokenizer = model_and_tokenizer
+    ids = chat_ids(tokenizer, PROMPTS[6])
+    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=pages())
+    manager.start()
+    try:
+        results, matched = {}, []
+        for name in ("one", "two"):
+            manager.add_request(ids, request_id=name, max_new_tokens=NEW_TOKENS)
+            results[name] = manager.get_result(request_id=name, timeout=120)
+            cache = manager.batch_processor.cache
+            search = cache.search_prefix_match
+            cache.search_prefix_match = lambda *args: matched.append(search(*args)) or matched[-1]
+    finally:
+        manager.stop(block=True, timeout=30)
+        model.destroy_cached_continuous_batching_manager()
+    assert matched and matched[0] >= 16  # at least one block of 16 tokens
+    for name in ("one", "two"):
+        check_top5(model, tokenizer, ids, results[name].generated_tokens, QuantizedFP8Cache(model, scales="dynamic"))
+
+
+@pytest.mark.parametrize("blocks, requests", [(8, REQUESTS), (32, 2)])
+def test_tight_budget_queues_and_completes_every_request(model_and_tokenizer, blocks, requests):
+    """8 blocks of 16 tokens (two or three of these requests at a time), or 2 request slots for the recent and
+    sink tokens: the others wait, and every request gets the tokens of a roomy run. No prefix sharing: which
+    request computes the shared chat-template prefix (and so holds its sink tokens) depends on the order the
+    scheduler admits them, and a shared prefix is read from its codes (enough to flip a close first token)."""
     model, tokenizer = model_and_tokenizer
     inputs = [chat_ids(tokenizer, p) for p in PROMPTS[:6]]
-    roomy = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(), warmup=False)
+    roomy = model.generate_batch(inputs, generation_config=GREEDY, warmup=False,
+                                 continuous_batching_config=pages(allow_block_sharing=False))  # fmt: skip
+    cb.enable(model, scales="dynamic", max_requests=requests)
     batch_sizes = []
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: batch_sizes.append(len(kwargs["cu_seq_lens_q"]) - 1), with_kwargs=True
     )
-    try:  # 8 blocks of 16 tokens: two or three of these requests at a time
-        tight = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(num_blocks=8),
-                                     warmup=False)  # fmt: skip
+    try:
+        tight = model.generate_batch(inputs, generation_config=GREEDY, warmup=False,
+                                     continuous_batching_config=pages(num_blocks=blocks, allow_block_sharing=False))  # fmt: skip
     finally:
         hook.remove()
-    assert max(batch_sizes) < len(inputs)
+        cb.enable(model, scales="dynamic", max_requests=REQUESTS)
+    assert max(batch_sizes) <= min(requests, len(inputs) - 1)
     assert [o.error for o in tight.values()] == [None] * len(inputs)
     assert [o.generated_tokens for o in tight.values()] == [o.generated_tokens for o in roomy.values()]
 
@@ -109,7 +148,7 @@ def test_preempted_requests_complete_with_the_same_tokens():
     """Requests that outgrow a tiny page budget while decoding are preempted (freed and recomputed: the CPU swap
     pool needs pinned memory, a GPU) and still give the tokens of a roomy run."""
     model = tiny_model("llama")
-    cb.enable(model, scales="dynamic")
+    cb.enable(model, scales="dynamic", max_requests=4)
     generator = torch.Generator().manual_seed(2)
     inputs = [torch.randint(3, 128, (6,), generator=generator).tolist() for _ in range(4)]
     greedy = GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -184,19 +223,21 @@ def test_streaming_from_the_manager(model_and_tokenizer):
     assert isinstance(cache, cb.FP8PagedAttentionCache)
     summary = cache.layer_summary()
     assert len(summary) == model.config.num_hidden_layers and summary[0]["storage"] == "fp8_e4m3"
-    # 3 KV heads x (64 codes + a 4-byte scale), padded to 16 bytes
+    # 3 KV heads x (64 codes + a 4-byte scale), padded to 16 bytes; the dense cache's recent and sink tokens
     assert summary[0]["row_bytes"] == 208 and summary[0]["clipped"] == 0
+    assert summary[0]["recent+sinks"] == cb.dense_default("recent_tokens") + cb.dense_default("sink_tokens")
     assert len(seen) > 1 and all(len(a) < len(b) for a, b in zip(seen, seen[1:]))
     assert seen[-1] == next(iter(expected.values())).generated_tokens
 
 
-@pytest.mark.parametrize("scales, skip", [("dynamic", ()), (0.05, [1])])
-def test_sliding_and_full_groups_match_generate(scales, skip):
+@pytest.mark.parametrize("scales, skip, variant", [("dynamic", (), "recent+sinks"), ("dynamic", (), "pure"),
+                                                   (0.05, [1], "recent+sinks")])  # fmt: skip
+def test_sliding_and_full_groups_match_generate(scales, skip, variant):
     """A tiny Qwen2 with a sliding layer (window 8, shorter than the prompts: the ring wraps) and a full layer."""
     model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                        use_sliding_window=True, max_window_layers=0)  # fmt: skip
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
-    cb.enable(model, scales=scales, skip_layers=skip)
+    cb.enable(model, scales=scales, skip_layers=skip, max_requests=4, **VARIANTS[variant])
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (5, 13, 21)]
     outputs = model.generate_batch(inputs, generation_config=GREEDY, continuous_batching_config=pages(page_size=4),
@@ -204,8 +245,8 @@ def test_sliding_and_full_groups_match_generate(scales, skip):
     for ids, output in zip(inputs, outputs.values()):
         prompt = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         with torch.inference_mode():
-            ref = model.generate(**prompt, **cache_kwargs(QuantizedFP8Cache(model, scales=scales, skip_layers=skip, **PURE_FP8)),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False)  # fmt: skip
+            ref = model.generate(**prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **cache_kwargs(QuantizedFP8Cache(
+                model, scales=scales, skip_layers=skip, **VARIANTS[variant])))  # fmt: skip
         expected = ref[0, len(ids) :].tolist()  # generate stops at EOS, the batch (eos -1) goes on
         assert output.generated_tokens[: len(expected)] == expected
     cb.disable(model)
@@ -220,7 +261,31 @@ def test_static_per_channel_key_scales_match_generate():
     scales = KVScales(key={0: torch.tensor(0.02), 1: torch.tensor(0.03)}, value={0: torch.tensor(0.01),
                       1: torch.tensor(0.02)}, key_channel={0: channel, 1: channel * 2})  # fmt: skip
     ids = torch.randint(3, 128, (9,), generator=generator).tolist()
-    cb.enable(model, scales=scales)
+    batch, ref = batch_and_generate_logits(model, ids, dict(scales=scales, **PURE_FP8))
+    assert torch.allclose(batch, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "sliding"])
+def test_recent_and_sink_tokens_give_generates_logits(kind):
+    """Recent and sink tokens on the pages (4 + 2, a 13-token prompt and 8 more: tokens leave the recent ones
+    while decoding; on the sliding layer (window 8) the ring wraps): the batch's logits are generate's with
+    QuantizedFP8Cache of the same recent and sink tokens, step by step; pure FP8 pages give others."""
+    model = tiny_model("llama") if kind == "llama" else tiny_model(
+        "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+        max_window_layers=0,
+    )  # fmt: skip
+    ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    held = dict(scales="dynamic", recent_tokens=4, sink_tokens=2)
+    batch, ref = batch_and_generate_logits(model, ids, held)
+    assert torch.equal(batch, ref)
+    pure, _ = batch_and_generate_logits(model, ids, dict(scales="dynamic", **PURE_FP8))
+    assert (pure - ref).abs().max() > 1e-3
+
+
+def batch_and_generate_logits(model, ids: list[int], settings: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last-position logits of each step of `generate_batch` (FP8 pages with `settings`) and of `generate`
+    with `QuantizedFP8Cache(**settings)`, `[NEW_TOKENS, vocab]` each."""
+    cb.enable(model, max_requests=1, **settings)
     logits = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0, -1].float()))
     try:
@@ -231,10 +296,31 @@ def test_static_per_channel_key_scales_match_generate():
         cb.disable(model)
     with torch.inference_mode():
         ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             **cache_kwargs(QuantizedFP8Cache(model, scales=scales, **PURE_FP8)), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             **cache_kwargs(QuantizedFP8Cache(model, **settings)), max_new_tokens=NEW_TOKENS, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
-    ref_logits = torch.stack(ref.logits)[:, 0].float()
-    assert torch.allclose(torch.stack(logits[: len(ref_logits)]), ref_logits, atol=1e-5, rtol=0)
+    return torch.stack(logits[:NEW_TOKENS]), torch.stack(ref.logits)[:, 0].float()
+
+
+def test_forked_requests_copy_the_recent_and_sink_tokens():
+    """Parallel sampling (3 sequences per prompt, top-1 sampling): forked children get a copy of their parent's recent
+    and sink tokens, children beyond the free slots are prefilled anew; every sequence is the single run's."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(6)
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (7, 10)]
+    cb.enable(model, scales="dynamic", recent_tokens=4, sink_tokens=2, max_requests=4)
+    try:
+        single = model.generate_batch(inputs, generation_config=GREEDY, warmup=False,
+                                      continuous_batching_config=pages(page_size=4))  # fmt: skip
+        # sampling from the top token only: greedy, which GenerationConfig refuses with several sequences
+        three = GenerationConfig(**{**GREEDY.to_diff_dict(), "num_return_sequences": 3, "do_sample": True, "top_k": 1})
+        forked = model.generate_batch(inputs, generation_config=three, warmup=False,
+                                      continuous_batching_config=pages(page_size=4))  # fmt: skip
+    finally:
+        cb.disable(model)
+    expected = {request_id: output.generated_tokens for request_id, output in single.items()}
+    assert len(forked) == 6
+    for request_id, output in forked.items():
+        assert output.generated_tokens == expected[request_id.split("__child#")[0]], request_id
 
 
 @pytest.mark.parametrize("scales", ["dynamic", 0.05])
@@ -247,7 +333,7 @@ def test_triton_backend_reads_the_same_pages(scales):
     inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 11, 19)]
     tokens = {}
     for backend in ("torch", "triton"):
-        cb.enable(model, scales=scales, backend=backend)
+        cb.enable(model, scales=scales, backend=backend, max_requests=4)
         outputs = model.generate_batch(inputs, generation_config=GREEDY,
                                        continuous_batching_config=pages(page_size=4), warmup=False)  # fmt: skip
         tokens[backend] = [o.generated_tokens for o in outputs.values()]
@@ -270,7 +356,7 @@ def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
     helper = DistributedHelper(device_mesh=None, cpu_group_timeout=None)
     native = cache.PagedAttentionCache(config, ContinuousBatchingConfig(**setting), "cpu", helper, dtype=torch.bfloat16)
     for scales, least in (("dynamic", 1.9), (0.05, 2.0)):
-        settings = cb.enable(model, scales=scales)
+        settings = cb.enable(model, scales=scales, **PURE_FP8)
         with caplog.at_level("INFO", logger="hf_fp8kv.continuous_batching"):
             fp8 = cb.FP8PagedAttentionCache(settings, config, ContinuousBatchingConfig(**setting), "cpu", helper,
                                             dtype=torch.bfloat16)  # fmt: skip
@@ -281,6 +367,13 @@ def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
         admitted = fp8.count_storable_requests([request] * 10_000)
         assert admitted >= least * native.count_storable_requests([request] * 10_000)
         del fp8
+    # with the recent and sink tokens of the requests in flight (an eighth of the memory) still 1.7x
+    settings = cb.enable(model, scales="dynamic")
+    fp8 = cb.FP8PagedAttentionCache(settings, config, ContinuousBatchingConfig(**setting), "cpu", helper,
+                                    dtype=torch.bfloat16)  # fmt: skip
+    assert fp8.num_blocks >= 1.7 * native.num_blocks
+    # an eighth of the 256 MiB in requests of 36 tokens x 30 layers x K, V x 3 heads x 64 in the model's fp32
+    assert fp8.request_slots.slots == 2**28 // 8 // (36 * 30 * 2 * 3 * 64 * 4) == 20
     cb.disable(model)
 
 
@@ -308,8 +401,10 @@ def test_bad_input_errors(monkeypatch):
     with pytest.raises(ValueError, match="flash_attention_2"):
         cb.enable(model, scales="dynamic")
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="recent_tokens=4"):
-        cb.enable(model, scales="dynamic", recent_tokens=4)
+    with pytest.raises(ValueError, match="recent_tokens=-4"):
+        cb.enable(model, scales="dynamic", recent_tokens=-4)
+    with pytest.raises(ValueError, match="max_requests=0"):
+        cb.enable(model, scales="dynamic", max_requests=0)
     with pytest.raises(ValueError, match="skip_layers"):
         cb.enable(model, scales="dynamic", skip_layers=[7])
     with pytest.raises(ValueError, match="kv_cache_dtype='fp4'"):

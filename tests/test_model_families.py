@@ -114,6 +114,7 @@ def test_left_padded_batch_on_hybrid_model_matches_the_prompt_alone():
         (["sliding_window", 1], [DynamicSlidingWindowLayer, DynamicLayer, DynamicSlidingWindowLayer, DynamicFP8Layer]),
         ("sliding_window,3", [DynamicSlidingWindowLayer, DynamicFP8Layer, DynamicSlidingWindowLayer, DynamicLayer]),
         ([3], [DynamicFP8SlidingLayer, DynamicFP8Layer, DynamicFP8SlidingLayer, DynamicLayer]),
+        ("", [DynamicFP8SlidingLayer, DynamicFP8Layer, DynamicFP8SlidingLayer, DynamicFP8Layer]),  # a flag's default
     ],
 )
 def test_skip_layers_spellings(skip_layers, expected):

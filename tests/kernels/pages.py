@@ -1,10 +1,11 @@
 """Paged rows built for tests: requests with cached pages at scattered physical indices and new rows, with what
-the oracle says each request's queries must see."""
+the oracle says each request's queries must see; optionally each request's recent and sink tokens held in full
+precision beside the pages (`RecentRows`)."""
 
 import torch
 
 from hf_fp8kv.kernels import reference
-from hf_fp8kv.kernels.paged import row_size
+from hf_fp8kv.kernels.paged import RecentRows, row_size
 
 PAGE_SIZE = 4
 LAYERS = 2  # pages per block; the tested layer is the second one (a non-zero layer offset)
@@ -23,9 +24,14 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Ten
     return torch.nn.functional.pad(rows, (0, padding)), values
 
 
-def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None):
+def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None,
+          recent=None, dtype=torch.float32):  # fmt: skip
     """Pages and new rows of `requests` (`(past, q_len)` each); `garbage_before`: a window, whose cached rows
-    before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed page's filler."""
+    before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed page's filler.
+    `recent`: `(R, S, key_start)`, each request's newest R and first S tokens held in `dtype` rows (returned as
+    the fifth item), every other request as if its prompt's first half came from another request (prefix sharing:
+    neither those sinks nor those recent tokens held), its keys starting at position `key_start` (a sliding
+    layer's window; sinks then apply to none)."""
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
@@ -37,7 +43,7 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
     total_pages = sum(-(-past // PAGE_SIZE) for past, _ in requests) + 2
     pages = torch.zeros(total_pages * bytes_per_block, dtype=torch.uint8)
     free_blocks = torch.randperm(total_pages, generator=generator).tolist()
-    queries, new_rows, read_index, expected = [], [], [], []
+    queries, new_rows, read_index, expected, held = [], [], [], [], []
     cu_q, k_first, pasts = [0], [], []
     for past, q_len in requests:
         keys = torch.randn(past + q_len, kv_heads, head_dim, generator=generator) * 3
@@ -56,6 +62,8 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
         new_rows.append(torch.stack((k_rows[past:], v_rows[past:]), dim=1))
         query = torch.randn(q_len, kv_heads * group, head_dim, generator=generator)
         queries.append(query)
+        if recent is not None:
+            held.append(hold(keys, values, k_values, v_values, past // 2 if len(held) % 2 else 0, recent, dtype))
         expected.append((query, k_values, v_values))
         cu_q.append(cu_q[-1] + q_len)
         pasts.append(past)
@@ -66,7 +74,42 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
         torch.tensor(cu_q, dtype=torch.int32), torch.tensor(k_first, dtype=torch.int32),
         torch.tensor(pasts, dtype=torch.int32),
     )  # fmt: skip
-    return tensors, layout, static, expected
+    if recent is None:
+        return tensors, layout, static, expected
+    return tensors, layout, static, expected, recent_rows(held, recent, kv_heads, head_dim, dtype, generator)
+
+
+def hold(keys, values, k_values, v_values, first, recent, dtype):
+    """The rows one request holds (`first`: the first position it computed itself; `recent`: `(R, S, key_start)`),
+    laid over its expected keys and values: `(meta [sinks, recent_start, key_start], {position: (k, v)})`."""
+    window, sinks, key_start = recent
+    end = key_start + len(keys)
+    sink_count = min(sinks, end) if first == 0 and key_start == 0 else 0
+    recent_start = max(first, end - window)
+    rows = {}
+    for t in [*range(sink_count), *range(max(recent_start, key_start), end)]:
+        k, v = keys[t - key_start].to(dtype), values[t - key_start].to(dtype)
+        k_values[t - key_start], v_values[t - key_start] = k.float(), v.float()
+        rows[t] = (k, v)
+    return (sink_count, recent_start, key_start), rows
+
+
+def recent_rows(held, recent, kv_heads, head_dim, dtype, generator) -> RecentRows:
+    """Every request's rows in a pool of slots (in shuffled order, one spare), the rows nobody holds NaN."""
+    window, sinks, _ = recent
+    per_slot = window + sinks
+    slots = torch.randperm(len(held) + 1, generator=generator).tolist()
+    rows = torch.full(((len(held) + 1) * per_slot, 2, kv_heads, head_dim), float("nan"), dtype=dtype)
+    meta = []
+    for slot, ((sink_count, recent_start, key_start), tokens) in zip(slots, held):
+        for t, (k, v) in tokens.items():
+            row = slot * per_slot + (window + t if t < sink_count else t % window)
+            rows[row, 0], rows[row, 1] = k, v
+            if t < sink_count and t >= recent_start:  # a sink among the newest tokens: held in both places
+                rows[slot * per_slot + t % window] = rows[row]
+        meta.append((slot, sink_count, recent_start, key_start))
+    host = tuple(list(column) for column in zip(*meta))
+    return RecentRows(rows, window, sinks, torch.tensor(host, dtype=torch.int32), host)
 
 
 def oracle(expected, scaling, window):

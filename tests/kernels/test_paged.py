@@ -9,7 +9,7 @@ from hf_fp8kv.kernels import paged
 from hf_fp8kv.kernels.cpu import dequantize_stacked
 from hf_fp8kv.kernels.formats import FORMATS
 from pages import PAGE_SIZE, build, oracle
-from test_triton_paged import CASES
+from test_triton_paged import CASES, RECENT_CASES
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head"])
@@ -31,16 +31,28 @@ ATTEND_CASES = [(case, False) for case in CASES] + [(case, True) for case in CAS
 
 @pytest.mark.parametrize("case,garbage", ATTEND_CASES, ids=lambda x: str(x) if isinstance(x, tuple) else str(x))
 def test_attend_is_each_requests_attention(case, garbage):
+    check(case, garbage_before=case[-1] if garbage else None)
+
+
+@pytest.mark.parametrize("case, recent", RECENT_CASES, ids=str)
+def test_held_recent_and_sink_tokens_replace_their_codes(case, recent):
+    """A request's held recent and sink tokens are read from its model-dtype rows (its unheld rows are NaN), every
+    other key from its codes."""
+    check(case, recent=recent)
+
+
+def check(case, **options) -> None:
+    """`paged.attend` against the oracle on `case` (`options`: `pages.build`'s)."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
-    tensors, geometry, static, expected = build(requests, fmt, 2, head_dim, group, dynamic,
-                                                garbage_before=window if garbage else None)  # fmt: skip
-    query, pages, new_rows, read_index, cu_q, k_first, past = tensors
+    built = build(requests, fmt, 2, head_dim, group, dynamic, **options)
+    (query, pages, new_rows, read_index, cu_q, k_first, past), geometry, static, expected = built[:4]
     layout = paged.RowLayout(fmt, dynamic, 2, head_dim, torch.float32)
     out = paged.attend(
         query, pages, new_rows, read_index, cu_q, k_first, past, layout=layout,
         geometry=paged.PageGeometry(geometry["layer_offset"], geometry["bytes_per_block"], geometry["block_stride"],
                                     PAGE_SIZE),
         scaling=head_dim**-0.5, window=window, static_scales=None if static is None else torch.stack(static),
+        recent=built[4] if len(built) > 4 else None,
     )  # fmt: skip
     torch.testing.assert_close(out, oracle(expected, head_dim**-0.5, window), rtol=1e-5, atol=1e-5)

@@ -1,8 +1,10 @@
 """The Triton paged attention and row encoder (continuous batching) against the oracle and the torch codec:
 requests with cached pages at scattered physical indices and new rows, mixed query lengths (decode and chunked
-prefill), GQA, sliding windows, every storage format, per-token and per-head scales."""
+prefill), GQA, sliding windows, every storage format, per-token and per-head scales, recent and sink tokens held
+in full precision beside the pages."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -37,21 +39,36 @@ DTYPE_CASES = [  # a model-dtype query: the query scaled and cast to fp16 once, 
 ]
 
 
-def check(dtype, case, block_padding: int = 8, garbage: bool = False) -> bool:
-    """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window);
-    returns whether it was told its rows are aligned."""
+# (case, (recent tokens, sink tokens, position of the first key)): held rows with decode and chunked prefill,
+# fewer recent tokens than a prefill's queries, a sliding layer's keys from position 5 (no sinks), static scales
+RECENT_CASES = [
+    (CASES[0], (4, 2, 0)),
+    (CASES[2], (8, 4, 0)),
+    (CASES[1], (6, 3, 5)),
+    (CASES[4], (3, 0, 0)),
+    (CASES[7], (16, 4, 0)),
+]
+
+
+def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None) -> bool:
+    """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window;
+    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`); returns whether it was told
+    its rows are aligned."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
-    tensors, layout, static, expected = build(requests, fmt, kv_heads, head_dim, group, dynamic,
-                                              block_padding=block_padding, garbage_before=window if garbage else None)  # fmt: skip
+    built = build(requests, fmt, kv_heads, head_dim, group, dynamic, block_padding=block_padding,
+                  garbage_before=window if garbage else None, recent=recent, dtype=dtype)  # fmt: skip
+    tensors, layout, static, expected = built[:4]
+    held = None if recent is None else replace(built[4], rows=built[4].rows.to(DEVICE),
+                                               requests=built[4].requests.to(DEVICE))  # fmt: skip
     scaling = head_dim**-0.5
     query, pages, new_rows, read_index, cu_q, k_first, past = (t.to(DEVICE) for t in tensors)
     query = query.to(dtype)
     expected = [(q.to(dtype).float(), k, v) for q, k, v in expected]  # the oracle sees the same rounded query
     static = tuple(s.to(DEVICE) for s in static) if static else None
     out, launch = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
-                                       scaling=scaling, window=window, static_scales=static, **layout)  # fmt: skip
+                                       scaling=scaling, window=window, static_scales=static, recent=held, **layout)  # fmt: skip
     launch.run()
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
@@ -62,6 +79,14 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False) -> bool:
 @pytest.mark.parametrize("dtype, case", [(torch.float32, case) for case in CASES] + DTYPE_CASES)
 def test_paged_attention_matches_reference(dtype, case):
     assert not check(dtype, case)  # blocks of 8 padding bytes: byte-wise scale loads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case, recent", RECENT_CASES, ids=str)
+def test_recent_and_sink_tokens_are_read_in_full_precision(dtype, case, recent):
+    """Each request's held recent and sink tokens (its unheld rows NaN) read from the model-dtype rows, the others
+    from the codes, in one softmax: the oracle over exactly those values."""
+    check(dtype, case, recent=recent)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]])

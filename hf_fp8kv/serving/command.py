@@ -1,0 +1,81 @@
+"""The `hf-fp8kv serve` command: transformers' own `transformers serve` command, with continuous batching on by
+default, the bundled SmolLM2 as the default model and the FP8 cache's options added. Every `transformers serve`
+option passes through as it is (the command is transformers', copied with its parameters)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Sequence
+
+import click
+
+from hf_fp8kv.serving.server import FP8Options, FP8Serve, dense_default
+
+NAME = "hf-fp8kv serve"
+
+
+def serve_command() -> click.Command:
+    """transformers' `serve` click command with our options appended and two defaults changed."""
+    from transformers.cli.transformers import app
+
+    base = app.commands.get("serve")
+    if base is None or not isinstance(base, click.Command):
+        raise RuntimeError("this transformers has no `transformers serve` command: install hf-fp8kv[serve]")
+    params = []
+    for param in base.params:
+        param = copy.copy(param)
+        if param.name == "continuous_batching":
+            param.default = True  # FP8 pages are continuous batching's
+        elif param.name == "force_model":
+            param.help = f"{param.help} Default: the bundled SmolLM2-135M-Instruct (offline)."
+        params.append(param)
+    command = copy.copy(base)
+    command.params = params + [
+        click.Option(["--kv-cache-dtype"], default="fp8", show_default=True,
+                     help="Page format: fp8 (= fp8_e4m3), fp8_e5m2, fp8_e4m3fnuz, int8_per_token_head."),
+        click.Option(["--scales"], default="dynamic", show_default=True,
+                     help="dynamic (per token and KV head), auto (the checkpoint's), a float, or a scales file."),
+        click.Option(["--skip-layers"], default="", help="Layers kept in the model dtype: indices and/or sliding_window."),
+        click.Option(["--backend"], default=None, help="auto (Triton on CUDA, torch elsewhere), triton or torch."),
+        click.Option(["--recent-tokens"], type=int, default=dense_default("recent_tokens"), show_default=True,
+                     help="Newest tokens of each request kept in the model dtype (0 with --sink-tokens 0: pure FP8)."),
+        click.Option(["--sink-tokens"], type=int, default=dense_default("sink_tokens"), show_default=True,
+                     help="First tokens of each request kept in the model dtype."),
+        click.Option(["--max-requests"], type=int, default=None,
+                     help="Requests in flight at once, each holding its recent and sink tokens (default: as many "
+                          "as an eighth of the KV memory holds; the others wait)."),
+        click.Option(["--kv-memory-mib"], type=float, default=None,
+                     help="KV memory in MiB: pages plus the requests' recent and sink tokens (sets --cb-num-blocks). "
+                          "On the CPU without it or --cb-num-blocks: 256 (transformers would size from the RAM)."),
+    ]  # fmt: skip
+    command.callback = functools.partial(_run, base.callback)
+    command.help = "`transformers serve` with continuous batching on FP8 KV pages.\n\n" + (base.help or "")
+    return command
+
+
+def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, max_requests,
+         kv_memory_mib, force_model, continuous_batching, non_blocking, **serve_kwargs) -> FP8Serve:  # fmt: skip
+    """Build the options, default the model to the bundled SmolLM2, and run transformers' server on FP8 pages."""
+    if not continuous_batching:
+        raise click.UsageError("FP8 pages are continuous batching's: drop --no-continuous-batching")
+    if force_model is None:
+        from hf_fp8kv.bundled import smollm2_dir
+
+        force_model = str(smollm2_dir())
+    options = FP8Options(kv_cache_dtype, _scales(scales), skip_layers, backend, recent_tokens, sink_tokens,
+                         max_requests, kv_memory_mib)  # fmt: skip
+    return FP8Serve(options, force_model=force_model, continuous_batching=True, blocking=not non_blocking,
+                    **serve_kwargs)  # fmt: skip
+
+
+def _scales(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`hf-fp8kv serve ...` (`argv`: the arguments after `serve`); returns the exit status."""
+    return serve_command().main(args=list(argv) if argv is not None else None, prog_name=NAME, standalone_mode=True)
