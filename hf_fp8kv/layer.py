@@ -18,15 +18,12 @@ from transformers.cache_utils import CacheLayerMixin
 from hf_fp8kv.attention import FP8KeyStates
 from hf_fp8kv.kernels import ops
 from hf_fp8kv.kernels.cpu import materialize
-from hf_fp8kv.kernels.formats import StorageFormat
+from hf_fp8kv.kernels.formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
 from hf_fp8kv.kernels.view import KVView
 from hf_fp8kv.scales import LayerScales
 from hf_fp8kv.sinks import SinkTracker
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless, reentrant
-# Per-token scales in 2 bytes rather than 4 (3% of a bf16 cache at head_dim 64), rounded up when written: the
-# quality measured is unchanged (docs/recent.md)
-PER_TOKEN_SCALE_DTYPE = torch.bfloat16
 
 
 class QuantizedKV(FP8KeyStates):

@@ -66,11 +66,13 @@ def write_stacked(
     fmt: StorageFormat,
     per_token: bool,
     stats: torch.Tensor,
+    scale_dtype: torch.dtype | None = None,
 ) -> bool:
     """Quantize `states` (`[2, ...rows, D]`: keys then values) into `codes` (a view of the same shape); with
     `per_token`, store each row's scale into `scale` (`[2, ...rows, 1]`), else read it from there. Adds clipped
     and non-finite counts to `stats` (int64 `[2, 2]`: keys/values x clipped/non-finite). Returns whether any
-    input was non-finite (so the reader knows NaN codes may exist).
+    input was non-finite (so the reader knows NaN codes may exist). Per-token scales are rounded up to
+    `scale_dtype` (default: the buffer's; pages hold bf16 values in fp32 bytes, the dense cache's scales).
 
     Bit-identical to `reference.dynamic_scale` + `reference.quantize`; the common case (finite inputs, nothing
     clipped) is found by one reduction and takes no counting ops.
@@ -86,10 +88,11 @@ def write_stacked(
         if not finite:
             amax = states.float().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)
         numbers = constants(fmt)
-        row_scale = torch.div(amax, numbers.row_max, out=scale if scale.dtype == torch.float32 else amax)
+        rounded = (scale_dtype or scale.dtype) == torch.bfloat16
+        row_scale = torch.div(amax, numbers.row_max, out=amax if rounded else scale)  # into the buffer if it can
         if tiny_rows or not finite:
             row_scale.clamp_min_(numbers.tiny_scale)
-        if scale.dtype == torch.bfloat16:  # rounded up (the fp32 bits past bf16's carried up, then dropped)
+        if rounded:  # rounded up (the fp32 bits past bf16's carried up, then dropped)
             row_scale.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
             scale.copy_(row_scale)
         scaled = states / row_scale

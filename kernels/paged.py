@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu import dequantize_stacked, write_stacked
-from .formats import StorageFormat
+from .formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
 from .reference import attention
 
 ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
@@ -132,7 +132,7 @@ def encode_rows(
         scale = rows[..., layout.scale_bytes].view(torch.float32).permute(1, 2, 0)[..., None]
     else:
         scale = static_scales[:, :, None, None]
-    return rows, write_stacked(states, codes, scale, layout.fmt, static_scales is None, stats)
+    return rows, write_stacked(states, codes, scale, layout.fmt, static_scales is None, stats, PER_TOKEN_SCALE_DTYPE)
 
 
 def _stored_values(rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:

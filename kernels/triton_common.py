@@ -49,6 +49,13 @@ def encoding(fmt: StorageFormat) -> dict:
 
 
 @triton.jit
+def round_up_to_bf16(x):
+    """Positive finite fp32 `x` rounded up to a bf16 value (kept in fp32): the bits past bf16's carried, then
+    dropped (a per-token scale held in 2 bytes, `formats.PER_TOKEN_SCALE_DTYPE`)."""
+    return ((x.to(tl.int32, bitcast=True) + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def encode(
     y,
     IS_FLOAT: tl.constexpr,

@@ -22,6 +22,7 @@ from .paged import ROW_ALIGNMENT, RecentRows, row_size
 from .triton_attention import _attend_full_precision
 from .triton_common import (
     HW_CODE_TYPES, LOG2E, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings, encode, encoding,
+    round_up_to_bf16,
 )
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
 
@@ -111,7 +112,7 @@ def _encode_rows_kernel(
     if PER_TOKEN:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN and inf ignored
-        scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), TINY_SCALE)
+        scale = round_up_to_bf16(tl.maximum(tl.math.div_rn(amax, ROW_MAX), TINY_SCALE))  # the dense cache's values
         bits = scale.to(tl.int32, bitcast=True)
         for byte in tl.static_range(4):
             tl.store(row + value_bytes + 4 * head + byte, ((bits >> (8 * byte)) & 0xFF).to(tl.uint8), mask=t_ok)

@@ -372,8 +372,8 @@ def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
     fp8 = cb.FP8PagedAttentionCache(settings, config, ContinuousBatchingConfig(**setting), "cpu", helper,
                                     dtype=torch.bfloat16)  # fmt: skip
     assert fp8.num_blocks >= 1.7 * native.num_blocks
-    # an eighth of the 256 MiB in requests of 36 tokens x 30 layers x K, V x 3 heads x 64 in the model's fp32
-    assert fp8.request_slots.slots == 2**28 // 8 // (36 * 30 * 2 * 3 * 64 * 4) == 20
+    # an eighth of the 256 MiB in requests of 128 + 4 tokens x 30 layers x K, V x 3 heads x 64 in the model's fp32
+    assert fp8.request_slots.slots == 2**28 // 8 // (132 * 30 * 2 * 3 * 64 * 4) == 5
     cb.disable(model)
 
 

@@ -13,7 +13,7 @@ LAYERS = 2  # pages per block; the tested layer is the second one (a non-zero la
 
 def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `[tokens, row_bytes]` of `x` `[tokens, kv_heads, D]`, and its dequantized values."""
-    scale = static[None, :] if static is not None else reference.dynamic_scale(x, fmt)
+    scale = static[None, :] if static is not None else reference.dynamic_scale(x, fmt, torch.bfloat16)
     codes, _, _ = reference.quantize(x, scale[..., None], fmt)
     values = reference.dequantize(codes, scale[..., None], fmt)
     parts = [codes.view(torch.uint8).flatten(1)]
