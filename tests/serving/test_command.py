@@ -38,7 +38,7 @@ def test_defaults_serve_the_bundled_model_with_the_recommended_pages(started):
     assert call["port"] == 8123 and call["cb_block_size"] == 16 and call["blocking"] is True
     options = call["options"]
     assert (options.kv_cache_dtype, options.scales, options.skip_layers) == ("fp8", "dynamic", "")
-    assert (options.recent_tokens, options.sink_tokens, options.max_requests) == (32, 4, None)
+    assert (options.recent_tokens, options.sink_tokens, options.max_requests) == (128, 4, None)  # the cache's
 
 
 def test_the_cache_flags_reach_the_server(started):
