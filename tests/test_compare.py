@@ -145,7 +145,7 @@ def test_report_opens_with_the_recommended_variant_and_its_gains(tiny_result):
     ours, native = summary[RECOMMENDED], costs["native", 200]
     ours_cost = costs[RECOMMENDED, 200]
     assert headline[1] == (
-        f"Against the native cache (native): {native.kv_bytes / ours_cost.kv_bytes:.1f}x smaller KV cache, "
+        f"Against the native cache (native): {relative(ours_cost.kv_bytes, native.kv_bytes, 'smaller', 'larger')} KV cache, "
         f"mean KL {ours['kl_mean']:.2g} and {ours['top1_%']:.1f}% top-1 agreement with it, "
         f"{relative(ours_cost.step_ms, native.step_ms, 'less', 'more')} time per decode step "
         f"({ours_cost.step_ms:.3g} vs {native.step_ms:.3g} ms; both at 200 tokens, batch 1)."
