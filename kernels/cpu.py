@@ -172,7 +172,7 @@ def write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Ten
     """`reference.write`: store the new tokens `[end, end + n)` in the buffers of `view` (before the update);
     returns whether a non-finite input was seen (always True with device positions, which cannot check without
     a sync)."""
-    return (DevicePositions if view.positions is not None else HostPositions).write(torch.stack((key, value)), view, stats)
+    return _path(view).write(torch.stack((key, value)), view, stats)
 
 
 def attend(
@@ -187,7 +187,7 @@ def attend(
 ) -> torch.Tensor:
     """`reference.attend`: the visible tokens decoded (the full-precision ones laid beside or over them), then
     `reference.attention`; `[batch, q_heads, q_len, head_dim]` in the query's dtype."""
-    path = DevicePositions if view.positions is not None else HostPositions
+    path = _path(view)
     kv = path.materialize(view)
     if view.key_channel_scale is not None:
         kv[0] *= view.key_channel_scale[None, :, None, :]
