@@ -26,35 +26,14 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    LOG2E, MIN_ROWS, as_dot, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
+    LOG2E, MIN_ROWS, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
+    decode_settings, visibility,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView, scale_dtypes
 
 REDUCE_ELEMENTS = 2048  # of one reduce program's [rows, head_dim] accumulator: 16 rows spilled at head_dim 256
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
-
-
-@triton.jit
-def _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                sink_lo, sink_hi, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-                EXCLUDE_SINKS: tl.constexpr):  # fmt: skip
-    """Which (row, token) pairs attend: the mask (its column = position - mask_start) or the causal and window
-    rules; sink tokens are excluded where another segment holds them."""
-    ok = t_ok
-    if HAS_SINK_TOKENS and EXCLUDE_SINKS:
-        ok = ok & ((t < sink_lo) | (t >= sink_hi))
-    if HAS_MASK:
-        allowed = tl.load(
-            mask_ptr + head[:, None] * m_sh + pos.to(tl.int64)[:, None] * m_sl + (t - mask_start)[None, :] * m_st,
-            mask=row_ok[:, None] & ok[None, :],
-            other=0,
-        )
-        return (allowed != 0) & ok[None, :] & row_ok[:, None]
-    visible = (t[None, :] <= q_pos[:, None]) & ok[None, :] & row_ok[:, None]
-    if HAS_WINDOW:
-        visible = visible & (t[None, :] > q_pos[:, None] - window)
-    return visible
 
 
 @triton.jit(do_not_specialize=["start", "end", "recent_start", "mask_start"])  # they move every step: one compile
@@ -164,7 +143,7 @@ def _attention_kernel(
             v_scale = tl.load(v_scale_ptr + slot * s_st, mask=t_ok, other=0.0).to(tl.float32) * value_boost
         else:
             v_scale = 1.0
-        visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+        visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
                               sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True)  # fmt: skip
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i,
@@ -189,7 +168,7 @@ def _attention_kernel(
                 slot = first + n
                 t = end - 1 - (end - 1 - slot) % recent_slots  # the latest token of the slot's residue
                 t_ok = (slot < recent_slots) & (t >= recent_lo) & (t >= 0) & (t < end)
-                acc, m_i, l_i = _attend_full_precision(
+                acc, m_i, l_i = attend_full_precision(
                     q, acc, m_i, l_i, recent_k_ptr, recent_v_ptr, slot, t, t_ok, r_st, r_sd, d, d_ok, fp_weight,
                     q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
                     softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, HAS_SOFTCAP, PRECISION, DOT,
@@ -201,7 +180,7 @@ def _attention_kernel(
                 slot = first + n
                 t = sink_lo + slot
                 t_ok = (t < sink_hi) & (t >= start)
-                acc, m_i, l_i = _attend_full_precision(
+                acc, m_i, l_i = attend_full_precision(
                     q, acc, m_i, l_i, sink_k_ptr, sink_v_ptr, slot, t, t_ok, x_st, x_sd, d, d_ok, fp_weight,
                     q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
                     softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False, HAS_SOFTCAP, PRECISION, DOT,
@@ -219,22 +198,6 @@ def _attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
-
-
-@triton.jit
-def _attend_full_precision(
-    q, acc, m_i, l_i, k_ptr, v_ptr, slot, t, t_ok, st, sd, d, d_ok, fp_weight,
-    q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap,
-    HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, EXCLUDE_SINKS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """One tile of full-precision tokens (`slot`s of a recent or sink buffer, tokens `t`) into the softmax."""
-    k = tl.load(k_ptr + slot[None, :] * st + d[:, None] * sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + slot[:, None] * st + d[None, :] * sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-    visible = _visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                          sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, EXCLUDE_SINKS)  # fmt: skip
-    return attend_tile(q, acc, m_i, l_i, as_dot(k, DOT), as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
-                        True, False, HAS_SOFTCAP, PRECISION, True)  # fmt: skip
 
 
 @triton.jit

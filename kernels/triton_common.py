@@ -158,6 +158,44 @@ def attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                sink_lo, sink_hi, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+                EXCLUDE_SINKS: tl.constexpr):  # fmt: skip
+    """Which (row, token) pairs attend: the mask (its column = position - mask_start) or the causal and window
+    rules; sink tokens are excluded where another segment holds them."""
+    ok = t_ok
+    if HAS_SINK_TOKENS and EXCLUDE_SINKS:
+        ok = ok & ((t < sink_lo) | (t >= sink_hi))
+    if HAS_MASK:
+        allowed = tl.load(
+            mask_ptr + head[:, None] * m_sh + pos.to(tl.int64)[:, None] * m_sl + (t - mask_start)[None, :] * m_st,
+            mask=row_ok[:, None] & ok[None, :],
+            other=0,
+        )
+        return (allowed != 0) & ok[None, :] & row_ok[:, None]
+    visible = (t[None, :] <= q_pos[:, None]) & ok[None, :] & row_ok[:, None]
+    if HAS_WINDOW:
+        visible = visible & (t[None, :] > q_pos[:, None] - window)
+    return visible
+
+
+@triton.jit
+def attend_full_precision(
+    q, acc, m_i, l_i, k_ptr, v_ptr, slot, t, t_ok, st, sd, d, d_ok, fp_weight,
+    q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap,
+    HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, EXCLUDE_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """One tile of full-precision tokens (`slot`s of a recent or sink buffer, tokens `t`) into the softmax."""
+    k = tl.load(k_ptr + slot[None, :] * st + d[:, None] * sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * st + d[None, :] * sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                          sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, EXCLUDE_SINKS)  # fmt: skip
+    return attend_tile(q, acc, m_i, l_i, as_dot(k, DOT), as_dot(v, DOT), fp_weight, 1.0, visible, softcap,
+                        True, False, HAS_SOFTCAP, PRECISION, True)  # fmt: skip
+
+
 def block_sizes(rows: int, head_dim: int, masked: bool = False) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head."""
     block_d = next_power_of_2(head_dim)

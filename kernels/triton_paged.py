@@ -19,10 +19,9 @@ import triton.language as tl
 
 from .formats import TINY_SCALE, StorageFormat
 from .paged import ROW_ALIGNMENT, RecentRows, row_size
-from .triton_attention import _attend_full_precision
 from .triton_common import (
-    HW_CODE_TYPES, LOG2E, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings, encode, encoding,
-    round_up_to_bf16,
+    HW_CODE_TYPES, LOG2E, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
+    encode, encoding, round_up_to_bf16,
 )
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
 
@@ -75,14 +74,14 @@ def _attend_held(
     # (`k_rows` stands in for the mask arguments, unused without HAS_MASK; the window is the visibility rule's)
     for n0 in tl.range(recent_lo, k_end, n.shape[0], num_stages=1):
         t = n0 + n
-        acc, m_i, l_i = _attend_full_precision(
+        acc, m_i, l_i = attend_full_precision(
             q, acc, m_i, l_i, k_rows, v_rows, (key_start + t) % recent_slots, t, t < k_end, row, 1, d, d_ok, weight,
             q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, True, False,
             PRECISION, DOT,
         )  # fmt: skip
     for n0 in tl.range(0, tl.minimum(sink_end, k_end), n.shape[0], num_stages=1):
         t = n0 + n
-        acc, m_i, l_i = _attend_full_precision(
+        acc, m_i, l_i = attend_full_precision(
             q, acc, m_i, l_i, k_rows, v_rows, recent_slots + t, t, t < tl.minimum(sink_end, k_end), row, 1, d, d_ok,
             weight, q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, False,
             False, PRECISION, DOT,
