@@ -36,7 +36,9 @@ REDUCE_ELEMENTS = 2048  # of one reduce program's [rows, head_dim] accumulator: 
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
 
 
-@triton.jit(do_not_specialize=["start", "end", "recent_start", "mask_start"])  # they move every step: one compile
+# positions move every step and the split count with the context (a multiple of 16 would compile a second
+# kernel mid-generation): none of them specialized, one compile
+@triton.jit(do_not_specialize=["num_splits", "start", "end", "recent_start", "mask_start"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sink_logits_ptr, channel_ptr,
@@ -271,13 +273,14 @@ def attention(
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,
     num_splits: int | None = None,
+    stages: int | None = None,
     plans: dict | None = None,
 ) -> torch.Tensor:
     """Attention of `query` `[batch, q_heads, q_len, head_dim]` over the tokens of `view` (see
     `reference.attend`); `num_splits` forces the number of KV splits (default: from the compiled kernel's
-    occupancy on the GPU, one off GPU). `plans` (a dict the caller keeps, e.g. one per cache layer) memoizes
+    occupancy on the GPU, one off GPU); `stages` the KV tiles the loop keeps in flight (default 3). `plans` (a dict the caller keeps, e.g. one per cache layer) memoizes
     the plan of each kind of call, so that a decode step only fills in positions and tensors."""
-    settings = (scaling, window, softcap, num_splits)
+    settings = (scaling, window, softcap, num_splits, stages)
     if plans is None:
         plan = AttentionPlan(query, view, mask, sink_logits, *settings)
     else:
@@ -315,13 +318,15 @@ def plan_attention(
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,
     num_splits: int | None = None,
+    stages: int | None = None,
     resident_slots: int | None = None,
     cuda: bool | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches (attention, then the split reduce if any) that fill it.
     For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `cuda=True`
     plans CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU."""
-    plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, resident_slots, cuda)
+    plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, stages, resident_slots,
+                         cuda)  # fmt: skip
     return plan.launches(query, view, mask, sink_logits)
 
 
@@ -340,6 +345,7 @@ class AttentionPlan:
         window: int | None = None,
         softcap: float | None = None,
         num_splits: int | None = None,
+        stages: int | None = None,
         resident_slots: int | None = None,
         cuda: bool | None = None,
     ):
@@ -349,6 +355,8 @@ class AttentionPlan:
         self.kv_heads = view.codes.shape[2]
         group = q_heads // self.kv_heads
         self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim, mask is not None)
+        if stages is not None:
+            options["STAGES"] = stages
         self.row_blocks = cdiv(group * q_len, self.block_m)
         decode = decode_settings(fmt, query, view.per_token, cuda)
         self.hw_convert, code_factor, dot, value_boost = decode

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.triton_attention import attention, plan_attention, split_count
+from hf_fp8kv.kernels.view import KVView
 from streams import Stream, fill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -276,3 +278,13 @@ def test_tokens_no_row_sees_contribute_nothing(case):
     assert not poisoned_reference.isnan().any() and not got.isnan().any()
     assert torch.equal(poisoned_reference, clean)
     assert_close(got, clean, case.dtype)
+
+
+def test_stages_reach_the_launch():
+    """The KV tiles in flight are selectable per call (gpu_check times 3 against 4); 3 by default."""
+    query = torch.randn(1, 8, 1, 64)
+    codes = torch.zeros(2, 1, 2, 256, 64, dtype=torch.float8_e4m3fn)
+    view = KVView(codes=codes, scales=torch.ones(2, 1, 2, 1), fmt=get_format("fp8_e4m3"), end=200, recent_start=200)
+    for stages in (None, 4):
+        _, launches = plan_attention(query, view, scaling=0.125, stages=stages, num_splits=2)
+        assert [launch.kwargs.get("STAGES") for launch in launches] == [stages or 3, None]
