@@ -56,7 +56,7 @@ from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from hf_fp8kv.kernels import paged, triton_attention, triton_paged, triton_write  # noqa: E402
-from hf_fp8kv.kernels.formats import FORMATS  # noqa: E402
+from hf_fp8kv.kernels.formats import FORMATS, PER_TOKEN_SCALE_DTYPE  # noqa: E402
 from hf_fp8kv.kernels.triton_launch import Launch, blocks_per_sm  # noqa: E402
 from hf_fp8kv.kernels.view import KVView  # noqa: E402
 
@@ -73,8 +73,13 @@ H200_TBPS = 4.8  # HBM3e, datasheet
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 MAX_INSTR_PER_BYTE, MIN_TILES_IN_FLIGHT, MIN_LAST_WAVE = 0.18, 2, 0.85  # decode budgets
+# head_dim 128 decode (pure, default recent + sinks, padded, static cache), issue 21's targets
+D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
+MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce spread over at least this many programs
+PREFILL_MMA = "QGMMA"  # head_dim 128 prefill: FP8 tensor-core dots (with the accumulator promoted)
 CACHE_BLOCK = 64  # QuantizedFP8Cache's default block_size: code buffers grow 64 tokens at a time
 DOTS = ("HMMA", "HGMMA", "QGMMA", "IMMA", "IGMMA", "DMMA")  # tensor-core instructions
+FP8_UNPACK = re.compile(r"F2FP\.\w+\.E[45]M[23]\.UNPACK")  # the hardware's FP8 -> fp16 conversion of the codes
 ASYNC_COPIES = ("LDGSTS", "UTMALDG", "UBLKCP")  # cp.async, TMA tensor and bulk copies into shared memory
 
 
@@ -96,6 +101,7 @@ class Case:
     fmt: str = "fp8_e4m3"
     recent: int = 0  # newest tokens in full precision
     sinks: int = 0  # first tokens in full precision
+    static_cache: int = 0  # max_cache_len of a static cache (device positions, preallocated buffers); 0: dynamic
     waves: bool = True  # decode: judge the last wave over the batch x context grid
 
     @property
@@ -110,6 +116,7 @@ class Case:
             return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{held} paged {shape}"
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
         rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
+        rule += f" static-cache {self.static_cache}" if self.static_cache else ""
         shape = f"b{self.batch} kvh{self.kv_heads}" + (f" q{self.q_len}" if self.q_len > 1 else "")
         return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{rule} {shape} ctx{self.context}"
 
@@ -134,8 +141,16 @@ def cases(quick: bool = False) -> list[Case]:
         Case("prefill", batch=2, q_len=500, context=500, mask=True),
         Case("prefill", q_len=256, context=4096),  # a prompt after a past: splits, then the reduce
     ]
-    # the recent tokens in full precision: its tiles (model dtype) next to the codes' loop
-    window = [Case("decode", per_token=True, recent=64, sinks=4), Case("prefill", q_len=500, context=500, recent=64)]
+    # what users run: the default recent 128 + sinks 4 (full-precision tiles in the model dtype next to the codes'
+    # loop), a left-padded batch (a mask), the static cache of compiled generate; GQA 32/8 at 32k (the reduce)
+    default = dict(per_token=True, recent=128, sinks=4)
+    window = [
+        Case("decode", **default),
+        Case("decode", batch=16, mask=True, **default),
+        Case("decode", static_cache=16384, **default),
+        Case("decode", group=4, context=32768, per_token=True),
+        Case("prefill", q_len=500, context=500, recent=128),
+    ]
     write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
     write += [Case("write", per_token=True, q_len=n, recent=64) for n in (1, 500)]
     # continuous batching: a decode batch and a chunked prefill on FP8 pages
@@ -162,15 +177,17 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     dtype = getattr(torch, case.dtype)
     if case.kind == "paged":
         return [plan_paged(case, fmt, dtype, device)]
-    capacity = -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
+    capacity = case.static_cache or -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
     codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
     if case.per_token:
-        scales = torch.empty(2, case.batch, case.kv_heads, capacity, device=device)
+        scales = torch.empty(2, case.batch, case.kv_heads, capacity, dtype=PER_TOKEN_SCALE_DTYPE, device=device)
     else:
         scales = torch.ones(2, 1, case.kv_heads, 1, device=device)
     end = case.context - (case.q_len if case.kind == "write" else 0)  # a write stores the last q_len tokens
-    view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end,
-                  recent_start=max(end - case.recent, 0))  # fmt: skip
+    recent_start = max(end - case.recent, 0)
+    positions = torch.tensor([end, recent_start], device=device) if case.static_cache else None
+    view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
+                  positions=positions)  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:
@@ -321,12 +338,15 @@ def loops(instrs: list[Instr]) -> list[list[Instr]]:
 
 
 def main_loop(instrs: list[Instr]) -> list[Instr] | None:
-    """The hot loop of a matrix kernel: the loop with the most tensor-core instructions; on a tie the one that
-    streams its tiles (asynchronous copies: the KV loop, not a short loop over full-precision tokens after it),
-    then the innermost (fewest instructions); None when no loop holds any."""
+    """The hot loop of a matrix kernel: among the loops with tensor-core instructions, the one that converts FP8
+    codes in hardware (the KV loop; the loops over full-precision tokens convert none), then the one with the most
+    tensor-core instructions, then the one that streams its tiles (asynchronous copies), then the innermost
+    (fewest instructions); None when no loop holds any."""
     with_dots = [body for body in loops(instrs) if any(i.is_(*DOTS) for i in body)]
-    return max(with_dots, key=lambda body: (sum(i.is_(*DOTS) for i in body), any(i.is_(*ASYNC_COPIES) for i in body),
-                                            -len(body)), default=None)  # fmt: skip
+    return max(with_dots, key=lambda body: (
+        any(FP8_UNPACK.match(i.opcode) for i in body), sum(i.is_(*DOTS) for i in body),
+        any(i.is_(*ASYNC_COPIES) for i in body), -len(body),
+    ), default=None)  # fmt: skip
 
 
 PTX_LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.M)
@@ -394,6 +414,13 @@ def last_waves(case: Case, kernel, slots: int) -> list[dict]:
     return grid
 
 
+def mma(compiled: Compiled) -> dict | None:
+    """The kernel's tensor-core instructions: the most frequent kind (HMMA: mma.sync; HGMMA / QGMMA: fp16 / FP8
+    wgmma) and how many there are in the whole kernel; None without any."""
+    kinds = [i.opcode.split(".")[0] for i in parse_sass(compiled.sass) if i.is_(*DOTS)]
+    return dict(kind=max(set(kinds), key=kinds.count), count=len(kinds)) if kinds else None
+
+
 def loop_report(compiled: Compiled, tile_bytes: int) -> dict | None:
     """The main loop's figures, for a loop that loads `tile_bytes` of KV per tile; None without such a loop."""
     instrs = parse_sass(compiled.sass)
@@ -426,7 +453,7 @@ def analyze_case(case: Case) -> list[dict]:
             variant=f"{case.name} grid {'x'.join(map(str, launch.grid))}",
             registers=compiled.registers, spill_stores=compiled.spill_stores, spill_loads=compiled.spill_loads,
             stack=compiled.stack, shared=compiled.shared, warps=compiled.warps, blocks_per_sm=fits,
-            constexpr_args=compiled.constexpr_args, aligned_args=compiled.aligned_args,
+            constexpr_args=compiled.constexpr_args, aligned_args=compiled.aligned_args, mma=mma(compiled),
             loop=loop_report(compiled, tile_bytes) if tile_bytes else None, failures=[],
         )  # fmt: skip
         if row["loop"] is not None and case.kind == "decode" and case.waves and fits:
@@ -449,12 +476,22 @@ def budget_failures(row: dict) -> list[str]:
         failures.append(f"no block fits: {row['registers']} registers x {row['warps']} warps, {row['shared']} B shared")
     if row["spill_stores"] or row["spill_loads"]:
         failures.append(f"spills {row['spill_stores']} B stores / {row['spill_loads']} B loads per thread")
-    loop = row["loop"]
+    case, loop = row["case"], row["loop"]
+    if row["kind"] == "prefill" and case["head_dim"] == 128 and (row["mma"] or {}).get("kind") != PREFILL_MMA:
+        failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({PREFILL_MMA})")
+    if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
+        programs = math.prod(row["grid"])
+        if programs < MIN_REDUCE_PROGRAMS:
+            failures.append(f"reduce on {programs} programs < {MIN_REDUCE_PROGRAMS} at batch 1, {case['context']} tokens")
     if row["kind"] != "decode" or loop is None:
         return failures
-    if loop["instr_per_byte"] > MAX_INSTR_PER_BYTE:
+    d128 = case["head_dim"] == 128
+    if d128 and row["blocks_per_sm"] < D128_MIN_BLOCKS_PER_SM:
+        failures.append(f"head_dim 128 decode at {row['blocks_per_sm']} blocks per SM < {D128_MIN_BLOCKS_PER_SM}")
+    limit = D128_MAX_INSTR_PER_BYTE if d128 else MAX_INSTR_PER_BYTE
+    if loop["instr_per_byte"] > limit:
         failures.append(
-            f"decode loop {loop['instr_per_byte']:.3f} SASS instructions per KV byte > {MAX_INSTR_PER_BYTE} "
+            f"decode loop {loop['instr_per_byte']:.3f} SASS instructions per KV byte > {limit} "
             f"({loop['instructions']} instructions x {row['warps']} warps / {loop['unroll']} x {loop['tile_bytes']} B)"
         )
     if loop["tiles_in_flight"] < MIN_TILES_IN_FLIGHT:

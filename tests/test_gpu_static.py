@@ -103,6 +103,8 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     assert loop["instructions"] == (loop["end"] - loop["start"]) // 16 + 1  # every SASS line of the loop parsed
     assert loop["dots"] > 0 and loop["tiles_in_flight"] >= 1 and 0 < loop["instr_per_byte"] < 10
     assert 1 <= attention["blocks_per_sm"] <= 32 and attention["registers"] > 0
+    assert attention["mma"]["kind"] in ("HMMA", "HGMMA") and attention["mma"]["count"] >= loop["dots"]
+    assert attention["case"]["recent"] == 0 and attention["case"]["static_cache"] == 0
     assert len(attention["waves"]["grid"]) == 7 * 6 and attention["waves"]["slots"] == 132 * attention["blocks_per_sm"]
     # launch-like specialization: unit strides became constexprs, pointers and the 8195-token length did not
     assert {"q_sd", "c_sd"} <= set(attention["constexpr_args"])
@@ -174,10 +176,11 @@ def test_budgets():
     worst = dict(efficiency=0.5, batch=2, context=32768, blocks=272, tile_times=8, fewest_tile_times=5)
     at_floor = dict(worst, efficiency=0.65, batch=1, context=4096, tile_times=2, fewest_tile_times=2)
     waves = dict(slots=264, worst=worst, grid=[worst, at_floor])
-    decode = dict(kind="decode", registers=98, warps=8, shared=22528, blocks_per_sm=2, spill_stores=0, spill_loads=0,
-                  loop=loop, waves=waves)  # fmt: skip
+    case = dict(head_dim=64, batch=1, context=8195)
+    decode = dict(kind="decode", kernel="_attention_kernel", case=case, registers=98, warps=8, shared=22528,
+                  blocks_per_sm=2, spill_stores=0, spill_loads=0, loop=loop, waves=waves, mma=None)  # fmt: skip
     failures = report.budget_failures(decode)
-    assert len(failures) == 3 and "0.200 SASS instructions per KV byte" in failures[0]
+    assert len(failures) == 3 and "0.200 SASS instructions per KV byte > 0.18" in failures[0]
     assert "not pipelined, 1 tile in flight: why" in failures[1] and "last wave 50% < 85% at batch 2" in failures[2]
     assert "1 of 2 grid points" in failures[2]  # an under-full wave at the tile-time floor is no miss
     full = dict(worst, efficiency=0.9)
@@ -190,6 +193,19 @@ def test_budgets():
     assert report.budget_failures(dict(good, kind="write", blocks_per_sm=0)) == [
         "no block fits: 98 registers x 8 warps, 22528 B shared"
     ]
+    # head_dim 128: the tighter loop and occupancy budgets; its prefill on FP8 tensor cores; a 32k reduce spread
+    d128 = dict(case, head_dim=128)
+    assert report.budget_failures(dict(good, case=d128)) == [
+        "head_dim 128 decode at 2 blocks per SM < 3",
+        "decode loop 0.150 SASS instructions per KV byte > 0.13 (400 instructions x 8 warps / 1 x 16384 B)",
+    ]
+    assert report.budget_failures(dict(good, case=d128, blocks_per_sm=3, loop=dict(good["loop"], instr_per_byte=0.12))) == []
+    prefill = dict(good, kind="prefill", case=d128, mma=dict(kind="HGMMA", count=64))
+    assert report.budget_failures(prefill) == ["prefill dots are HGMMA, not FP8 (QGMMA)"]
+    assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
+    reduce = dict(good, kind="decode", kernel="_reduce_kernel", loop=None, case=dict(d128, context=32768), grid=[2])
+    assert report.budget_failures(reduce) == ["reduce on 2 programs < 32 at batch 1, 32768 tokens"]
+    assert report.budget_failures(dict(reduce, grid=[32, 4])) == []
 
 
 if __name__ == "__main__":
