@@ -177,10 +177,12 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     dtype = getattr(torch, case.dtype)
     if case.kind == "paged":
         return [plan_paged(case, fmt, dtype, device)]
-    capacity = case.static_cache or -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
+    # a static cache's buffers have a spare slot; per-token scale rows are allocated on whole 4-byte words
+    capacity = case.static_cache + 1 if case.static_cache else -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
     codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
     if case.per_token:
-        scales = torch.empty(2, case.batch, case.kv_heads, capacity, dtype=PER_TOKEN_SCALE_DTYPE, device=device)
+        even = capacity + capacity % 2
+        scales = torch.empty(2, case.batch, case.kv_heads, even, dtype=PER_TOKEN_SCALE_DTYPE, device=device)[..., :capacity]
     else:
         scales = torch.ones(2, 1, case.kv_heads, 1, device=device)
     end = case.context - (case.q_len if case.kind == "write" else 0)  # a write stores the last q_len tokens

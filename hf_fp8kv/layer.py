@@ -160,8 +160,9 @@ class FP8Layer(CacheLayerMixin):
         self.codes = torch.zeros(2, batch, kv_heads, slots, head_dim, dtype=torch.uint8, device=self.device).view(
             self.fmt.dtype
         )
-        if self.per_token:
-            self.scale = torch.ones(2, batch, kv_heads, slots, dtype=PER_TOKEN_SCALE_DTYPE, device=self.device)
+        if self.per_token:  # rows on whole 4-byte words (an even row length): the attention kernel reads them as words
+            even = slots + slots % 2
+            self.scale = torch.ones(2, batch, kv_heads, even, dtype=PER_TOKEN_SCALE_DTYPE, device=self.device)[..., :slots]
         else:
             self.scale = torch.stack([self.scales.key, self.scales.value]).reshape(2, 1, kv_heads, 1).to(self.device)
         shape = (2, batch, kv_heads)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .triton_common import (
     LOG2E, MIN_ROWS, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
-    decode_settings, visibility,
+    decode_settings, load_token_scales, visibility,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView, scale_dtypes
@@ -59,16 +59,16 @@ def _attention_kernel(
     STATIC: tl.constexpr, RING: tl.constexpr, HAS_RECENT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr,
+    STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
     split = tl.program_id(2)
-    if STATIC:  # positions on the device: nothing about them reaches the host (CUDA graphs)
-        end = tl.load(positions_ptr)
-        recent_start = tl.load(positions_ptr + 1)
+    if STATIC:  # positions on the device: nothing about them reaches the host (CUDA graphs); int32 as the host's
+        end = tl.load(positions_ptr).to(tl.int32)  # (int64 positions made every index in the loop 64-bit)
+        recent_start = tl.load(positions_ptr + 1).to(tl.int32)
     if RING:  # a slot holds the latest token of its residue: the ring covers the last `slots` tokens
         start = tl.maximum(start, end - slots)
     q_ptr += b * q_sb
@@ -103,8 +103,8 @@ def _attention_kernel(
         q = clamp_fp16(q)
     q = q.to(DOT)
     if HAS_SINK_TOKENS:
-        sink_lo = tl.load(sink_start_ptr + b)
-        sink_hi = sink_lo + tl.load(sink_count_ptr + b)
+        sink_lo = tl.load(sink_start_ptr + b).to(tl.int32)  # int32 as every position (int64 made the loop's compares
+        sink_hi = sink_lo + tl.load(sink_count_ptr + b).to(tl.int32)  # 64-bit)
     else:
         sink_lo = 0
         sink_hi = 0
@@ -138,11 +138,11 @@ def _attention_kernel(
         k = tl.load(k_ptr + slot[None, :] * c_st + d[:, None] * c_sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         if PER_TOKEN_K:
-            k_scale = tl.load(k_scale_ptr + slot * s_st, mask=t_ok, other=0.0).to(tl.float32)
+            k_scale = load_token_scales(k_scale_ptr, slot, s_st, t_ok, SCALE_WORDS)
         else:
             k_scale = 1.0
         if PER_TOKEN_V:
-            v_scale = tl.load(v_scale_ptr + slot * s_st, mask=t_ok, other=0.0).to(tl.float32) * value_boost
+            v_scale = load_token_scales(v_scale_ptr, slot, s_st, t_ok, SCALE_WORDS) * value_boost
         else:
             v_scale = 1.0
         visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
@@ -373,7 +373,7 @@ class AttentionPlan:
             PRECISION=decode.precision, **options,
             # masked columns' values zeroed only where NaN codes may exist: the rows' reduction took a masked
             # 128-row prefill tile from 0.505 to 0.597 SASS instructions per KV byte (gpu_static)
-            DROP_UNSEEN=mask is not None and view.has_nan,
+            DROP_UNSEEN=mask is not None and view.has_nan, SCALE_WORDS=_scale_words(view),
         )  # fmt: skip
         self.launch_options = {split: {**constexprs, "SPLIT": split} for split in (False, True)}
         self.sizes = (self.kv_heads, q_len, head_dim)
@@ -475,6 +475,17 @@ def _codes(view: KVView, hw_convert: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value codes as the kernel reads them: fp8 for the hardware conversion, else int8 bits."""
     codes = view.codes if hw_convert else view.codes.view(torch.int8)
     return codes[0], codes[1]
+
+
+def _scale_words(view: KVView) -> bool:
+    """Whether the per-token scales can be read as 4-byte words (`load_token_scales`): bf16, one per slot, every
+    (batch, head) row starting on a word."""
+    scales = view.scales
+    return bool(
+        view.per_token and scales.dtype == torch.bfloat16 and scales.stride(3) == 1
+        and scales.stride(1) % 2 == 0 and scales.stride(2) % 2 == 0 and scales[0].data_ptr() % 4 == 0
+        and scales[1].data_ptr() % 4 == 0
+    )  # fmt: skip
 
 
 def _scale_strides(view: KVView) -> tuple[int, int, int]:

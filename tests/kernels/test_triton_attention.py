@@ -9,7 +9,7 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
-from hf_fp8kv.kernels.triton_attention import attention, plan_attention, split_count
+from hf_fp8kv.kernels.triton_attention import _scale_words, attention, plan_attention, split_count
 from hf_fp8kv.kernels.view import KVView
 from streams import Stream, fill
 
@@ -288,3 +288,32 @@ def test_stages_reach_the_launch():
     for stages in (None, 4):
         _, launches = plan_attention(query, view, scaling=0.125, stages=stages, num_splits=2)
         assert [launch.kwargs.get("STAGES") for launch in launches] == [stages or 3, None]
+
+
+WORD_CASES = [
+    Case(Stream(), splits=2),
+    Case(Stream(recent=6, sinks=3, sink_rows=[0, 4]), mask="padding", splits=2),
+    Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1]), splits=2, mask="padding"),
+    Case(Stream(updates=[60, 1, 1, 2]), q_len=2, dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", WORD_CASES, ids=str)
+def test_bf16_scales_read_as_words_match_the_oracle(case):
+    """Where every (batch, head) row of the bf16 per-token scales starts on a 4-byte word, the kernel reads each
+    scale from its word (odd and even slots alike); the streams above have odd slot counts (plain 2-byte loads)."""
+    generator = torch.Generator().manual_seed(0)
+    stream = case.stream
+    view, _, _ = fill(stream, reference.write, generator, DEVICE)
+    assert not _scale_words(view)  # an odd slot count: rows start on half words
+    padded = torch.full((*view.scales.shape[:3], view.scales.shape[3] + 1), -1.0, dtype=view.scales.dtype, device=DEVICE)
+    padded[..., :-1] = view.scales
+    view.scales = padded[..., :-1]  # the same scales, rows 2 x (odd + 1) bytes apart
+    assert _scale_words(view)
+    query = torch.randn(stream.batch, stream.kv_heads * case.group, case.q_len, stream.head_dim, generator=generator)
+    mask = make_mask(case, view, generator)
+    mask = None if mask is None else mask.to(DEVICE)
+    query = query.to(DEVICE, case.dtype)
+    expected = reference.attend(query.float(), view, scaling=stream.head_dim**-0.5, mask=mask)
+    got = attention(query, view, scaling=stream.head_dim**-0.5, mask=mask, num_splits=case.splits)
+    assert_close(got, expected, case.dtype)
