@@ -334,7 +334,7 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
             times[name].append(ms)
             row[f"{name} ms"] = f"{ms:.3f}"
             row[f"{name} host us/layer"] = f"{host * 1e3 / layers:.1f}"
-            del cache
+            cache = None  # released (not `del`: the step's closure names it)
             free_memory()
         rows.append(row)
     params = sum(p.numel() for p in model.parameters()) / 1e9
@@ -347,7 +347,7 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
         report(f"slope {name}: {slope:.5f} ms per 1k tokens of context")
     base, ours = slopes.values()
     report(f"slope ratio ours / DynamicCache: {ours / base:.3f} (target <= 0.50)")
-    del model
+    model = None  # released (not `del`: the variants' closures name it)
     free_memory()
 
 
@@ -432,7 +432,7 @@ def compiled_decode(report: Report, sizes: Sizes, device: torch.device, dry_run:
                     step()
                 row[f"{name} compile s"] = f"{time.perf_counter() - started:.0f}"
                 row[f"{name} ms"] = f"{bench(step, dry_run):.3f}"
-            del cache, forward
+            cache = forward = None  # released (not `del`: the step's closure names them)
             torch._dynamo.reset()
             free_memory()
         base, ours = (float(row[f"{name} ms"]) for name in variants)
@@ -441,7 +441,7 @@ def compiled_decode(report: Report, sizes: Sizes, device: torch.device, dry_run:
     report(f"## (f) compiled decode step (torch.compile {options}, fullgraph), {config.num_hidden_layers}-layer "
            f"Llama-3-8B-shaped model, {sizes.dtype}, batch 1")  # fmt: skip
     report.table(rows)
-    del model
+    model = None  # released (not `del`: the variants' closures name it)
     free_memory()
 
 
