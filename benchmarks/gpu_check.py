@@ -199,20 +199,25 @@ def copy_bandwidth(report: Report, sizes: Sizes, device: torch.device, dry_run: 
     return gbps
 
 
-def filled_layer(batch: int, kv_heads: int, head_dim: int, context: int, dtype, device, **cache_kwargs):
-    """One FP8 cache layer holding `context` random tokens (written by the Triton write kernel)."""
+def filled_layer(batch: int, kv_heads: int, head_dim: int, context: int, dtype, device,
+                 padding: torch.Tensor | None = None, **cache_kwargs):  # fmt: skip
+    """One FP8 cache layer holding `context` random tokens (written by the Triton write kernel), its sink tokens
+    captured as the attention of a model's update captures them: each row's first real token, from `padding` (a
+    bool `[batch, context]` of the real tokens), else token 0."""
     from transformers import LlamaConfig
 
     from hf_fp8kv import QuantizedFP8Cache
 
     config = LlamaConfig(num_hidden_layers=1, num_attention_heads=kv_heads, num_key_value_heads=kv_heads,
                          hidden_size=kv_heads * head_dim, head_dim=head_dim)  # fmt: skip
-    cache = QuantizedFP8Cache(config=config, backend="triton", **cache_kwargs)
+    layer = QuantizedFP8Cache(config=config, backend="triton", **cache_kwargs).layers[0]
     for first in range(0, context, 16384):  # in chunks: the write's temporaries stay small
         tokens = min(16384, context - first)
         kv = torch.randn(2, batch, kv_heads, tokens, head_dim, device=device, dtype=dtype)
-        cache.layers[0].update(kv[0], kv[1])
-    return cache.layers[0]
+        stored, _ = layer.update(kv[0], kv[1])
+        mask = None if padding is None else padding[:, None, None, : first + tokens]
+        layer.sink_tracker.capture(layer, kv[0], kv[1], mask, stored.view)
+    return layer
 
 
 def decode_attention(report: Report, sizes: Sizes, device: torch.device, dry_run: bool, copy_gbps: float) -> None:
