@@ -6,9 +6,13 @@ transformers' `QuantizedCache(fp8)`; (d) decode step time vs context of a random
 model (bf16), `DynamicCache` against ours, with the fitted slopes; (e) causal prefill attention against SDPA,
 with and without a padding mask; (f) compiled + CUDA-graph decode steps, our static cache against StaticCache +
 SDPA at 4k and 32k; (g) continuous batching (`generate_batch`) on FP8 pages against native pages at one page
-budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers. Every section runs even if one before
-it fails (one call yields every figure). Timing: `triton.testing.do_bench` medians after warm-up, inputs rotated
-over copies that together exceed the L2 cache. Everything printed is also written to `--out`.
+budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers; (h) each launch of one layer's decode
+step timed alone (the attention kernel, its split reduce, the write kernel), 32:8 heads, head_dim 128, batch 1
+and 16, contexts 4k and 32k: pure FP8 against the default window (recent 128 + sinks 4), STAGES 3 against 4, and a
+left-padded batch-16 step, each launch's bytes read as GB/s and as a fraction of (a); it runs right after (b, c).
+Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench`
+medians (CUDA events) after warm-up, inputs rotated over copies that together exceed the L2 cache ((h): do_bench's
+own cache flush between runs). Everything printed is also written to `--out`.
 
     python benchmarks/gpu_check.py --out benchmarks/results/gpu_check-<date>-<device>.txt
     python benchmarks/gpu_check.py --dry-run   # CPU: the same code path on the Triton interpreter, toy sizes
@@ -28,11 +32,17 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # (hf_fp8kv is imported once the Triton interpreter is chosen)
+    from hf_fp8kv.kernels.triton_launch import Launch
+    from hf_fp8kv.kernels.view import KVView
+    from hf_fp8kv.layer import FP8Layer
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/kernels/test_triton_write.py", "tests/kernels/test_triton_attention.py"]
@@ -56,6 +66,9 @@ class Sizes:
     compiled_contexts: list[int]
     continuous_batching: dict  # pages budget (MiB), requests, new tokens of (g)
     copy_bytes: int
+    step_contexts: list[int]  # of (h)
+    step_batches: list[int]  # of (h); the largest also takes a left-padded step
+    resident_slots: int | None  # (h)'s split rule off a GPU (None: the device's own resident blocks)
     test_filter: str | None
     dtype: torch.dtype  # of queries, K/V and the model (bf16 on the GPU; the interpreter's bf16 dot is broken)
 
@@ -76,6 +89,9 @@ FULL = Sizes(
     compiled_contexts=[4096, 32768],
     continuous_batching=dict(budget_mib=256, requests=64, new_tokens=32),
     copy_bytes=2 * 2**30,
+    step_contexts=[4096, 32768],
+    step_batches=[1, 16],
+    resident_slots=None,
     test_filter="test_attention_matches_reference or test_write_is_bit_identical or test_splits or nan",
     dtype=torch.bfloat16,
 )  # fmt: skip
@@ -95,6 +111,9 @@ TOY = Sizes(
     compiled_contexts=[16],
     continuous_batching=dict(budget_mib=0.1, requests=4, new_tokens=3),
     copy_bytes=2**20,
+    step_contexts=[300],
+    step_batches=[1, 2],
+    resident_slots=8,  # splits, hence the reduce launch, at toy sizes
     test_filter="test_bad",
     dtype=torch.float32,
 )  # fmt: skip
@@ -199,20 +218,25 @@ def copy_bandwidth(report: Report, sizes: Sizes, device: torch.device, dry_run: 
     return gbps
 
 
-def filled_layer(batch: int, kv_heads: int, head_dim: int, context: int, dtype, device, **cache_kwargs):
-    """One FP8 cache layer holding `context` random tokens (written by the Triton write kernel)."""
+def filled_layer(batch: int, kv_heads: int, head_dim: int, context: int, dtype, device,
+                 padding: torch.Tensor | None = None, **cache_kwargs) -> FP8Layer:  # fmt: skip
+    """One FP8 cache layer holding `context` random tokens (written by the Triton write kernel), its sink tokens
+    captured as the attention of a model's update captures them: each row's first real token, from `padding` (a
+    bool `[batch, context]` of the real tokens), else token 0."""
     from transformers import LlamaConfig
 
     from hf_fp8kv import QuantizedFP8Cache
 
     config = LlamaConfig(num_hidden_layers=1, num_attention_heads=kv_heads, num_key_value_heads=kv_heads,
                          hidden_size=kv_heads * head_dim, head_dim=head_dim)  # fmt: skip
-    cache = QuantizedFP8Cache(config=config, backend="triton", **cache_kwargs)
+    layer = QuantizedFP8Cache(config=config, backend="triton", **cache_kwargs).layers[0]
     for first in range(0, context, 16384):  # in chunks: the write's temporaries stay small
         tokens = min(16384, context - first)
         kv = torch.randn(2, batch, kv_heads, tokens, head_dim, device=device, dtype=dtype)
-        cache.layers[0].update(kv[0], kv[1])
-    return cache.layers[0]
+        stored, _ = layer.update(kv[0], kv[1])
+        mask = None if padding is None else padding[:, None, None, : first + tokens]
+        layer.sink_tracker.capture(layer, kv[0], kv[1], mask, stored.view)
+    return layer
 
 
 def decode_attention(report: Report, sizes: Sizes, device: torch.device, dry_run: bool, copy_gbps: float) -> None:
@@ -293,6 +317,92 @@ def decode_attention(report: Report, sizes: Sizes, device: torch.device, dry_run
     report.table(rows)
 
 
+def left_padding(batch: int, columns: int, device: torch.device) -> torch.Tensor:
+    """Bool `[batch, columns]` of the real tokens of a left-padded batch: row b's first at b / (2 batch) of them."""
+    starts = torch.arange(batch, device=device) * (columns // (2 * batch))
+    return torch.arange(columns, device=device) >= starts[:, None]
+
+
+def decode_write(layer: FP8Layer) -> tuple[KVView, list[Launch]]:
+    """One decode step's write on `layer`: a random new token, stored by the layer's own update, whose launches
+    `plan_write` plans again over the view that update wrote through (its buffers, room made; the positions
+    before it). Returns the view the step's attention reads, and those launches."""
+    from hf_fp8kv.kernels.triton_write import plan_write
+
+    _, batch, heads, _, head_dim = layer.codes.shape
+    before = layer.view()
+    new = torch.randn(2, batch, heads, 1, head_dim, device=layer.codes.device, dtype=layer.dtype)
+    stored, _ = layer.update(new[0], new[1])
+    written = replace(layer.view(), end=before.end, recent_start=before.recent_start)
+    return stored.view, plan_write(new[0], new[1], written, layer.stats)
+
+
+def kv_bytes(view: KVView) -> int:
+    """KV bytes an attention over `view` reads: the codes (and per-token scales) of its coded tokens, and the
+    full-precision recent and sink buffers."""
+    _, batch, heads, _, head_dim = view.codes.shape
+    per_token = head_dim * view.codes.element_size() + (view.scales.element_size() if view.per_token else 0)
+    full_precision = sum(buffer.nbytes for buffer in (view.recent, view.sinks) if buffer is not None)
+    return 2 * batch * heads * (view.recent_start - view.start) * per_token + full_precision
+
+
+def decode_launches(report: Report, sizes: Sizes, device: torch.device, dry_run: bool, copy_gbps: float) -> None:
+    """Each launch of one layer's decode step timed alone, as the layer's update and the launchers plan them."""
+    pure, default = dict(recent_tokens=0, sink_tokens=0), {}
+    rows = []
+    for context in sizes.step_contexts:
+        for batch in sizes.step_batches:
+            cases = [(pure, False), (default, False)]
+            if batch == max(sizes.step_batches) > 1:  # a left-padded batch: its rows' first real tokens differ
+                cases.append((default, True))
+            for cache_kwargs, padded in cases:
+                rows += step_rows(sizes, context, batch, cache_kwargs, padded, device, dry_run, copy_gbps)
+                free_memory()
+    timer = "perf_counter" if dry_run else "do_bench (CUDA events)"
+    report(f"## (h) decode step launches, one layer, {sizes.q_heads}:{sizes.kv_heads} heads, head_dim "
+           f"{sizes.head_dim}, {sizes.dtype} query, per-token-head scales; each launch timed alone, {timer} median; "
+           f"copy bandwidth (a) {copy_gbps:.0f} GB/s")  # fmt: skip
+    report("(reads: the attention's KV bytes (codes and scales of the coded tokens, recent and sink buffers; padding "
+           "included), the reduce's partial results, the write's new token (and the token leaving the recent "
+           "buffer); grid: the attention's third axis is its split count)")  # fmt: skip
+    report.table(rows)
+
+
+def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded: bool, device: torch.device,
+              dry_run: bool, copy_gbps: float) -> list[dict]:  # fmt: skip
+    """One row per launch of a decode step after `context` tokens: the write, then the attention and its split
+    reduce at STAGES 3 and 4, each with its time, the bytes it reads, GB/s and the fraction of copy bandwidth."""
+    from hf_fp8kv.kernels.triton_attention import plan_attention
+
+    padding = left_padding(batch, context + 1, device) if padded else None
+    layer = filled_layer(batch, sizes.kv_heads, sizes.head_dim, context, sizes.dtype, device,
+                         padding=None if padding is None else padding[:, :context], scales="dynamic",
+                         **cache_kwargs)  # fmt: skip
+    view, write = decode_write(layer)
+    query = torch.randn(batch, sizes.q_heads, 1, sizes.head_dim, device=device, dtype=sizes.dtype)
+    mask = None if padding is None else padding[:, None, None, :]
+    tokens = 2 if view.recent is not None else 1  # the write reads the token leaving the recent buffer
+    written = tokens * 2 * batch * sizes.kv_heads * sizes.head_dim * sizes.dtype.itemsize
+    launches = [("-", launch, written) for launch in write]  # the write: the same whatever the stages
+    for stages in (3, 4):
+        _, attention = plan_attention(query, view, scaling=sizes.head_dim**-0.5, mask=mask, stages=stages,
+                                      resident_slots=sizes.resident_slots)  # fmt: skip
+        partials = batch * sizes.q_heads * attention[0].grid[2] * (sizes.head_dim + 2) * 4
+        reads = (kv_bytes(view), partials)  # of the attention, then the reduce (with splits)
+        launches += [(stages, launch, nbytes) for launch, nbytes in zip(attention, reads)]
+    window = (f"recent {layer.recent_tokens} + sinks {layer.sink_tokens}"
+              if layer.recent_tokens or layer.sink_tokens else "pure FP8")  # fmt: skip
+    rows = []
+    for stages, launch, nbytes in launches:
+        us = bench(launch.run, dry_run) * 1e3
+        gbps = nbytes / us / 1e3
+        rows.append({"context": context, "batch": batch, "cache": window, "mask": "left-padded" if padded else "none",
+                     "stages": stages, "launch": launch.kernel.__name__.strip("_").removesuffix("_kernel"),
+                     "grid": "x".join(map(str, launch.grid)), "us": f"{us:.1f}", "reads MB": f"{nbytes / 1e6:.3f}",
+                     "GB/s": f"{gbps:.0f}", "of copy": f"{gbps / copy_gbps:.0%}"})  # fmt: skip
+    return rows
+
+
 def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> None:
     import numpy
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -334,7 +444,7 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
             times[name].append(ms)
             row[f"{name} ms"] = f"{ms:.3f}"
             row[f"{name} host us/layer"] = f"{host * 1e3 / layers:.1f}"
-            del cache
+            cache = None  # released (not `del`: the step's closure names it)
             free_memory()
         rows.append(row)
     params = sum(p.numel() for p in model.parameters()) / 1e9
@@ -347,7 +457,7 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
         report(f"slope {name}: {slope:.5f} ms per 1k tokens of context")
     base, ours = slopes.values()
     report(f"slope ratio ours / DynamicCache: {ours / base:.3f} (target <= 0.50)")
-    del model
+    model = None  # released (not `del`: the variants' closures name it)
     free_memory()
 
 
@@ -432,7 +542,7 @@ def compiled_decode(report: Report, sizes: Sizes, device: torch.device, dry_run:
                     step()
                 row[f"{name} compile s"] = f"{time.perf_counter() - started:.0f}"
                 row[f"{name} ms"] = f"{bench(step, dry_run):.3f}"
-            del cache, forward
+            cache = forward = None  # released (not `del`: the step's closure names them)
             torch._dynamo.reset()
             free_memory()
         base, ours = (float(row[f"{name} ms"]) for name in variants)
@@ -441,7 +551,7 @@ def compiled_decode(report: Report, sizes: Sizes, device: torch.device, dry_run:
     report(f"## (f) compiled decode step (torch.compile {options}, fullgraph), {config.num_hidden_layers}-layer "
            f"Llama-3-8B-shaped model, {sizes.dtype}, batch 1")  # fmt: skip
     report.table(rows)
-    del model
+    model = None  # released (not `del`: the variants' closures name it)
     free_memory()
 
 
@@ -502,6 +612,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     copy_gbps = copy_bandwidth(report, sizes, device, args.dry_run)
     guarded(report, "decode attention", decode_attention, sizes, device, args.dry_run, copy_gbps)
+    guarded(report, "decode step launches", decode_launches, sizes, device, args.dry_run, copy_gbps)
     guarded(report, "decode steps", decode_steps, sizes, device, args.dry_run)
     guarded(report, "prefill", prefill, sizes, device, args.dry_run)
     guarded(report, "compiled decode", compiled_decode, sizes, device, args.dry_run)

@@ -19,11 +19,15 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     report = out.read_text()
     assert re.search(r"\b[1-9]\d* passed", report) and "exit status 0" in report  # the kernel tests it runs
     sections = ("(a) copy bandwidth", "(b, c) decode attention", "(d) decode step", "(e) causal prefill", "(f) compiled",
-                "(g) continuous batching")
+                "(g) continuous batching", "(h) decode step launches")
     for section in sections:
         assert f"## {section}" in report
     for method in ("ours e4m3 static", "ours e4m3 per-token-head", "SDPA float32", "QuantizedCache(fp8)"):
         assert method in report
     assert re.search(r"slope ratio ours / DynamicCache: -?\d+\.\d+", report)
     assert "ours e4m3 per-token-head host us/layer" in report  # the host side of a decode step, per layer
+    launches = report.split("## (h) decode step launches")[1].split("\n## ")[0]
+    for launch in ("write", "attention", "reduce"):  # a timed line per launch: us, bytes read, GB/s, % of copy
+        assert re.search(rf"^.*\b{launch}\b +\S+ +\d+\.\d +\d+\.\d{{3}} +\d+ +\d+%", launches, re.M), launch
+    assert re.search(r"left-padded +4 +attention", launches)  # the left-padded step, at STAGES 4 too
     assert "FAILED" not in report
