@@ -32,8 +32,9 @@ from .triton_common import (
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView, scale_dtypes
 
-REDUCE_ELEMENTS = 2048  # of one reduce program's [rows, head_dim] accumulator: 16 rows spilled at head_dim 256
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
+REDUCE_CHUNK = 32  # head_dim channels per reduce program
+REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 
 
 # positions move every step and the split count with the context (a multiple of 16 would compile a second
@@ -222,19 +223,21 @@ def _reduce_kernel(
     part_acc_ptr, part_stats_ptr, sink_logits_ptr, out_ptr,
     o_sb, o_sh, o_sl, o_sd,
     out_rows, q_heads, q_len, head_dim, num_splits,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PART_D: tl.constexpr,
+    HAS_SINK_LOGITS: tl.constexpr,
 ):  # fmt: skip
-    """Program (block of output rows (batch, q_head, position)): merge the splits' partial results, BLOCK_S
-    splits at a time (registers stay BLOCK_R x BLOCK_D whatever the split count)."""
+    """Program (block of output rows (batch, q_head, position), chunk of head_dim): merge the splits' partial
+    results, BLOCK_S splits at a time (registers stay BLOCK_R x BLOCK_C whatever the split count). Each split's
+    weight is read back from its own statistics (an L1 hit), not picked out of the [rows, splits] block."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < out_rows
     pos = rows % q_len
     head = (rows // q_len) % q_heads
     b = rows // (q_len * q_heads)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for first in range(0, num_splits, BLOCK_S):
         s = first + tl.arange(0, BLOCK_S)
         part = rows[:, None] * num_splits + s[None, :]
@@ -244,15 +247,14 @@ def _reduce_kernel(
         m_new = tl.maximum(m, tl.max(m_s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
-        weight = tl.exp2(m_s - m_safe[:, None])
-        l = l * alpha + tl.sum(l_s * weight, axis=1)
+        l = l * alpha + tl.sum(l_s * tl.exp2(m_s - m_safe[:, None]), axis=1)
         acc = acc * alpha[:, None]
-        for j in tl.static_range(BLOCK_S):  # one split's [rows, D] at a time: no 3-D tile in registers
+        for j in tl.static_range(BLOCK_S):  # one split's [rows, BLOCK_C] at a time: no 3-D tile in registers
             part_j = rows * num_splits + first + j
             ok_j = row_ok & (tl.full([BLOCK_R], first + j, tl.int32) < num_splits)
-            acc_j = tl.load(part_acc_ptr + part_j[:, None] * BLOCK_D + d[None, :], mask=ok_j[:, None], other=0.0)
-            w_j = tl.sum(tl.where(tl.arange(0, BLOCK_S)[None, :] == j, weight, 0.0), axis=1)
-            acc += acc_j * w_j[:, None]
+            m_j = tl.load(part_stats_ptr + part_j * 2, mask=ok_j, other=float("-inf"))
+            acc_j = tl.load(part_acc_ptr + part_j[:, None] * PART_D + d[None, :], mask=ok_j[:, None], other=0.0)
+            acc += acc_j * tl.exp2(m_j - m_safe)[:, None]
         m = m_new
     out = _finalize(acc, m, l, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
     tl.store(
@@ -451,15 +453,26 @@ class AttentionPlan:
         if splits > 1:
             batch, q_heads, q_len, head_dim = self.out_shape
             out_rows = batch * q_heads * q_len
-            reduce_rows = min(MIN_ROWS, REDUCE_ELEMENTS // self.block_d)
-            launches.append(Launch(_reduce_kernel, (cdiv(out_rows, reduce_rows),), (
+            rows, chunk, warps = reduce_blocks(out_rows, self.block_d)
+            launches.append(Launch(_reduce_kernel, (cdiv(out_rows, rows), self.block_d // chunk), (
                 part_acc, part_stats, _or(sink_logits, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
                 splits,
             ), dict(
-                BLOCK_R=reduce_rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_D=self.block_d,
-                HAS_SINK_LOGITS=sink_logits is not None, num_warps=4,
+                BLOCK_R=rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_C=chunk, PART_D=self.block_d,
+                HAS_SINK_LOGITS=sink_logits is not None, num_warps=warps,
             )))  # fmt: skip
         return launches
+
+
+def reduce_blocks(out_rows: int, block_d: int) -> tuple[int, int, int]:
+    """Rows, head_dim chunk and warps of a reduce program: 32-channel chunks, rows per program growing with the
+    rows to merge (at least REDUCE_PROGRAMS programs, 16 rows at most), one warp per 128 elements. A batch-1 step
+    of 32 query heads had 2 programs of 16 rows x 128 channels over 47 splits (gpu_static); it now has 128."""
+    chunk = min(block_d, REDUCE_CHUNK)
+    chunks = block_d // chunk
+    per_program = max(1, out_rows * chunks // REDUCE_PROGRAMS)
+    rows = min(MIN_ROWS, 1 << (per_program.bit_length() - 1))  # a power of 2 at most per_program
+    return rows, chunk, max(1, min(4, rows * chunk // 128))
 
 
 def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
-from hf_fp8kv.kernels.triton_attention import _scale_words, attention, plan_attention, split_count
+from hf_fp8kv.kernels.triton_attention import _scale_words, attention, plan_attention, reduce_blocks, split_count
 from hf_fp8kv.kernels.view import KVView
 from streams import Stream, fill
 
@@ -317,3 +317,12 @@ def test_bf16_scales_read_as_words_match_the_oracle(case):
     expected = reference.attend(query.float(), view, scaling=stream.head_dim**-0.5, mask=mask)
     got = attention(query, view, scaling=stream.head_dim**-0.5, mask=mask, num_splits=case.splits)
     assert_close(got, expected, case.dtype)
+
+
+def test_reduce_programs_fill_the_gpu_at_batch_one():
+    """Rows and head_dim chunk of a reduce program: a batch-1 step of 32 query heads is spread over 128 programs
+    (one row, 32 channels, one warp each); a batch of 16 over 128 programs of 16 rows."""
+    assert reduce_blocks(32, 128) == (1, 32, 1)
+    assert reduce_blocks(512, 128) == (16, 32, 4)
+    assert reduce_blocks(84, 128) == (2, 32, 1)
+    assert reduce_blocks(4096, 64) == (16, 32, 4)  # never more than 16 rows
