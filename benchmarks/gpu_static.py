@@ -188,8 +188,9 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     end = case.context - (case.q_len if case.kind == "write" else 0)  # a write stores the last q_len tokens
     recent_start = max(end - case.recent, 0)
     positions = torch.tensor([end, recent_start], device=device) if case.static_cache else None
+    # no NaN written (what a layer tracks: NaN codes add a select, and masked columns' values zeroed)
     view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
-                  positions=positions)  # fmt: skip
+                  positions=positions, has_nan=False)  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:

@@ -60,7 +60,7 @@ def _attention_kernel(
     STATIC: tl.constexpr, RING: tl.constexpr, HAS_RECENT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -147,7 +147,7 @@ def _attention_kernel(
         else:
             v_scale = 1.0
         visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                              sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True)  # fmt: skip
+                              sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW)  # fmt: skip
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i,
             decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
@@ -174,7 +174,7 @@ def _attention_kernel(
                 acc, m_i, l_i = attend_full_precision(
                     q, acc, m_i, l_i, recent_k_ptr, recent_v_ptr, slot, t, t_ok, r_st, r_sd, d, d_ok, fp_weight,
                     q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
-                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, HAS_SOFTCAP, PRECISION, DOT,
+                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW, HAS_SOFTCAP, PRECISION, DOT,
                 )  # fmt: skip
         if HAS_SINK_TOKENS:
             sink_k_ptr += b * x_sb + kv_head * x_sh
@@ -186,7 +186,7 @@ def _attention_kernel(
                 acc, m_i, l_i = attend_full_precision(
                     q, acc, m_i, l_i, sink_k_ptr, sink_v_ptr, slot, t, t_ok, x_st, x_sd, d, d_ok, fp_weight,
                     q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
-                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False, HAS_SOFTCAP, PRECISION, DOT,
+                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False, MASK_ROW, HAS_SOFTCAP, PRECISION, DOT,
                 )  # fmt: skip
 
     if SPLIT:
@@ -376,6 +376,8 @@ class AttentionPlan:
             # masked columns' values zeroed only where NaN codes may exist: the rows' reduction took a masked
             # 128-row prefill tile from 0.505 to 0.597 SASS instructions per KV byte (gpu_static)
             DROP_UNSEEN=mask is not None and view.has_nan, SCALE_WORDS=_scale_words(view),
+            # one mask row per program: broadcast over the heads, one query position (the plan key holds the shape)
+            MASK_ROW=mask is not None and mask.shape[1] == 1 and (q_len == 1 or mask.shape[2] == 1),
         )  # fmt: skip
         self.launch_options = {split: {**constexprs, "SPLIT": split} for split in (False, True)}
         self.sizes = (self.kv_heads, q_len, head_dim)
