@@ -51,7 +51,7 @@ def _attention_kernel(
     x_sb, x_sh, x_st, x_sd,
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
-    kv_heads, q_len, head_dim, num_splits, slots, offset, recent_slots, sink_slots,
+    kv_heads, q_len, head_dim, num_splits, slots, offset, recent_slots, sink_slots, fp_tokens,
     start, end, recent_start, mask_start, window,
     score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -115,9 +115,11 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # the codes' share of this split: [lo, hi) of [start, recent_start), narrowed to what the causal / window rule
-    # lets this row block see (without a mask: masks skip whole tiles below instead)
+    # lets this row block see (without a mask: masks skip whole tiles below instead). The last split also reads
+    # the full-precision tokens: they count as `fp_tokens` tokens of codes (their bytes), so that it is not the
+    # slowest (with 64-token tiles, the default 128 + 4 came on top of up to a whole split's codes)
     codes_end = tl.maximum(recent_start, start)
-    split_tokens = tl.cdiv(tl.cdiv(codes_end - start, BLOCK_N), num_splits) * BLOCK_N
+    split_tokens = tl.cdiv(tl.cdiv(codes_end - start + fp_tokens, BLOCK_N), num_splits) * BLOCK_N
     lo = start + split * split_tokens
     hi = tl.minimum(lo + split_tokens, codes_end)
     if not HAS_MASK:
@@ -409,7 +411,7 @@ class AttentionPlan:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
         so that the grid is the same at every step)."""
         codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)
-        tiles = max(1, cdiv(codes_tokens, self.block_n))
+        tiles = max(1, cdiv(codes_tokens + _fp_tokens(view), self.block_n))
         if self.num_splits is not None:
             return max(1, min(self.num_splits, tiles))
         if not self.resident_slots or self.row_blocks > 1:
@@ -435,7 +437,7 @@ class AttentionPlan:
         strides = (
             *view.codes.stride()[1:], *_scale_strides(view), *plane_strides(view.recent), *plane_strides(view.sinks)
         )  # fmt: skip
-        fp_slots = (_slots(view.recent), _slots(view.sinks))
+        fp_slots = (_slots(view.recent), _slots(view.sinks), _fp_tokens(view))
         return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, fp_slots
 
     def _attention(self, query, view, mask, sink_logits, splits, out, part_acc, part_stats) -> list[Launch]:
@@ -484,6 +486,11 @@ def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
 
 def _slots(buffer: torch.Tensor | None) -> int:
     return buffer.shape[3] if buffer is not None else 0
+
+
+def _fp_tokens(view: KVView) -> int:
+    """The full-precision buffers' bytes per head, in tokens of (1-byte) codes: the last split's extra work."""
+    return sum(buffer.shape[3] * buffer.element_size() for buffer in (view.recent, view.sinks) if buffer is not None)
 
 
 def _codes(view: KVView, hw_convert: bool) -> tuple[torch.Tensor, torch.Tensor]:
