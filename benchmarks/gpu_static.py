@@ -408,7 +408,9 @@ def last_waves(case: Case, kernel, slots: int) -> list[dict]:
             blocks = math.prod(launch.grid)
             # whole KV tiles: no plan beats ceil(all tiles / slots) tile-times, whatever its waves' fullness
             programs, splits = launch.grid[0] * launch.grid[1], launch.grid[2]
-            tiles = -(-context // launch.kwargs["BLOCK_N"])
+            # the codes' tokens, and the recent and sink tokens in codes' bytes (as the split rule counts them)
+            work = context - case.recent + (case.recent + case.sinks) * getattr(torch, case.dtype).itemsize
+            tiles = -(-work // launch.kwargs["BLOCK_N"])
             tile_times = -(-blocks // slots) * -(-tiles // splits)
             grid.append(dict(
                 batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
@@ -450,7 +452,9 @@ def analyze_case(case: Case) -> list[dict]:
         compiled = compile_launch(launch)
         fits = blocks_per_sm(compiled.registers, compiled.warps, compiled.shared)
         tile_tokens = launch.kwargs.get("BLOCK_N")  # tokens of K and V one iteration of the KV loop loads
-        tile_bytes = tile_tokens and tile_tokens * (2 * case.head_dim * code_bytes + (8 if case.per_token else 0))
+        # a K and a V scale per token: 2 bytes each in the dense cache, 4 in pages
+        scale_bytes = (8 if case.kind == "paged" else 2 * PER_TOKEN_SCALE_DTYPE.itemsize) if case.per_token else 0
+        tile_bytes = tile_tokens and tile_tokens * (2 * case.head_dim * code_bytes + scale_bytes)
         row = dict(
             kind=case.kind, case=dataclasses.asdict(case), kernel=compiled.name, grid=list(launch.grid),
             variant=f"{case.name} grid {'x'.join(map(str, launch.grid))}",
