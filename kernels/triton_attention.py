@@ -377,7 +377,10 @@ class AttentionPlan:
             PRECISION=decode.precision, **options,
             # masked columns' values zeroed only where NaN codes may exist: the rows' reduction took a masked
             # 128-row prefill tile from 0.505 to 0.597 SASS instructions per KV byte (gpu_static)
-            DROP_UNSEEN=mask is not None and view.has_nan, SCALE_WORDS=_scale_words(view),
+            DROP_UNSEEN=mask is not None and view.has_nan,
+            # scales as words up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran
+            # 145 registers and 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
+            SCALE_WORDS=self.block_d <= 128 and _scale_words(view),
             # one mask row per program: broadcast over the heads, one query position (the plan key holds the shape)
             MASK_ROW=mask is not None and mask.shape[1] == 1 and (q_len == 1 or mask.shape[2] == 1),
         )  # fmt: skip
