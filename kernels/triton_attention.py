@@ -61,6 +61,7 @@ def _attention_kernel(
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
+    ONE_POSITION: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -148,8 +149,14 @@ def _attention_kernel(
             v_scale = load_token_scales(v_scale_ptr, slot, s_st, t_ok, SCALE_WORDS) * value_boost
         else:
             v_scale = 1.0
-        visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                              sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW)  # fmt: skip
+        if ONE_POSITION and not HAS_MASK and not HAS_WINDOW:  # every token below `hi` precedes the query
+            seen = t_ok
+            if HAS_SINK_TOKENS:
+                seen = seen & ((t < sink_lo) | (t >= sink_hi))
+            visible = seen[None, :]
+        else:
+            visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                                  sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW)  # fmt: skip
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i,
             decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
@@ -383,6 +390,7 @@ class AttentionPlan:
             SCALE_WORDS=self.block_d <= 128 and _scale_words(view),
             # one mask row per program: broadcast over the heads, one query position (the plan key holds the shape)
             MASK_ROW=mask is not None and mask.shape[1] == 1 and (q_len == 1 or mask.shape[2] == 1),
+            ONE_POSITION=q_len == 1,  # a decode step: its codes' tiles need no causal rule
         )  # fmt: skip
         self.launch_options = {split: {**constexprs, "SPLIT": split} for split in (False, True)}
         self.sizes = (self.kv_heads, q_len, head_dim)

@@ -62,6 +62,7 @@ CASES = [
     Case(Stream(recent=70, updates=[60, 1, 9]), q_len=9),  # a window wider than a tile
     Case(Stream(recent=6, sinks=3, sink_rows=[0, 4], scales="per-head"), mask="padding", splits=2),
     Case(Stream(recent=6, sinks=4, sink_rows=[3, 0], fmt="fp8_e5m2", scales="per-tensor"), q_len=7),
+    Case(Stream(recent=6, sinks=3), splits=2),  # a decode step without a mask: the sinks' codes left out
     Case(Stream(recent=5, sinks=2, updates=[40, 8]), q_len=8, options=dict(softcap=8.0, sink_logits=True, channel=True)),
     Case(Stream(recent=4, sinks=2, dtype=torch.float16), dtype=torch.float16, splits=2, mask="padding"),
     # static buffers: positions on the device, the mask over every slot, a fixed grid
