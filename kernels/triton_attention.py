@@ -289,8 +289,9 @@ def attention(
 ) -> torch.Tensor:
     """Attention of `query` `[batch, q_heads, q_len, head_dim]` over the tokens of `view` (see
     `reference.attend`); `num_splits` forces the number of KV splits (default: from the compiled kernel's
-    occupancy on the GPU, one off GPU); `stages` the KV tiles the loop keeps in flight (default 3). `plans` (a dict the caller keeps, e.g. one per cache layer) memoizes
-    the plan of each kind of call, so that a decode step only fills in positions and tensors."""
+    occupancy on the GPU, one off GPU); `stages` the KV tiles the loop keeps in flight (default 3). `plans` (a
+    dict the caller keeps, e.g. one per cache layer) memoizes the plan of each kind of call, so that a decode step
+    only fills in positions and tensors."""
     settings = (scaling, window, softcap, num_splits, stages)
     if plans is None:
         plan = AttentionPlan(query, view, mask, sink_logits, *settings)
@@ -385,14 +386,17 @@ class AttentionPlan:
             # masked columns' values zeroed only where NaN codes may exist: the rows' reduction took a masked
             # 128-row prefill tile from 0.505 to 0.597 SASS instructions per KV byte (gpu_static)
             DROP_UNSEEN=mask is not None and view.has_nan,
-            # scales as words up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran
-            # 145 registers and 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
-            SCALE_WORDS=self.block_d <= 128 and _scale_words(view),
             # one mask row per program: broadcast over the heads, one query position (the plan key holds the shape)
             MASK_ROW=mask is not None and mask.shape[1] == 1 and (q_len == 1 or mask.shape[2] == 1),
             ONE_POSITION=q_len == 1,  # a decode step: its codes' tiles need no causal rule
         )  # fmt: skip
-        self.launch_options = {split: {**constexprs, "SPLIT": split} for split in (False, True)}
+        # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
+        # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
+        # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
+        self.launch_options = {
+            (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128}
+            for split in (False, True) for words in (False, True)
+        }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
         self.out_shape = (batch, q_heads, q_len, head_dim)
         self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
@@ -401,9 +405,9 @@ class AttentionPlan:
         self.resident_slots = resident_slots
         if num_splits is None and self.row_blocks == 1 and query.is_cuda and not resident_slots:
             # blocks per SM of the kernel as compiled (registers, shared memory), times the SMs
-            self.resident_slots = sm_count(query.device) * compiled_occupancy(
-                self._attention(query, view, mask, sink_logits, 2, *self._buffers(query, 2))[0], query.device
-            )
+            stored = view.derived(self, self._stored)
+            attention = self._attention(query, view, mask, sink_logits, 2, stored, *self._buffers(query, 2))[0]
+            self.resident_slots = sm_count(query.device) * compiled_occupancy(attention, query.device)
 
     def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The output, and the splits' partial results (kept from call to call: one allocation per step, the
@@ -421,8 +425,11 @@ class AttentionPlan:
     def splits(self, query: torch.Tensor, view: KVView) -> int:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
         so that the grid is the same at every step)."""
+        return self._split_count(query, view, view.derived(self, self._stored))
+
+    def _split_count(self, query: torch.Tensor, view: KVView, stored: tuple) -> int:
         codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)
-        tiles = max(1, cdiv(codes_tokens + _fp_tokens(view), self.block_n))
+        tiles = max(1, cdiv(codes_tokens + stored[4][2], self.block_n))  # the full-precision tokens too
         if self.num_splits is not None:
             return max(1, min(self.num_splits, tiles))
         if not self.resident_slots or self.row_blocks > 1:
@@ -432,9 +439,10 @@ class AttentionPlan:
     def launches(
         self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[Launch]]:
-        splits = self.splits(query, view)
+        stored = view.derived(self, self._stored)
+        splits = self._split_count(query, view, stored)
         out, part_acc, part_stats = self._buffers(query, splits)
-        launches = self._attention(query, view, mask, sink_logits, splits, out, part_acc, part_stats)
+        launches = self._attention(query, view, mask, sink_logits, splits, stored, out, part_acc, part_stats)
         return out, launches
 
     def _stored(self, view: KVView) -> tuple:
@@ -449,9 +457,9 @@ class AttentionPlan:
             *view.codes.stride()[1:], *_scale_strides(view), *plane_strides(view.recent), *plane_strides(view.sinks)
         )  # fmt: skip
         fp_slots = (_slots(view.recent), _slots(view.sinks), _fp_tokens(view))
-        return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, fp_slots
+        return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, fp_slots, _scale_words(view)
 
-    def _attention(self, query, view, mask, sink_logits, splits, out, part_acc, part_stats) -> list[Launch]:
+    def _attention(self, query, view, mask, sink_logits, splits, stored, out, part_acc, part_stats) -> list[Launch]:
         if view.static:  # positions are read on the device
             start, end, recent_start, mask_start = view.start, 0, 0, 0
         else:
@@ -459,12 +467,12 @@ class AttentionPlan:
             mask_start = view.mask_start if view.mask_start is not None else end - mask.shape[-1] if mask is not None else 0
         if mask is not None:
             mask = _expand_mask(mask, *self.out_shape[:3])
-        tensors, channel, strides, slots, fp_slots = view.derived(self, self._stored)
+        tensors, channel, strides, slots, fp_slots, words = stored
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
             *self.sizes, splits, slots, view.offset, *fp_slots, start, end, recent_start, mask_start, *self.scalars,
-        ), self.launch_options[splits > 1])]  # fmt: skip
+        ), self.launch_options[splits > 1, words])]  # fmt: skip
         if splits > 1:
             batch, q_heads, q_len, head_dim = self.out_shape
             out_rows = batch * q_heads * q_len

@@ -83,8 +83,7 @@ class KVView:
         return (
             self.fmt.name, shape[:3], shape[4], self.per_token, self.positions is not None, self.ring,
             None if self.recent is None else self.recent.shape[3], None if self.sinks is None else self.sinks.shape[3],
-            self.key_channel_scale is not None, self.has_nan, self.scales.dtype, self.scales.stride(2) % 2,
-            self.scales.storage_offset() % 2,
+            self.key_channel_scale is not None, self.has_nan,
         )  # fmt: skip
 
     def buffers(self) -> tuple:
