@@ -405,8 +405,10 @@ class AttentionPlan:
         self.resident_slots = resident_slots
         if num_splits is None and self.row_blocks == 1 and query.is_cuda and not resident_slots:
             # blocks per SM of the kernel as compiled (registers, shared memory), times the SMs
-            stored = view.derived(self, self._stored)
-            attention = self._attention(query, view, mask, sink_logits, 2, stored, *self._buffers(query, 2))[0]
+            # (the buffers' launch arguments built here are not kept in the view's memo: an entry keyed by a plan
+            # that is not the layer's would hold its buffers after the layer replaced them)
+            stored, buffers = self._stored(view), self._buffers(query, 2)
+            attention = self._attention(query, view, mask, sink_logits, 2, stored, *buffers)[0]
             self.resident_slots = sm_count(query.device) * compiled_occupancy(attention, query.device)
 
     def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -425,7 +427,7 @@ class AttentionPlan:
     def splits(self, query: torch.Tensor, view: KVView) -> int:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
         so that the grid is the same at every step)."""
-        return self._split_count(query, view, view.derived(self, self._stored))
+        return self._split_count(query, view, self._stored(view))  # not kept in the view's memo (see `__init__`)
 
     def _split_count(self, query: torch.Tensor, view: KVView, stored: tuple) -> int:
         codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)

@@ -9,7 +9,9 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
-from hf_fp8kv.kernels.triton_attention import _scale_words, attention, plan_attention, reduce_blocks, split_count
+from hf_fp8kv.kernels.triton_attention import (
+    AttentionPlan, _scale_words, attention, plan_attention, reduce_blocks, split_count,
+)
 from hf_fp8kv.kernels.view import KVView
 from streams import Stream, fill
 
@@ -327,3 +329,16 @@ def test_reduce_programs_fill_the_gpu_at_batch_one():
     assert reduce_blocks(512, 128) == (16, 32, 4)
     assert reduce_blocks(84, 128) == (2, 32, 1)
     assert reduce_blocks(4096, 64) == (16, 32, 4)  # never more than 16 rows
+
+
+def test_a_plan_that_is_not_the_layers_keeps_nothing_in_the_views_memo():
+    """The split count asked of a plan of its own (a compiled decode's, planned eagerly) leaves no entry in the
+    view's memo: an entry keyed by that plan would hold the layer's buffers after the layer replaced them."""
+    generator = torch.Generator().manual_seed(0)
+    view, _, _ = fill(Stream(recent=6, sinks=3), reference.write, generator, DEVICE)
+    view.memo = {}
+    query = torch.randn(2, 6, 1, 80, generator=generator).to(DEVICE)
+    plan = AttentionPlan(query, view, None, None, 0.1)
+    assert plan.splits(query, view) >= 1 and view.memo == {}
+    plan.launches(query, view, None, None)
+    assert list(view.memo) == [plan]  # the plan that launches keeps its arguments there
