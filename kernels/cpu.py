@@ -224,7 +224,8 @@ class HostPositions:
         new_recent_start = coded_end(end, view.recent_start, n, recent_slots)
         nonfinite = False
         # leaving (those before the first slot left a sliding window: nobody reads their codes)
-        for first, stop, slot in ring_pieces(max(view.recent_start, view.offset), min(new_recent_start, end), recent_slots):
+        leaving = ring_pieces(max(view.recent_start, view.offset), min(new_recent_start, end), recent_slots)
+        for first, stop, slot in leaving:
             nonfinite |= HostPositions._quantize(recent.narrow(3, slot, stop - first), first, view, stats)
         if new_recent_start > end:  # new tokens that are not among the newest `recent_slots`
             nonfinite |= HostPositions._quantize(states.narrow(3, 0, new_recent_start - end), end, view, stats)
@@ -268,8 +269,8 @@ class HostPositions:
         return kv
 
     @staticmethod
-    def _decode(view: KVView, first: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        """fp32 K/V of the codes of tokens `[first, stop)`, into `out`."""
+    def _decode(view: KVView, first: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        """fp32 K/V of the codes of tokens `[first, stop)`, into `out` when given."""
         slot, scales = first - view.offset, _scale_columns(view)
         codes = view.codes.narrow(3, slot, stop - first)
         return dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.per_token else scales, view.fmt,

@@ -20,6 +20,7 @@ the full buffer); splits with no tokens write an empty partial result and exit.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -149,14 +150,9 @@ def _attention_kernel(
             v_scale = load_token_scales(v_scale_ptr, slot, s_st, t_ok, SCALE_WORDS) * value_boost
         else:
             v_scale = 1.0
-        if ONE_POSITION and not HAS_MASK and not HAS_WINDOW:  # every token below `hi` precedes the query
-            seen = t_ok
-            if HAS_SINK_TOKENS:
-                seen = seen & ((t < sink_lo) | (t >= sink_hi))
-            visible = seen[None, :]
-        else:
-            visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                                  sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW)  # fmt: skip
+        visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                              sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW,
+                              ONE_POSITION)  # fmt: skip
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i,
             decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
@@ -183,7 +179,8 @@ def _attention_kernel(
                 acc, m_i, l_i = attend_full_precision(
                     q, acc, m_i, l_i, recent_k_ptr, recent_v_ptr, slot, t, t_ok, r_st, r_sd, d, d_ok, fp_weight,
                     q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
-                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW, HAS_SOFTCAP, PRECISION, DOT,
+                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW, ONE_POSITION, HAS_SOFTCAP,
+                    PRECISION, DOT,
                 )  # fmt: skip
         if HAS_SINK_TOKENS:
             sink_k_ptr += b * x_sb + kv_head * x_sh
@@ -195,7 +192,8 @@ def _attention_kernel(
                 acc, m_i, l_i = attend_full_precision(
                     q, acc, m_i, l_i, sink_k_ptr, sink_v_ptr, slot, t, t_ok, x_st, x_sd, d, d_ok, fp_weight,
                     q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
-                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False, MASK_ROW, HAS_SOFTCAP, PRECISION, DOT,
+                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False, MASK_ROW, ONE_POSITION, HAS_SOFTCAP,
+                    PRECISION, DOT,
                 )  # fmt: skip
 
     if SPLIT:
@@ -342,6 +340,18 @@ def plan_attention(
     return plan.launches(query, view, mask, sink_logits)
 
 
+class Stored(NamedTuple):
+    """The kernel arguments that depend only on a view's buffers (kept in its memo, see `KVView.derived`)."""
+
+    tensors: tuple
+    channel: torch.Tensor
+    strides: tuple
+    slots: int
+    fp_slots: tuple[int, int]  # recent, sink
+    fp_tokens: int  # the full-precision buffers' bytes per head, in tokens of (1-byte) codes
+    words: bool  # per-token scales readable as 4-byte words
+
+
 class AttentionPlan:
     """What stays the same from one call to the next of one kind (a layer's decode steps): validation, block
     sizes, constexprs, launch options, scalar factors and the GPU's resident blocks. `launches` fills in the
@@ -388,7 +398,7 @@ class AttentionPlan:
             DROP_UNSEEN=mask is not None and view.has_nan,
             # one mask row per program: broadcast over the heads, one query position (the plan key holds the shape)
             MASK_ROW=mask is not None and mask.shape[1] == 1 and (q_len == 1 or mask.shape[2] == 1),
-            ONE_POSITION=q_len == 1,  # a decode step: its codes' tiles need no causal rule
+            ONE_POSITION=q_len == 1,  # a decode step: no causal rule
         )  # fmt: skip
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
@@ -398,6 +408,7 @@ class AttentionPlan:
             for split in (False, True) for words in (False, True)
         }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
+        self.reduce = reduce_blocks(batch * q_heads * q_len, self.block_d)  # rows, head_dim chunk, warps
         self.out_shape = (batch, q_heads, q_len, head_dim)
         self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
         self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
@@ -431,7 +442,7 @@ class AttentionPlan:
 
     def _split_count(self, query: torch.Tensor, view: KVView, stored: tuple) -> int:
         codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)
-        tiles = max(1, cdiv(codes_tokens + stored[4][2], self.block_n))  # the full-precision tokens too
+        tiles = max(1, cdiv(codes_tokens + stored.fp_tokens, self.block_n))  # the full-precision tokens too
         if self.num_splits is not None:
             return max(1, min(self.num_splits, tiles))
         if not self.resident_slots or self.row_blocks > 1:
@@ -447,7 +458,7 @@ class AttentionPlan:
         launches = self._attention(query, view, mask, sink_logits, splits, stored, out, part_acc, part_stats)
         return out, launches
 
-    def _stored(self, view: KVView) -> tuple:
+    def _stored(self, view: KVView) -> Stored:
         """The kernel arguments that depend only on the view's buffers (tensors, strides, slot counts)."""
         placeholder = view.scales  # for a buffer the constexprs leave unread
         tensors = (
@@ -458,10 +469,12 @@ class AttentionPlan:
         strides = (
             *view.codes.stride()[1:], *_scale_strides(view), *plane_strides(view.recent), *plane_strides(view.sinks)
         )  # fmt: skip
-        fp_slots = (_slots(view.recent), _slots(view.sinks), _fp_tokens(view))
-        return tensors, _or(view.key_channel_scale, placeholder), strides, view.slots, fp_slots, _scale_words(view)
+        return Stored(tensors, _or(view.key_channel_scale, placeholder), strides, view.slots,
+                      (_slots(view.recent), _slots(view.sinks)), _fp_tokens(view), _scale_words(view))  # fmt: skip
 
-    def _attention(self, query, view, mask, sink_logits, splits, stored, out, part_acc, part_stats) -> list[Launch]:
+    def _attention(
+        self, query, view, mask, sink_logits, splits, stored: Stored, out, part_acc, part_stats
+    ) -> list[Launch]:
         if view.static:  # positions are read on the device
             start, end, recent_start, mask_start = view.start, 0, 0, 0
         else:
@@ -469,16 +482,17 @@ class AttentionPlan:
             mask_start = view.mask_start if view.mask_start is not None else end - mask.shape[-1] if mask is not None else 0
         if mask is not None:
             mask = _expand_mask(mask, *self.out_shape[:3])
-        tensors, channel, strides, slots, fp_slots, words = stored
+        tensors, channel, strides, slots, fp_slots, fp_tokens, words = stored  # (unpacked: the step's hot path)
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *self.sizes, splits, slots, view.offset, *fp_slots, start, end, recent_start, mask_start, *self.scalars,
+            *self.sizes, splits, slots, view.offset, *fp_slots, fp_tokens, start, end, recent_start, mask_start,
+            *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
         if splits > 1:
             batch, q_heads, q_len, head_dim = self.out_shape
             out_rows = batch * q_heads * q_len
-            rows, chunk, warps = reduce_blocks(out_rows, self.block_d)
+            rows, chunk, warps = self.reduce
             launches.append(Launch(_reduce_kernel, (cdiv(out_rows, rows), self.block_d // chunk), (
                 part_acc, part_stats, _or(sink_logits, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
                 splits,

@@ -76,15 +76,15 @@ def _attend_held(
         t = n0 + n
         acc, m_i, l_i = attend_full_precision(
             q, acc, m_i, l_i, k_rows, v_rows, (key_start + t) % recent_slots, t, t < k_end, row, 1, d, d_ok, weight,
-            q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, True, False, False,
-            PRECISION, DOT,
+            q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, True, False,
+            False, False, PRECISION, DOT,
         )  # fmt: skip
     for n0 in tl.range(0, tl.minimum(sink_end, k_end), n.shape[0], num_stages=1):
         t = n0 + n
         acc, m_i, l_i = attend_full_precision(
             q, acc, m_i, l_i, k_rows, v_rows, recent_slots + t, t, t < tl.minimum(sink_end, k_end), row, 1, d, d_ok,
             weight, q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, False,
-            False, False, PRECISION, DOT,
+            False, False, False, PRECISION, DOT,
         )  # fmt: skip
     return acc, m_i, l_i
 

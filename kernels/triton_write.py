@@ -201,13 +201,16 @@ def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: to
     if (cache_batch, cache_heads, cache_dim) != (batch, heads, head_dim):
         raise ValueError(f"new keys {tuple(key.shape)} do not fit the code buffers {tuple(view.codes.shape)}")
     recent_slots = view.recent.shape[3] if view.recent is not None else 0
-    if not view.static and not view.ring and coded_end(view.end, view.recent_start, new_tokens, recent_slots) - view.offset > view.slots:
+    coded = coded_end(view.end, view.recent_start, new_tokens, recent_slots)
+    if not view.static and not view.ring and coded - view.offset > view.slots:
         raise ValueError(
             f"{new_tokens} new tokens at {view.end} overflow the code buffers' {view.slots} slots from {view.offset}"
         )
     expected = (2, batch, heads, view.codes.shape[3]) if view.per_token else (2, 1, heads, 1)
     if view.scales.dtype not in scale_dtypes(view) or tuple(view.scales.shape) != expected:
-        raise ValueError(f"scales must be fp32 (per-token: or bf16) {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}")
+        raise ValueError(
+            f"scales must be fp32 (per-token: or bf16) {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}"
+        )
     if stats.dtype != torch.int64 or stats.shape != (2, 2):
         raise ValueError(f"stats must be an int64 [2, 2] counter, got {stats.dtype} {tuple(stats.shape)}")
     devices = {t.device for t in (key, value, view.codes, view.scales, stats)}
