@@ -55,7 +55,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from hf_fp8kv.kernels import paged, triton_attention, triton_paged, triton_write  # noqa: E402
+from hf_fp8kv.kernels import ops, paged, triton_attention, triton_paged, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS, PER_TOKEN_SCALE_DTYPE  # noqa: E402
 from hf_fp8kv.kernels.triton_launch import Launch, blocks_per_sm  # noqa: E402
 from hf_fp8kv.kernels.view import KVView  # noqa: E402
@@ -188,9 +188,10 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     end = case.context - (case.q_len if case.kind == "write" else 0)  # a write stores the last q_len tokens
     recent_start = max(end - case.recent, 0)
     positions = torch.tensor([end, recent_start], device=device) if case.static_cache else None
-    # no NaN written (what a layer tracks: NaN codes add a select, and masked columns' values zeroed)
+    # no NaN written (what a layer tracks: NaN codes add a select, and masked columns' values zeroed); the value
+    # layout the Triton backend's layers allocate
     view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
-                  positions=positions, has_nan=False)  # fmt: skip
+                  positions=positions, has_nan=False, value_tiled=ops.TritonLayerKernels.value_tiled)  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:

@@ -53,7 +53,8 @@ class QuantizedFP8Cache(Cache):
             sliding and chunked layer, as vLLM's `--kv-cache-dtype-skip-layers`), or a mix such as
             `["sliding_window", 0]` or "sliding_window,0".
         backend: "auto", "triton" or "torch" (default: env HF_FP8KV_BACKEND, else "auto").
-        block_size: tokens added per buffer growth.
+        block_size: tokens added per buffer growth (on the Triton backend rounded up to a multiple of 64, the
+            blocks its value codes are stored in).
         recent_tokens: the newest tokens of each sequence kept in the model's dtype (default 128), stored only
             there: a token is quantized once, when it leaves them.
         sink_tokens: the first real tokens of each sequence (attention sinks) kept in the model's dtype

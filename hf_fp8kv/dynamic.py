@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from hf_fp8kv.kernels.cpu import ring_pieces
-from hf_fp8kv.kernels.view import KVView, coded_end
+from hf_fp8kv.kernels.view import KVView, coded_end, copy_slots
 from hf_fp8kv.layer import FP8Layer
 
 
@@ -56,6 +56,7 @@ class DynamicFP8Layer(FP8Layer):
             offset=self.offset, recent=self.recent, sinks=self.sinks if tracker.rows else None,
             sink_start=self.sink_start, sink_count=self.sink_count, sink_rows=tracker.rows,
             key_channel_scale=self.key_channel_scale, has_nan=self.has_nan, memo=self.kernels.memo,
+            value_tiled=self.kernels.value_tiled,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -113,12 +114,14 @@ class DynamicFP8Layer(FP8Layer):
     def _reallocate(self, capacity: int) -> None:
         """Move the stored codes (tokens `[first, coded end)`) to the front of new buffers of `capacity` slots."""
         held = max(self._coded_end(0) - self.first, 0)
-        stored = slice(self.first - self.offset, self.first - self.offset + held)
-        for name in ("codes", "scale") if self.per_token else ("codes",):
-            old = getattr(self, name)
-            new = old.new_empty(*old.shape[:3], capacity, *old.shape[4:])
-            new[:, :, :, :held] = old[:, :, :, stored]
-            setattr(self, name, new)
+        first = self.first - self.offset
+        codes = self.codes.new_empty(*self.codes.shape[:3], capacity, self.codes.shape[4])
+        copy_slots(codes, self.codes, first, held, self.kernels.value_tiled)
+        self.codes = codes
+        if self.per_token:
+            scale = self.scale.new_empty(*self.scale.shape[:3], capacity)
+            scale[:, :, :, :held] = self.scale[:, :, :, first : first + held]
+            self.scale = scale
         self.offset = self.first
 
     def _map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -10,6 +10,7 @@ the recent buffer (each quantized once, when it leaves), the `recent_tokens` new
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -19,7 +20,7 @@ from hf_fp8kv.attention import FP8KeyStates
 from hf_fp8kv.kernels import ops
 from hf_fp8kv.kernels.cpu import materialize
 from hf_fp8kv.kernels.formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
-from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.kernels.view import VALUE_TILE, KVView
 from hf_fp8kv.scales import LayerScales
 from hf_fp8kv.sinks import SinkTracker
 
@@ -137,6 +138,8 @@ class FP8Layer(CacheLayerMixin):
         self.dtype = key_states.dtype
         self.backend = ops.backend_for(self.requested_backend, self.device)
         self.kernels = self.backend.layer_kernels()
+        if self.kernels.value_tiled:  # codes held in whole blocks of tiled values, which the attention reads whole
+            self.block_size = math.lcm(self.block_size, VALUE_TILE)
         self.stats = self.stats.to(self.device)
         channel = getattr(self.scales, "key_channel", None)
         if channel is not None and tuple(channel.shape) != (kv_heads, head_dim):

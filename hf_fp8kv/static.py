@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.kernels.view import VALUE_TILE, KVView, store_token_major, token_major
 from hf_fp8kv.layer import FP8Layer, QuantizedKV
 
 
@@ -64,7 +64,10 @@ class StaticFP8Layer(FP8Layer):
     # --- allocation: buffers for max_batch_size rows, of which a batch uses the first -------------------------
     def _allocate(self, batch: int, kv_heads: int, head_dim: int) -> None:
         rows = self.max_batch_size if self.max_batch_size is not None else batch
-        self._new_buffers(rows, kv_heads, head_dim, self.ring_slots + 1, self.recent_tokens, self.sink_tokens)
+        slots = self.ring_slots
+        if self.kernels.value_tiled and not self.is_sliding:  # whole blocks of tiled values (a ring keeps its size)
+            slots += -slots % VALUE_TILE
+        self._new_buffers(rows, kv_heads, head_dim, slots + 1, self.recent_tokens, self.sink_tokens)
         self.positions = self.positions.to(self.device)
         self.position_views = (self.positions[0], self.positions[1])
         self.storage = {name: getattr(self, name) for name in (*self._buffers(), "sink_start", "sink_count")}
@@ -124,6 +127,7 @@ class StaticFP8Layer(FP8Layer):
             recent_start=recent_start, ring=self.is_sliding, recent=self.recent,
             sinks=self.sinks if tracker.rows else None, sink_start=self.sink_start, sink_count=self.sink_count,
             key_channel_scale=self.key_channel_scale, positions=self.positions, memo=self.kernels.memo,
+            value_tiled=self.kernels.value_tiled,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -284,8 +288,9 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         end, recent_start = self._host_positions()
         first = min(max(end - (self.sliding_window - 1), 0), recent_start)
         held = torch.arange(first, end, device=self.device) % slots
+        ring = token_major(self.codes, self.kernels.value_tiled)  # (the copy is token-major: the kernels read both)
         codes = self.codes.new_empty(*self.codes.shape[:3], end + new_tokens - first, self.codes.shape[4])
-        codes.view(torch.uint8)[:, :, :, : end - first] = self.codes.view(torch.uint8).index_select(3, held)
+        codes.view(torch.uint8)[:, :, :, : end - first] = ring.view(torch.uint8).index_select(3, held)
         scales = self.scale
         if self.per_token:
             scales = self.scale.new_empty(*self.scale.shape[:3], codes.shape[3])
@@ -298,7 +303,8 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         linear.end, linear.recent_start = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens)
         linear.mask_start = 0  # the static mask covers [0, max_cache_len)
         kept = torch.arange(max(linear.end - slots, 0), linear.end, device=self.device)
-        self.codes.view(torch.uint8).index_copy_(3, kept % slots, codes.view(torch.uint8).index_select(3, kept - first))
+        ring.view(torch.uint8).index_copy_(3, kept % slots, codes.view(torch.uint8).index_select(3, kept - first))
+        store_token_major(self.codes, ring, self.kernels.value_tiled)
         if self.per_token:
             self.scale.index_copy_(3, kept % slots, scales.index_select(3, kept - first))
         self._advance(new_tokens)

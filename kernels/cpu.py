@@ -11,6 +11,7 @@ clipped) takes one reduction. The path is chosen once per call by the kind of po
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Iterator, NamedTuple
@@ -19,7 +20,7 @@ import torch
 
 from .formats import TINY_SCALE, StorageFormat, get_format
 from .reference import attention, dynamic_scale, quantize
-from .view import KVView, coded_end
+from .view import KVView, coded_end, token_major
 
 # codes up to which the decode multiplies its fp16 (or int8) values by the scales in one mixed-dtype op; on
 # more, a conversion then an fp32 multiply is faster (1 thread, 4096 tokens of SmolLM2's shapes, 1.6 M codes:
@@ -201,6 +202,8 @@ def attend(
 def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 keys and values `[batch, kv_heads, tokens, head_dim]` of the visible tokens (`[start, end)` in
     order), or of every slot with device positions (their positions: `slot_positions`)."""
+    if view.value_tiled:  # the Triton backend's buffers (the eager fallback's read): values made token-major first
+        view = dataclasses.replace(view, codes=token_major(view.codes, True), value_tiled=False, memo=None)
     kv = _path(view).materialize(view)
     if view.key_channel_scale is not None:
         kv[0] *= view.key_channel_scale[None, :, None, :]
@@ -209,6 +212,8 @@ def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _path(view: KVView) -> type:
+    if view.value_tiled:
+        raise ValueError("the torch path reads token-major value codes; these are tiled (the Triton backend's)")
     return DevicePositions if view.static else HostPositions
 
 

@@ -61,6 +61,7 @@ class TorchLayerKernels:
 
     write = staticmethod(cpu.write)  # (the functions themselves: a decode step is op-dispatch bound on the CPU)
     attend = staticmethod(cpu.attend)
+    value_tiled = False  # the value codes' layout of the buffers a layer allocates (`KVView.value_tiled`)
 
     def __init__(self) -> None:
         self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
@@ -90,7 +91,10 @@ class TorchBackend:
 # --- Triton --------------------------------------------------------------------------------------------------------
 class TritonLayerKernels(TorchLayerKernels):
     """A layer's Triton kernels and their state: launch plans per kind of call, derived launch arguments, and
-    the split count of a compiled decode step (computed outside the graph, for a full static buffer)."""
+    the split count of a compiled decode step (computed outside the graph, for a full static buffer). Values are
+    stored tiled, the layout the attention's PV dot reads without a byte-wise transpose."""
+
+    value_tiled = True
 
     def __init__(self) -> None:
         from .triton_attention import attention
@@ -227,4 +231,5 @@ def triton_ops():
 
 def _static_view(codes, scales, positions, fmt: str, per_token: bool, ring: bool, recent) -> KVView:
     return KVView(codes=codes, scales=scales, fmt=get_format(fmt), end=positions[0], recent_start=positions[1],
-                  per_token=per_token, ring=ring, recent=recent, positions=positions)  # fmt: skip
+                  per_token=per_token, ring=ring, recent=recent, positions=positions,
+                  value_tiled=TritonLayerKernels.value_tiled)  # fmt: skip

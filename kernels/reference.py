@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import TINY_SCALE, StorageFormat
-from .view import KVView, coded_end
+from .view import KVView, coded_end, slot_codes
 
 QUERY_BLOCK = 256  # query rows per block of the explicit-softmax path: its memory stays linear in the prompt
 
@@ -183,7 +183,8 @@ def _quantize_token(x: torch.Tensor, t: int, view: KVView, stats: torch.Tensor) 
     else:
         scale = view.scales[..., 0]
     codes, clipped, nonfinite = quantize(x, scale[..., None], view.fmt, count_per_row=True)
-    view.codes[:, :, :, slot] = codes
+    for stored, new in zip(slot_codes(view.codes, slot, view.value_tiled), codes):
+        stored.copy_(new)
     stats[:, 0] += clipped.to(stats.device)
     stats[:, 1] += nonfinite.to(stats.device)
     return bool(nonfinite.any())
@@ -218,7 +219,8 @@ def _stored_kv(view: KVView, t: int, row: int) -> torch.Tensor:
         return view.recent[:, row, :, t % view.recent.shape[3]].float()
     slot = _code_slot(view, t)
     scale = view.scales[:, min(row, view.scales.shape[1] - 1), :, slot if view.per_token else 0]
-    return dequantize(view.codes[:, row, :, slot], scale[..., None], view.fmt)
+    codes = torch.stack(slot_codes(view.codes, slot, view.value_tiled))[:, row]
+    return dequantize(codes, scale[..., None], view.fmt)
 
 
 def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:

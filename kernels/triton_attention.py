@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    LOG2E, MIN_ROWS, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
-    decode_settings, load_token_scales, visibility,
+    LOG2E, MIN_ROWS, VALUE_TILE, attend_full_precision, attend_tile, block_sizes, check_value_layout, clamp_fp16,
+    code_offsets, decode_codes, decode_settings, load_token_scales, visibility,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView, scale_dtypes
@@ -52,7 +52,7 @@ def _attention_kernel(
     x_sb, x_sh, x_st, x_sd,
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
-    kv_heads, q_len, head_dim, num_splits, slots, offset, recent_slots, sink_slots, fp_tokens,
+    kv_heads, q_len, head_dim, num_splits, slots, capacity, offset, recent_slots, sink_slots, fp_tokens,
     start, end, recent_start, mask_start, window,
     score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -62,7 +62,7 @@ def _attention_kernel(
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
-    ONE_POSITION: tl.constexpr,
+    ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -121,44 +121,59 @@ def _attention_kernel(
     # the full-precision tokens: they count as `fp_tokens` tokens of codes (their bytes), so that it is not the
     # slowest (with 64-token tiles, the default 128 + 4 came on top of up to a whole split's codes)
     codes_end = tl.maximum(recent_start, start)
-    split_tokens = tl.cdiv(tl.cdiv(codes_end - start + fp_tokens, BLOCK_N), num_splits) * BLOCK_N
-    lo = start + split * split_tokens
-    hi = tl.minimum(lo + split_tokens, codes_end)
+    origin = start
+    if WHOLE_TILES:  # splits from the tile holding `start`: only the codes' first and last tiles can be partial
+        base = 0 if RING else offset  # a token's slot is t - base in whole blocks (a ring's are whole blocks)
+        origin = base + (start - base) // BLOCK_N * BLOCK_N
+    split_tokens = tl.cdiv(tl.cdiv(codes_end - origin + fp_tokens, BLOCK_N), num_splits) * BLOCK_N
+    lo = tl.maximum(origin + split * split_tokens, start)
+    hi = tl.minimum(origin + split * split_tokens + split_tokens, codes_end)
     if not HAS_MASK:
         first_pos = end - q_len + (pid_m * BLOCK_M) // GROUP
         last_pos = end - q_len + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, GROUP * q_len) - 1) // GROUP
         hi = tl.minimum(hi, last_pos + 1)
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, start + ((first_pos - window + 1 - start) // BLOCK_N) * BLOCK_N)
     n = tl.arange(0, BLOCK_N)
-    for tile in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-        t = tile + n
-        t_ok = t < hi
-        if not HAS_MASK and HAS_WINDOW:  # the first tile's columns before every row's window are never read
-            t_ok = t_ok & (t > first_pos - window)
-        if RING:
-            slot = (t % slots).to(tl.int64)
+    if not HAS_MASK and HAS_WINDOW:  # the first tile's columns before every row's window are never read
+        lo = tl.maximum(lo, first_pos - window + 1)
+    # the tiles of whole value blocks (WHOLE_TILES: the buffer's slots are whole blocks) in a loop reading every
+    # column; the partial ones at either end (at most one before), or every tile without WHOLE_TILES, masked
+    head_tile = lo
+    first_tail = lo
+    whole_lo = lo
+    whole_hi = lo
+    if WHOLE_TILES:
+        whole_lo = base + tl.cdiv(lo - base, BLOCK_N) * BLOCK_N
+        whole_hi = tl.maximum(base + (hi - base) // BLOCK_N * BLOCK_N, whole_lo)
+        head_tile = whole_lo - BLOCK_N
+        first_tail = whole_hi
+    heads = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)
+    # the masked tiles first, but for a decode step in one split: masked first, the batch-64 decode kernel spilled
+    # 8 B; whole first, the split decode kernels took 0.115 -> 0.124 instructions per KV byte (padded: 0.129 ->
+    # 0.132) and the prefill with a window spilled 88 B. A decode's masked tiles (at most 2) are not pipelined
+    # (else 114 -> 125 registers at head_dim 128), a prefill's are (else its window case spilled 68 B) (gpu_static)
+    for phase in tl.static_range(2):
+        if (phase == 0) == (ONE_POSITION and not SPLIT):
+            for tile in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
+                acc, m_i, l_i = _codes_tile(
+                    q, acc, m_i, l_i, tile, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset,
+                    capacity, head_dim, lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh,
+                    m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
+                    NAN_MASK, NAN_CODE, PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS,
+                    HAS_SOFTCAP, PRECISION, DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D,
+                    VALUE_TILED, WHOLE_TILES, True,
+                )  # fmt: skip
         else:
-            slot = (t - offset).to(tl.int64)
-        k = tl.load(k_ptr + slot[None, :] * c_st + d[:, None] * c_sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        if PER_TOKEN_K:
-            k_scale = load_token_scales(k_scale_ptr, slot, s_st, t_ok, SCALE_WORDS)
-        else:
-            k_scale = 1.0
-        if PER_TOKEN_V:
-            v_scale = load_token_scales(v_scale_ptr, slot, s_st, t_ok, SCALE_WORDS) * value_boost
-        else:
-            v_scale = 1.0
-        visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                              sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW,
-                              ONE_POSITION)  # fmt: skip
-        acc, m_i, l_i = attend_tile(
-            q, acc, m_i, l_i,
-            decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
-            decode_codes(v, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT),
-            k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION, DROP_UNSEEN,
-        )  # fmt: skip
+            masked = heads + tl.cdiv(hi - first_tail, BLOCK_N)
+            for i in tl.range(0, masked, num_stages=1 if WHOLE_TILES and ONE_POSITION else STAGES):
+                tile = tl.where(i < heads, head_tile, first_tail + (i - heads) * BLOCK_N)
+                acc, m_i, l_i = _codes_tile(
+                    q, acc, m_i, l_i, tile, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset,
+                    capacity, head_dim, lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh,
+                    m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
+                    NAN_MASK, NAN_CODE, PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS,
+                    HAS_SOFTCAP, PRECISION, DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D,
+                    VALUE_TILED, WHOLE_TILES, False,
+                )  # fmt: skip
 
     # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
     # V scale) applied once; the full-precision tokens then undo the query's K scaling on their scores
@@ -208,6 +223,65 @@ def _attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+
+
+@triton.jit
+def _codes_tile(
+    q, acc, m_i, l_i, tile, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity,
+    head_dim, lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
+    window, sink_lo, sink_hi, softcap,
+    IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
+    NAN_CODE: tl.constexpr, PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, RING: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
+    ONE_POSITION: tl.constexpr, DOT: tl.constexpr, BLOCK_D: tl.constexpr, VALUE_TILED: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, ALL_IN: tl.constexpr,
+):  # fmt: skip
+    """Tokens `[tile, tile + BLOCK_N)` of the codes into the softmax, those in `[lo, hi)` (ALL_IN: all of them).
+
+    WHOLE_TILES: the tile lies in one whole block of tiled values, read whole as a head_dim-major tile; columns
+    out of `[lo, hi)` are zeroed after it (they may hold anything, NaN codes included). Token-major values were
+    transposed byte by byte on their way from shared memory (64 byte loads and 64 conversions per tile, every
+    load masked); the whole tile's loads are 16-byte vectors (head_dim 128 decode, static scale: 136 -> 114
+    registers, 0.153 -> 0.103 SASS instructions per KV byte, gpu_static)."""
+    t = tile + n
+    if ALL_IN:
+        t_ok = tl.full(t.shape, 1, tl.int1)
+    else:
+        t_ok = (t >= lo) & (t < hi)
+    if RING:
+        slot = (t % slots).to(tl.int64)
+    else:
+        slot = (t - offset).to(tl.int64)
+    k = tl.load(k_ptr + slot[None, :] * c_st + d[:, None] * c_sd, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+    if WHOLE_TILES:
+        first = ((tile % slots) if RING else (tile - offset)).to(tl.int64)
+        block = tl.multiple_of(first // VALUE_TILE * VALUE_TILE * head_dim + first % VALUE_TILE, 16)
+        v = tl.trans(tl.load(v_ptr + block + d[:, None] * VALUE_TILE + n[None, :], mask=d_ok[:, None], other=0.0))
+    elif VALUE_TILED:
+        offsets = code_offsets(slot, d, c_st, c_sd, capacity, True)
+        v = tl.load(v_ptr + offsets, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    v = decode_codes(v, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
+    if WHOLE_TILES and not ALL_IN:
+        v = tl.where(t_ok[:, None], v, 0.0)
+    if PER_TOKEN_K:
+        k_scale = load_token_scales(k_scale_ptr, slot, s_st, t_ok, SCALE_WORDS)
+    else:
+        k_scale = 1.0
+    if PER_TOKEN_V:
+        v_scale = load_token_scales(v_scale_ptr, slot, s_st, t_ok, SCALE_WORDS) * value_boost
+    else:
+        v_scale = 1.0
+    visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                         sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW,
+                         ONE_POSITION)  # fmt: skip
+    return attend_tile(
+        q, acc, m_i, l_i,
+        decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT), v,
+        k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION, DROP_UNSEEN,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -346,7 +420,7 @@ class Stored(NamedTuple):
     tensors: tuple
     channel: torch.Tensor
     strides: tuple
-    slots: int
+    slots: tuple[int, int]  # held, allocated
     fp_slots: tuple[int, int]  # recent, sink
     fp_tokens: int  # the full-precision buffers' bytes per head, in tokens of (1-byte) codes
     words: bool  # per-token scales readable as 4-byte words
@@ -399,6 +473,8 @@ class AttentionPlan:
             # one mask row per program: broadcast over the heads, one query position (the plan key holds the shape)
             MASK_ROW=mask is not None and mask.shape[1] == 1 and (q_len == 1 or mask.shape[2] == 1),
             ONE_POSITION=q_len == 1,  # a decode step: no causal rule
+            # tiled values in whole blocks over every slot: what the layers allocate (a ring may have any slots)
+            VALUE_TILED=view.value_tiled, WHOLE_TILES=view.value_tiled and view.slots % VALUE_TILE.value == 0,
         )  # fmt: skip
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
@@ -469,7 +545,7 @@ class AttentionPlan:
         strides = (
             *view.codes.stride()[1:], *_scale_strides(view), *plane_strides(view.recent), *plane_strides(view.sinks)
         )  # fmt: skip
-        return Stored(tensors, _or(view.key_channel_scale, placeholder), strides, view.slots,
+        return Stored(tensors, _or(view.key_channel_scale, placeholder), strides, (view.slots, view.codes.shape[3]),
                       (_slots(view.recent), _slots(view.sinks)), _fp_tokens(view), _scale_words(view))  # fmt: skip
 
     def _attention(
@@ -486,7 +562,7 @@ class AttentionPlan:
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *self.sizes, splits, slots, view.offset, *fp_slots, fp_tokens, start, end, recent_start, mask_start,
+            *self.sizes, splits, *slots, view.offset, *fp_slots, fp_tokens, start, end, recent_start, mask_start,
             *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
         if splits > 1:
@@ -586,6 +662,7 @@ def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | Non
         raise ValueError(
             f"mask has {mask.shape[-1]} columns, fewer than the {view.end - view.start} tokens the queries see"
         )
+    check_value_layout(view)
     if sink_logits is not None and sink_logits.shape != (q_heads,):
         raise ValueError(f"sink_logits must have one logit per query head ({q_heads}), got {tuple(sink_logits.shape)}")
     if view.key_channel_scale is not None and view.key_channel_scale.shape != (kv_heads, head_dim):

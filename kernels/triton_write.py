@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import encode, encoding, round_up_to_bf16
+from .triton_common import check_value_layout, code_offsets, encode, encoding, round_up_to_bf16
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, coded_end, scale_dtypes
 
@@ -27,13 +27,15 @@ NEW, LEAVING = 0, 1  # what a launch stores: the new tokens, or the recent buffe
 
 
 @triton.jit
-def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st, d,
-                   PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, IS_FLOAT: tl.constexpr, MAX: tl.constexpr,
+def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st, d, tiled, capacity,
+                   VALUE_TILED: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, IS_FLOAT: tl.constexpr,
+                   MAX: tl.constexpr,
                    ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
                    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
                    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr):  # fmt: skip
     """Quantize rows `x` `[T, D]` (fp32) into codes at `slot` `[T]`; `rows_ok` `[T]`, `valid` `[T, D]`;
-    `stats_ptr` at this program's (keys or values) counters: clipped, then non-finite."""
+    `stats_ptr` at this program's (keys or values) counters: clipped, then non-finite; `tiled`: the codes are
+    tiled values (VALUE_TILED buffers' value plane, of `capacity` slots)."""
     if PER_TOKEN:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
@@ -50,7 +52,8 @@ def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_s
     tl.atomic_add(stats_ptr + 1, n_nonfinite.to(tl.int64), mask=n_nonfinite > 0)
     code = encode(y, IS_FLOAT, MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
                   SIGNED_ZERO)  # fmt: skip
-    tl.store(codes_ptr + slot[:, None] * c_st + d[None, :] * c_sd, code.to(tl.uint8), mask=valid)
+    offsets = code_offsets(slot, d, c_st, c_sd, capacity, VALUE_TILED and tiled)
+    tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=valid)
 
 
 @triton.jit(do_not_specialize=["end", "recent_start"])  # they move every step: one compile
@@ -62,8 +65,9 @@ def _write_kernel(
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
     r_sb, r_sh, r_st, r_sd,
-    heads, new_tokens, head_dim, end, recent_start, offset, slots, recent_slots,
-    MODE: tl.constexpr, EVICT: tl.constexpr, HAS_RECENT: tl.constexpr, STATIC: tl.constexpr, RING: tl.constexpr,
+    heads, new_tokens, head_dim, end, recent_start, offset, slots, capacity, recent_slots,
+    VALUE_TILED: tl.constexpr, MODE: tl.constexpr, EVICT: tl.constexpr, HAS_RECENT: tl.constexpr, STATIC: tl.constexpr,
+    RING: tl.constexpr,
     PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
@@ -101,8 +105,8 @@ def _write_kernel(
                     other=0.0).to(tl.float32)  # fmt: skip
         slot = (t % slots if RING else t - offset).to(tl.int64)
         _quantize_rows(x, ok, ok[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st,
-                       d, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC,
-                       SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                       d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
+                       NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
     else:
         t = end + i
         row_ok = i < new_tokens
@@ -115,15 +119,17 @@ def _write_kernel(
                                 mask=leaving[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
                 slot_old = (old % slots if RING else old - offset).to(tl.int64)
                 _quantize_rows(x_old, leaving, leaving[:, None] & d_ok[None, :], slot_old, codes_ptr, scale_ptr,
-                               stats_ptr, c_st, c_sd, s_st, d, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
-                               NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                               stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP,
+                               IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC,
+                               SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
         x_raw = tl.load(src + b * sb + h * sh + i[:, None] * st + d[None, :] * sd,
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         direct = row_ok & (t < new_recent_start)
         slot = (t % slots if RING else t - offset).to(tl.int64)
         _quantize_rows(x_raw.to(tl.float32), direct, direct[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr,
-                       stats_ptr, c_st, c_sd, s_st, d, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
-                       NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                       stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP, IS_FLOAT,
+                       MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
+                       SIGNED_ZERO)  # fmt: skip
         if HAS_RECENT:
             kept = row_ok & (t >= new_recent_start)
             tl.store(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
@@ -161,6 +167,7 @@ class WritePlan:
         block_d = next_power_of_2(head_dim)
         common = dict(
             EVICT=0 < new_tokens <= self.recent_slots, HAS_RECENT=self.recent_slots > 0, STATIC=view.static, RING=view.ring,
+            VALUE_TILED=view.value_tiled,
             PER_TOKEN=view.per_token, CLIP=view.fmt.clip_bound, BLOCK_D=block_d, **encoding(view.fmt),
         )  # fmt: skip
         modes = [(LEAVING, self.recent_slots)] if new_tokens > self.recent_slots > 0 else []
@@ -176,19 +183,20 @@ class WritePlan:
         end, recent_start = (0, 0) if view.static else (view.end, view.recent_start)
         args = (
             key, value, *tensors, stats, view.positions if view.positions is not None else stats, *key.stride(),
-            *value.stride(), *strides, *self.sizes, end, recent_start, view.offset, slots, self.recent_slots,
+            *value.stride(), *strides, *self.sizes, end, recent_start, view.offset, *slots, self.recent_slots,
         )  # fmt: skip
         return [Launch(_write_kernel, grid, args, constexprs) for grid, constexprs in self.kinds]
 
     def _stored(self, view: KVView) -> tuple:
-        """The kernel arguments that depend only on the view's buffers (tensors, strides, slot count)."""
+        """The kernel arguments that depend only on the view's buffers (tensors, strides, slots held, slots
+        allocated)."""
         codes = view.codes.view(torch.uint8)
         batch, heads = view.codes.shape[1:3]
         tensors = (codes[0], codes[1], view.scales[0], view.scales[1], *planes(view.recent, codes))
         strides = (
             *codes.stride()[1:], *view.scales[0].expand(batch, heads, -1).stride(), *plane_strides(view.recent)
         )  # fmt: skip
-        return tensors, strides, view.slots
+        return tensors, strides, (view.slots, view.codes.shape[3])
 
 
 def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> None:
@@ -211,6 +219,7 @@ def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: to
         raise ValueError(
             f"scales must be fp32 (per-token: or bf16) {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}"
         )
+    check_value_layout(view)
     if stats.dtype != torch.int64 or stats.shape != (2, 2):
         raise ValueError(f"stats must be an int64 [2, 2] counter, got {stats.dtype} {tuple(stats.shape)}")
     devices = {t.device for t in (key, value, view.codes, view.scales, stats)}

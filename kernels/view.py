@@ -5,7 +5,12 @@ included). A layer stores:
 
 - codes `[2, batch, kv_heads, slots, head_dim]` (keys, values) of the storage format, token t at slot
   `(t - offset) % slots` (a linear buffer when the tokens fit, a ring for static sliding-window layers),
-  with scales `[2, 1 | batch, kv_heads, 1 | slots]` (one per KV head, or per token and KV head);
+  with scales `[2, 1 | batch, kv_heads, 1 | slots]` (one per KV head, or per token and KV head). Keys are
+  token-major; values too, or (`value_tiled`, the Triton backend's buffers) head_dim-major in blocks of
+  `VALUE_TILE` slots, the last block as wide as the slots left: a (batch, head) plane's slot s, channel d is at
+  element `first * head_dim + d * width + (s - first)` of the plane, `first` the block's first slot, `width`
+  its slots. The attention's PV dot takes values reduced over tokens, so this is the layout its operand needs
+  (FP8 bytes cannot be transposed on their way from shared memory: `docs/benchmarks.md`, issue 21);
 - `recent` `[2, batch, kv_heads, R, head_dim]` in the model's dtype: the recent tokens `[recent_start, end)` at
   slot `t % R`;
 - `sinks` `[2, batch, kv_heads, S, head_dim]` in the model's dtype: row b's sink tokens
@@ -28,6 +33,7 @@ import torch
 
 from .formats import StorageFormat
 
+VALUE_TILE = 64  # slots per block of head_dim-major value codes (`value_tiled`)
 Derived = TypeVar("Derived")  # what `KVView.derived` builds
 Position = int | torch.Tensor  # a Python int, or a 0-dim int64 device tensor (static buffers)
 
@@ -61,6 +67,7 @@ class KVView:
     sink_rows: list[int] | None = None  # host positions: each row's first sink token (-1: none yet)
     key_channel_scale: torch.Tensor | None = None
     has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
+    value_tiled: bool = False  # value codes head_dim-major in blocks of VALUE_TILE slots (else token-major)
     positions: torch.Tensor | None = None  # device positions: int64 [2] holding `end`, `recent_start`
     mask_start: int | None = None  # the position of the mask's first column (None: the mask ends at `end`)
     memo: dict | None = None  # launch arguments derived from the buffers, kept by the layer's kernel handle
@@ -83,7 +90,7 @@ class KVView:
         return (
             self.fmt.name, shape[:3], shape[4], self.per_token, self.positions is not None, self.ring,
             None if self.recent is None else self.recent.shape[3], None if self.sinks is None else self.sinks.shape[3],
-            self.key_channel_scale is not None, self.has_nan,
+            self.key_channel_scale is not None, self.has_nan, self.value_tiled and self.slots % VALUE_TILE == 0,
         )  # fmt: skip
 
     def buffers(self) -> tuple:
@@ -123,3 +130,84 @@ class KVView:
         if rows.count(rows[0]) != len(rows) or rows[0] != self.start:
             return None
         return min(self.end - self.start, self.sinks.shape[3])
+
+
+# --- the value codes' layout, for torch code (the kernels address it themselves) --------------------------------
+def slot_codes(codes: torch.Tensor, slot: int, value_tiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writable views of the key and value codes of `slot`, each `[batch, kv_heads, head_dim]`."""
+    if not value_tiled:
+        return codes[0, :, :, slot], codes[1, :, :, slot]
+    plane = codes[1]
+    _tiled_plane(plane)
+    first = slot - slot % VALUE_TILE
+    width = min(VALUE_TILE, plane.shape[2] - first)
+    batch, heads, _, head_dim = plane.shape
+    value = plane.as_strided(
+        (batch, heads, head_dim), (*plane.stride()[:2], width), plane.storage_offset() + first * head_dim + slot - first
+    )  # fmt: skip
+    return codes[0, :, :, slot], value
+
+
+def token_major(codes: torch.Tensor, value_tiled: bool) -> torch.Tensor:
+    """`codes` with token-major values (`codes` itself when they are; else a copy)."""
+    if not value_tiled:
+        return codes
+    blocks, rest = _value_pieces(codes[1])
+    values = torch.cat((blocks.flatten(2, 3), rest), dim=2)
+    return torch.stack((codes[0].view(torch.uint8), values)).view(codes.dtype)
+
+
+def store_token_major(codes: torch.Tensor, tokens: torch.Tensor, value_tiled: bool) -> None:
+    """Write `tokens` (codes with token-major values, the shape of `codes`) into `codes`, in its layout."""
+    if not value_tiled:
+        if tokens is not codes:
+            codes.copy_(tokens)
+        return
+    codes[0].copy_(tokens[0])
+    blocks, rest = _value_pieces(codes[1])
+    values = tokens[1].view(torch.uint8)
+    whole = blocks.shape[2] * VALUE_TILE
+    blocks.copy_(values[:, :, :whole].unflatten(2, (-1, VALUE_TILE)))
+    rest.copy_(values[:, :, whole:])
+
+
+def copy_slots(dst: torch.Tensor, src: torch.Tensor, src_first: int, count: int, value_tiled: bool) -> None:
+    """`dst`'s slots `[0, count)` = `src`'s slots `[src_first, src_first + count)` (codes, both in one layout).
+    Tiled values move as whole blocks when the range starts on a block and both buffers hold it in whole ones."""
+    blocks = count + (-count) % VALUE_TILE  # the slots of the whole blocks holding them
+    in_whole_blocks = src_first % VALUE_TILE == 0 and blocks <= min(
+        _whole_block_slots(dst), _whole_block_slots(src) - src_first
+    )
+    if not value_tiled or in_whole_blocks:
+        moved = blocks if value_tiled else count
+        dst[:, :, :, :moved] = src[:, :, :, src_first : src_first + moved]
+        return
+    tokens = token_major(dst, True)
+    tokens[:, :, :, :count] = token_major(src, True)[:, :, :, src_first : src_first + count]
+    store_token_major(dst, tokens, True)
+
+
+def _whole_block_slots(codes: torch.Tensor) -> int:
+    return codes.shape[3] - codes.shape[3] % VALUE_TILE
+
+
+def _tiled_plane(plane: torch.Tensor) -> torch.Tensor:
+    """A tiled value plane `[batch, kv_heads, slots, head_dim]` as bytes, checked contiguous per (batch, head)."""
+    batch, heads, slots, head_dim = plane.shape
+    if plane.stride()[2:] != (head_dim, 1):
+        raise ValueError(f"tiled value codes need contiguous (batch, head) planes, got strides {plane.stride()}")
+    return plane.view(torch.uint8)
+
+
+def _value_pieces(plane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major views of a tiled value plane: its whole blocks `[batch, kv_heads, blocks, VALUE_TILE,
+    head_dim]` and the last, narrower block `[batch, kv_heads, slots left, head_dim]`."""
+    plane = _tiled_plane(plane)
+    batch, heads, slots, head_dim = plane.shape
+    blocks, rest = divmod(slots, VALUE_TILE)
+    strides, base = plane.stride()[:2], plane.storage_offset()
+    whole = plane.as_strided(
+        (batch, heads, blocks, VALUE_TILE, head_dim), (*strides, VALUE_TILE * head_dim, 1, VALUE_TILE), base
+    )
+    last = plane.as_strided((batch, heads, rest, head_dim), (*strides, 1, rest), base + blocks * VALUE_TILE * head_dim)
+    return whole, last

@@ -13,7 +13,7 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.kernels.view import VALUE_TILE, KVView
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Stream:
     ring: bool = False  # static: codes in a ring of `static` slots
     dtype: torch.dtype = torch.float32
     scale_dtype: torch.dtype = torch.bfloat16  # of per-token scales (the layers'; pages hold fp32)
+    tiled: bool = False  # value codes tiled (the Triton backend's layout, `KVView.value_tiled`)
 
     @property
     def length(self) -> int:
@@ -60,7 +61,11 @@ def static_scales(stream: Stream, generator: torch.Generator) -> torch.Tensor:
 
 def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVView:
     fmt = FORMATS[stream.fmt]
-    slots = stream.static + 1 if stream.static else stream.length + 3  # static: + the spare slot
+    # static: + the spare slot; tiled values: whole blocks (as the layers allocate them; a ring keeps its size)
+    slots = stream.static if stream.static else stream.length + 3
+    if stream.tiled and not stream.ring:
+        slots += -slots % VALUE_TILE
+    slots += bool(stream.static)
     shape = (2, stream.batch, stream.kv_heads, slots, stream.head_dim)
     codes = torch.full(shape, 0x55, dtype=torch.uint8).view(fmt.dtype)
     if stream.scales == "dynamic":
@@ -73,6 +78,7 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
         codes=codes.to(device), scales=scales.to(device), fmt=fmt, per_token=stream.scales == "dynamic",
         end=positions[0] if stream.static else 0, recent_start=positions[1] if stream.static else 0,
         recent=None if recent is None else recent.to(device), ring=stream.ring, positions=positions,
+        value_tiled=stream.tiled,
     )  # fmt: skip
     return view
 

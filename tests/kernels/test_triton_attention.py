@@ -12,7 +12,7 @@ from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.triton_attention import (
     AttentionPlan, _scale_words, attention, plan_attention, reduce_blocks, split_count,
 )
-from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.kernels.view import KVView, slot_codes
 from streams import Stream, fill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,6 +72,16 @@ CASES = [
     Case(Stream(static=80, updates=[30, 5]), q_len=5),
     Case(Stream(static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]), mask="padding"),
     Case(Stream(static=16, ring=True, updates=[12, 1, 1, 1, 1, 1, 1]), options=dict(window=16)),
+    # tiled values (the Triton backend's layers): whole tiles read unmasked, the partial ones at either end masked
+    Case(Stream(updates=[150, 1], tiled=True), splits=3),
+    Case(Stream(fmt="fp8_e5m2", scales="per-head", head_dim=128, updates=[150, 1], tiled=True), group=8, splits=2),
+    Case(Stream(updates=[150, 130], tiled=True), q_len=130, group=1),  # 128-row prefill tiles, 32-token tiles
+    Case(Stream(recent=8, sinks=3, sink_rows=[0, 4], updates=[100, 1], tiled=True), splits=2, mask="padding"),
+    Case(Stream(updates=[120, 4], tiled=True), q_len=4, options=dict(window=70)),
+    Case(Stream(dtype=torch.bfloat16, updates=[90, 1], tiled=True), dtype=torch.bfloat16, splits=2),
+    Case(Stream(static=130, updates=[128, 1], tiled=True), splits=2, mask="padding"),
+    Case(Stream(static=64, ring=True, recent=3, updates=[60, 1, 1, 1, 1, 1, 1, 1], tiled=True), mask="padding"),
+    Case(Stream(static=16, ring=True, updates=[12, 1, 1, 1, 1, 1, 1], tiled=True), options=dict(window=16)),  # any
 ]
 
 
@@ -206,7 +216,7 @@ def test_registered_op_is_the_launcher_on_a_static_view():
     """`torch.ops.hf_fp8kv.attend`, what a compiled graph calls, computes what the launcher does."""
     from hf_fp8kv.kernels import ops
 
-    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1])
+    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1], tiled=True)  # the Triton layers' layout
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(4), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
@@ -218,7 +228,7 @@ def test_registered_op_is_the_launcher_on_a_static_view():
 def test_registered_op_traces_for_torch_compile():
     from hf_fp8kv.kernels import ops
 
-    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1])
+    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1], tiled=True)  # the Triton layers' layout
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(4), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
@@ -246,7 +256,8 @@ def poison_unseen(case: Case, view, mask: torch.Tensor | None) -> int:
     for b, h, t in unseen.nonzero().tolist():
         slot = t % view.slots if view.ring else t - view.offset
         if nan_code is not None:
-            view.codes.view(torch.uint8)[:, b, h, slot] = nan_code
+            for codes in slot_codes(view.codes.view(torch.uint8), slot, view.value_tiled):
+                codes[b, h] = nan_code
         if view.per_token:
             view.scales[:, b, h, slot] = float("nan")
         if view.recent is not None and t >= recent_start:

@@ -13,7 +13,7 @@ from hf_fp8kv.kernels import cpu, reference
 from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.reference import quantize
 from hf_fp8kv.kernels.triton_write import encode, encoding, write_kv
-from hf_fp8kv.kernels.view import KVView
+from hf_fp8kv.kernels.view import KVView, token_major
 from streams import Stream, fill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,6 +78,10 @@ WRITE_STREAMS = [
     Stream(fmt="fp8_e5m2", dtype=torch.float16, scales="per-head", recent=3, updates=[2, 1, 1, 1, 5]),
     Stream(static=24, recent=4, updates=[7, 1, 1, 6, 1]),
     Stream(static=8, ring=True, recent=2, updates=[5, 1, 1, 1, 1, 1, 1, 1], fmt="fp8_e4m3fnuz"),
+    # tiled values (the Triton backend's layers; the last block narrower in a ring of 70)
+    Stream(updates=[70, 1, 9], head_dim=80, tiled=True),
+    Stream(dtype=torch.bfloat16, recent=4, updates=[66, 1, 1, 2, 9, 1], tiled=True),
+    Stream(static=70, ring=True, recent=2, updates=[69, 1, 1, 1], scales="per-head", tiled=True),
 ]
 
 
@@ -88,7 +92,8 @@ def test_write_is_bit_identical_to_reference(stream):
         view, kv, stats = fill(stream, write, generator, DEVICE, edges=with_edges)
         held = int(view.recent_start)  # slots past it are not written yet (still in the window)
         slots = slice(0, view.slots) if view.ring else slice(0, held)  # not the spare slot
-        parts = {"codes": view.codes.view(torch.uint8)[:, :, :, slots], "stats": stats}
+        codes = token_major(view.codes, view.value_tiled).view(torch.uint8)
+        parts = {"codes": codes[:, :, :, slots], "stats": stats}
         if view.recent is not None:
             parts["recent"] = view.recent
         if stream.scales == "dynamic":
@@ -147,7 +152,7 @@ def test_bad_buffers_are_named():
 
 
 def _static_stream_view():
-    stream = Stream(static=24, recent=4, updates=[7, 1])
+    stream = Stream(static=24, recent=4, updates=[7, 1], tiled=True)  # the Triton layers' layout
     return stream, *fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
 
 
