@@ -151,28 +151,25 @@ def _attention_kernel(
     # 8 B; whole first, the split decode kernels took 0.115 -> 0.124 instructions per KV byte (padded: 0.129 ->
     # 0.132) and the prefill with a window spilled 88 B. A decode's masked tiles (at most 2) are not pipelined
     # (else 114 -> 125 registers at head_dim 128), a prefill's are (else its window case spilled 68 B) (gpu_static)
+    tile_args = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim, lo, hi,
+                 n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                 sink_lo, sink_hi, softcap)  # fmt: skip
     for phase in tl.static_range(2):
         if (phase == 0) == (ONE_POSITION and not SPLIT):
             for tile in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
                 acc, m_i, l_i = _codes_tile(
-                    q, acc, m_i, l_i, tile, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset,
-                    capacity, head_dim, lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh,
-                    m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
-                    NAN_MASK, NAN_CODE, PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS,
-                    HAS_SOFTCAP, PRECISION, DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D,
-                    VALUE_TILED, WHOLE_TILES, True,
+                    q, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
+                    PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
+                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, True,
                 )  # fmt: skip
         else:
             masked = heads + tl.cdiv(hi - first_tail, BLOCK_N)
             for i in tl.range(0, masked, num_stages=1 if WHOLE_TILES and ONE_POSITION else STAGES):
                 tile = tl.where(i < heads, head_tile, first_tail + (i - heads) * BLOCK_N)
                 acc, m_i, l_i = _codes_tile(
-                    q, acc, m_i, l_i, tile, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset,
-                    capacity, head_dim, lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh,
-                    m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
-                    NAN_MASK, NAN_CODE, PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS,
-                    HAS_SOFTCAP, PRECISION, DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D,
-                    VALUE_TILED, WHOLE_TILES, False,
+                    q, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
+                    PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
+                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, False,
                 )  # fmt: skip
 
     # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
@@ -227,9 +224,7 @@ def _attention_kernel(
 
 @triton.jit
 def _codes_tile(
-    q, acc, m_i, l_i, tile, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity,
-    head_dim, lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
-    window, sink_lo, sink_hi, softcap,
+    q, acc, m_i, l_i, tile, tile_args,
     IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, RING: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -237,13 +232,17 @@ def _codes_tile(
     ONE_POSITION: tl.constexpr, DOT: tl.constexpr, BLOCK_D: tl.constexpr, VALUE_TILED: tl.constexpr,
     WHOLE_TILES: tl.constexpr, ALL_IN: tl.constexpr,
 ):  # fmt: skip
-    """Tokens `[tile, tile + BLOCK_N)` of the codes into the softmax, those in `[lo, hi)` (ALL_IN: all of them).
+    """Tokens `[tile, tile + BLOCK_N)` of the codes into the softmax, those in `[lo, hi)` (ALL_IN: all of them);
+    `tile_args` the kernel's values the tiles read (pointers, strides, positions, the rows' indices).
 
     WHOLE_TILES: the tile lies in one whole block of tiled values, read whole as a head_dim-major tile; columns
     out of `[lo, hi)` are zeroed after it (they may hold anything, NaN codes included). Token-major values were
     transposed byte by byte on their way from shared memory (64 byte loads and 64 conversions per tile, every
     load masked); the whole tile's loads are 16-byte vectors (head_dim 128 decode, static scale: 136 -> 114
     registers, 0.153 -> 0.103 SASS instructions per KV byte, gpu_static)."""
+    (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim, lo, hi, n, d, d_ok,
+     value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
+     softcap) = tile_args  # fmt: skip
     t = tile + n
     if ALL_IN:
         t_ok = tl.full(t.shape, 1, tl.int1)
