@@ -76,7 +76,7 @@ MAX_INSTR_PER_BYTE, MIN_TILES_IN_FLIGHT, MIN_LAST_WAVE = 0.18, 2, 0.85  # decode
 # head_dim 128 decode (pure, default recent + sinks, padded, static cache), issue 21's targets
 D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
 MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce spread over at least this many programs
-PREFILL_MMA = "QGMMA"  # head_dim 128 prefill: FP8 tensor-core dots (with the accumulator promoted)
+PREFILL_MMA = "QGMMA"  # head_dim 128 prefill with fp8_prefill: FP8 tensor-core dots (each dot's sum promoted)
 CACHE_BLOCK = 64  # QuantizedFP8Cache's default block_size: code buffers grow 64 tokens at a time
 DOTS = ("HMMA", "HGMMA", "QGMMA", "IMMA", "IGMMA", "DMMA")  # tensor-core instructions
 FP8_UNPACK = re.compile(r"F2FP\.\w+\.E[45]M[23]\.UNPACK")  # the hardware's FP8 -> fp16 conversion of the codes
@@ -102,6 +102,7 @@ class Case:
     recent: int = 0  # newest tokens in full precision
     sinks: int = 0  # first tokens in full precision
     static_cache: int = 0  # max_cache_len of a static cache (device positions, preallocated buffers); 0: dynamic
+    fp8_prefill: bool = False  # a prefill's dots on FP8 tensor cores (the cache's opt-in `fp8_prefill`)
     waves: bool = True  # decode: judge the last wave over the batch x context grid
 
     @property
@@ -117,6 +118,7 @@ class Case:
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
         rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
         rule += f" static-cache {self.static_cache}" if self.static_cache else ""
+        rule += " fp8-dots" if self.fp8_prefill else ""
         shape = f"b{self.batch} kvh{self.kv_heads}" + (f" q{self.q_len}" if self.q_len > 1 else "")
         return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{rule} {shape} ctx{self.context}"
 
@@ -141,6 +143,7 @@ def cases(quick: bool = False) -> list[Case]:
         Case("prefill", batch=2, q_len=500, context=500, mask=True),
         Case("prefill", q_len=256, context=4096),  # a prompt after a past: splits, then the reduce
     ]
+    prefill += [dataclasses.replace(case, fp8_prefill=True) for case in prefill]  # the opt-in FP8 dots
     # what users run: the default recent 128 + sinks 4 (full-precision tiles in the model dtype next to the codes'
     # loop), a left-padded batch (a mask), the static cache of compiled generate; GQA 32/8 at 32k (the reduce)
     default = dict(per_token=True, recent=128, sinks=4)
@@ -208,7 +211,8 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
     _, launches = triton_attention.plan_attention(
-        query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots, cuda=True
+        query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots, cuda=True,
+        fp8_prefill=case.fp8_prefill,
     )
     return launches
 
@@ -485,7 +489,8 @@ def budget_failures(row: dict) -> list[str]:
     if row["spill_stores"] or row["spill_loads"]:
         failures.append(f"spills {row['spill_stores']} B stores / {row['spill_loads']} B loads per thread")
     case, loop = row["case"], row["loop"]
-    if row["kind"] == "prefill" and case["head_dim"] == 128 and (row["mma"] or {}).get("kind") != PREFILL_MMA:
+    fp8_dots = case["head_dim"] == 128 and case["fp8_prefill"]  # (the default prefill keeps fp16 dots: quality)
+    if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") != PREFILL_MMA:
         failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({PREFILL_MMA})")
     if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
         programs = math.prod(row["grid"])

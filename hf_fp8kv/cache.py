@@ -63,6 +63,9 @@ class QuantizedFP8Cache(Cache):
         max_cache_len: makes the cache static (for `torch.compile` and CUDA graphs): buffers for this many
             tokens, allocated at the first update, positions kept on the device, `is_compileable` True.
         max_batch_size: with `max_cache_len`, the largest batch the cache accepts (default: the first batch's).
+        fp8_prefill: run a prefill's attention dots over e4m3 codes on FP8 tensor cores (the Triton backend, fp16
+            or bf16 models): the query and the probabilities rounded to e4m3. Off by default: it cost SmolLM2's
+            prefill a mean KL of 3e-3 (docs/benchmarks.md, issue 21 round 3); not timed on a GPU yet.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class QuantizedFP8Cache(Cache):
         max_cache_len: int | None = None,
         max_batch_size: int | None = None,
         offloading: bool = False,
+        fp8_prefill: bool = False,
     ):
         if model is None and config is None:
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
@@ -87,7 +91,7 @@ class QuantizedFP8Cache(Cache):
         settings = resolve_settings(
             config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers, backend=backend,
             recent_tokens=recent_tokens, sink_tokens=sink_tokens, block_size=block_size, max_cache_len=max_cache_len,
-            max_batch_size=max_batch_size, offloading=offloading,
+            max_batch_size=max_batch_size, offloading=offloading, fp8_prefill=fp8_prefill,
         )  # fmt: skip
         self.fmt = settings.fmt
         text_config = config.get_text_config(decoder=True)
@@ -116,7 +120,8 @@ class QuantizedFP8Cache(Cache):
             dynamic, extra = static, dict(max_cache_len=settings.max_cache_len, max_batch_size=settings.max_batch_size)
         return dynamic(
             settings.fmt, settings.scales[i], settings.block_size, settings.backend, self._uses_fp8_attention, i,
-            recent_tokens=settings.recent_tokens, sink_tokens=settings.sink_tokens, **extra, **kwargs,
+            recent_tokens=settings.recent_tokens, sink_tokens=settings.sink_tokens, fp8_prefill=settings.fp8_prefill,
+            **extra, **kwargs,
         )  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

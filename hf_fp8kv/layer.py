@@ -80,6 +80,7 @@ class FP8Layer(CacheLayerMixin):
         layer_idx: int,
         recent_tokens: int = 0,
         sink_tokens: int = 0,
+        fp8_prefill: bool = False,
     ):
         super().__init__()
         self.fmt = fmt
@@ -90,6 +91,7 @@ class FP8Layer(CacheLayerMixin):
         self.fast_path = fast_path
         self.layer_idx = layer_idx
         self.recent_tokens = recent_tokens
+        self.fp8_prefill = fp8_prefill
         self.sink_tracker = SinkTracker(sink_tokens)
         self.stats = torch.zeros(2, 2, dtype=torch.int64)  # keys / values x clipped / non-finite
         self.has_nan = False
@@ -137,7 +139,7 @@ class FP8Layer(CacheLayerMixin):
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.backend = ops.backend_for(self.requested_backend, self.device)
-        self.kernels = self.backend.layer_kernels()
+        self.kernels = self.backend.layer_kernels(fp8_prefill=self.fp8_prefill)
         if self.kernels.value_tiled:  # codes held in whole blocks of tiled values, which the attention reads whole
             self.block_size = math.lcm(self.block_size, VALUE_TILE)
         self.stats = self.stats.to(self.device)
@@ -278,7 +280,7 @@ class FP8Layer(CacheLayerMixin):
         restore = lambda bits: memo.setdefault(id(bits), bits.bits.view(bits.dtype))  # noqa: E731
         self.__dict__.update({name: _map_float8(value, restore) for name, value in state.items()})
         if self.is_initialized:
-            self.kernels = self.backend.layer_kernels()
+            self.kernels = self.backend.layer_kernels(fp8_prefill=self.fp8_prefill)
 
 
 def _map_float8(value, fn):

@@ -41,6 +41,7 @@ class CacheSettings:
     max_batch_size: int | None
     kv_heads: int
     head_dim: int
+    fp8_prefill: bool = False  # a prefill's dots over e4m3 codes on FP8 tensor cores (the Triton backend)
 
     def stored(self, layer: int) -> bool:
         """Whether `layer` is stored as codes (not skipped, not a dummy layer)."""
@@ -60,6 +61,7 @@ def resolve_settings(
     max_cache_len: int | None = None,
     max_batch_size: int | None = None,
     offloading: bool = False,
+    fp8_prefill: bool = False,
 ) -> CacheSettings:
     """Resolve and check a cache's arguments for the model of `config` (warns when the scales fall back to 1.0)."""
     text_config = config.get_text_config(decoder=True)
@@ -77,6 +79,8 @@ def resolve_settings(
         max_batch_size = check_count("max_batch_size", max_batch_size, minimum=1)
     backend = check_backend(backend)
     fmt = get_format(platform_dtype(kv_cache_dtype))
+    if not isinstance(fp8_prefill, bool):
+        raise ValueError(f"fp8_prefill={fp8_prefill!r} must be True or False")
     layer_types, layer_kwargs = compat.layer_types_and_kwargs(text_config)
     check_supported(text_config, layer_types)
     skip = skip_layer_indices(skip_layers, layer_types)
@@ -89,7 +93,7 @@ def resolve_settings(
         warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=3)
     return CacheSettings(
         fmt, list(layer_types), list(layer_kwargs), frozenset(skip), layer_scales, backend, recent_tokens, sink_tokens,
-        block_size, max_cache_len, max_batch_size, kv_heads, head_dim,
+        block_size, max_cache_len, max_batch_size, kv_heads, head_dim, fp8_prefill,
     )  # fmt: skip
 
 

@@ -63,7 +63,7 @@ class TorchLayerKernels:
     attend = staticmethod(cpu.attend)
     value_tiled = False  # the value codes' layout of the buffers a layer allocates (`KVView.value_tiled`)
 
-    def __init__(self) -> None:
+    def __init__(self, fp8_prefill: bool = False) -> None:
         self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
 
 
@@ -73,7 +73,9 @@ class TorchBackend:
     def __reduce__(self):  # one instance per backend: a pickled layer comes back with it
         return (_backend_named, (self.name,))
 
-    def layer_kernels(self) -> TorchLayerKernels:
+    def layer_kernels(self, fp8_prefill: bool = False) -> TorchLayerKernels:
+        """A layer's handle; `fp8_prefill`: a prefill's dots on FP8 tensor cores (the Triton kernels alone have
+        them; the torch path's attention is exact)."""
         return TorchLayerKernels()
 
     def encode_rows(
@@ -96,11 +98,12 @@ class TritonLayerKernels(TorchLayerKernels):
 
     value_tiled = True
 
-    def __init__(self) -> None:
+    def __init__(self, fp8_prefill: bool = False) -> None:
         from .triton_attention import attention
         from .triton_write import write_kv
 
         super().__init__()
+        self.fp8_prefill = fp8_prefill
         self.plans: dict = {}
         self.decode_splits: dict[tuple, int] = {}
         self._write_kv, self._attention = write_kv, attention  # (an import per call costs a decode step ~1 us)
@@ -122,20 +125,21 @@ class TritonLayerKernels(TorchLayerKernels):
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
                 view.positions, mask, sink_logits, view.key_channel_scale, view.fmt.name, view.per_token, view.ring,
                 scaling, window or 0, softcap or 0.0, self.decode_splits.get((query.shape[:2], view.layout()), 1),
+                self.fp8_prefill,
             )  # fmt: skip
         if view.static:
             splits_key = (query.shape[:2], view.layout())
             if splits_key not in self.decode_splits:
                 self.decode_splits[splits_key] = _decode_splits(query, view)
         return self._attention(query, view, scaling=scaling, mask=mask, window=window, softcap=softcap,
-                               sink_logits=sink_logits, plans=self.plans)  # fmt: skip
+                               sink_logits=sink_logits, fp8_prefill=self.fp8_prefill, plans=self.plans)  # fmt: skip
 
 
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def layer_kernels(self) -> TritonLayerKernels:
-        return TritonLayerKernels()
+    def layer_kernels(self, fp8_prefill: bool = False) -> TritonLayerKernels:
+        return TritonLayerKernels(fp8_prefill)
 
     def encode_rows(self, states, layout, stats, static_scales) -> tuple[torch.Tensor, bool]:
         if layout.fmt is None:
@@ -216,12 +220,13 @@ def triton_ops():
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
         positions: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
         channel: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, scaling: float, window: int,
-        softcap: float, num_splits: int,
+        softcap: float, num_splits: int, fp8_prefill: bool,
     ) -> torch.Tensor:  # fmt: skip
         view = _static_view(codes, scales, positions, fmt, per_token, ring, recent)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         settings = (scaling, window or None, softcap or None, num_splits)
-        out, launches = AttentionPlan(query, view, mask, sink_logits, *settings).launches(query, view, mask, sink_logits)
+        plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
+        out, launches = plan.launches(query, view, mask, sink_logits)
         for launch in launches:
             launch.run(traced=True)
         return out

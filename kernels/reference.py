@@ -139,6 +139,59 @@ def attention(
     return out
 
 
+def fp8_terms(x: torch.Tensor, scale: torch.Tensor | float, terms: int = 1) -> torch.Tensor:
+    """`x` as an FP8 dot takes it: `x / scale` in e4m3 (3 mantissa bits), times `scale` again; with `terms=2` plus
+    a second e4m3 term holding 16x what the first leaves (about 8 bits: what a more precise kernel would pay a
+    second dot for)."""
+    x = x.float() / scale
+    high = x.to(torch.float8_e4m3fn).float()
+    if terms == 2:
+        high = high + ((x - high) * 16.0).to(torch.float8_e4m3fn).float() / 16.0
+    return high * scale
+
+
+def fp8_dots_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    fp8_pv: bool = True,
+    terms: int = 1,
+    block: int = 64,
+) -> torch.Tensor:
+    """`attention` (causal, or `mask`) with the FP8 prefill's arithmetic (`triton_attention.fp8_dots`), tile by
+    tile as the kernel runs it: each query row in e4m3 under a scale mapping its amax to 448, scores from exact
+    products; the online softmax over `block`-token tiles and, with `fp8_pv`, each tile's probabilities (relative
+    to the running max) times 256 in e4m3 for the values' dot. `terms=2`: both operands as two e4m3 terms
+    (`fp8_terms`), an alternative the benchmark measures. `keys`/`values` as given: the cache's e4m3 codes times
+    their scales are exact in fp32. fp32 `[batch, q_heads, q_len, D]`."""
+    q_heads, q_len, kv_heads, kv_len = query.shape[1], query.shape[2], keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
+    query = query.float()
+    query = fp8_terms(query, query.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0, terms)
+    if mask is None:
+        mask = causal_mask(q_len, kv_len, device=query.device)
+    m = torch.full(query.shape[:3], -math.inf, device=query.device)
+    l = torch.zeros(query.shape[:3], device=query.device)
+    acc = torch.zeros_like(query)
+    for first in range(0, kv_len, block):
+        tile = slice(first, first + block)
+        scores = (query @ keys[:, :, tile].transpose(-1, -2) * scaling).masked_fill(~mask[..., tile], -math.inf)
+        m_new = torch.maximum(m, scores.amax(-1))
+        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(scores - m_safe[..., None])
+        l = l * alpha + p.sum(-1)
+        if fp8_pv:
+            p = fp8_terms(p, 1 / 256.0, terms)
+        acc = acc * alpha[..., None] + p @ values[:, :, tile]
+        m = m_new
+    return torch.where(l[..., None] > 0, acc / l.clamp_min(1e-30)[..., None], 0.0)
+
+
 def without_unseen(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`keys`/`values` with zeros in the columns no query row may see (padding, slots outside the window): a
     masked column contributes exactly nothing, where a NaN or inf there would reach every row (0 x NaN)."""

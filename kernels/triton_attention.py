@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    LOG2E, MIN_ROWS, VALUE_TILE, attend_full_precision, attend_tile, block_sizes, check_value_layout, clamp_fp16,
-    code_offsets, decode_codes, decode_settings, load_token_scales, visibility,
+    E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, PREFILL_ROWS, VALUE_TILE, as_e4m3, attend_full_precision, attend_tile,
+    block_sizes, check_value_layout, clamp_fp16, code_offsets, decode_codes, decode_settings, load_token_scales,
+    to_e4m3, visibility, zero_columns,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView, scale_dtypes
@@ -62,7 +63,8 @@ def _attention_kernel(
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
-    ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr,
+    ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr,
+    FP8_PV: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -102,9 +104,16 @@ def _attention_kernel(
     q = q * q_scale
     if HAS_CHANNEL_SCALE:
         q = q * tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)[None, :]
+    if FP8_QK:  # the codes' scores on FP8 tensor cores: the query in e4m3, one scale per row (its amax to the max)
+        q_row = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / E4M3_MAX
+        q_codes = to_e4m3(q / q_row[:, None], HW_CONVERT)
+        q_row = q_row / code_factor  # (the bit decode's factor is in the query's scale; FP8 operands are values)
     if DOT == tl.float16:  # the scaled query fits fp16 for any sane model; never let it become inf
         q = clamp_fp16(q)
     q = q.to(DOT)
+    if not FP8_QK:
+        q_row = 1.0
+        q_codes = q
     if HAS_SINK_TOKENS:
         sink_lo = tl.load(sink_start_ptr + b).to(tl.int32)  # int32 as every position (int64 made the loop's compares
         sink_hi = sink_lo + tl.load(sink_count_ptr + b).to(tl.int32)  # 64-bit)
@@ -153,23 +162,25 @@ def _attention_kernel(
     # (else 114 -> 125 registers at head_dim 128), a prefill's are (else its window case spilled 68 B) (gpu_static)
     tile_args = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim, lo, hi,
                  n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                 sink_lo, sink_hi, softcap)  # fmt: skip
+                 sink_lo, sink_hi, softcap, q_row)  # fmt: skip
     for phase in tl.static_range(2):
         if (phase == 0) == (ONE_POSITION and not SPLIT):
             for tile in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
                 acc, m_i, l_i = _codes_tile(
-                    q, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
+                    q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                     PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
-                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, True,
+                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, FP8_QK,
+                    FP8_PV, True,
                 )  # fmt: skip
         else:
             masked = heads + tl.cdiv(hi - first_tail, BLOCK_N)
             for i in tl.range(0, masked, num_stages=1 if WHOLE_TILES and ONE_POSITION else STAGES):
                 tile = tl.where(i < heads, head_tile, first_tail + (i - heads) * BLOCK_N)
                 acc, m_i, l_i = _codes_tile(
-                    q, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
+                    q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                     PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
-                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, False,
+                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, FP8_QK,
+                    FP8_PV, False,
                 )  # fmt: skip
 
     # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
@@ -177,6 +188,8 @@ def _attention_kernel(
     out_scale = out_factor
     if not PER_TOKEN_V:
         out_scale *= tl.load(v_scale_ptr)
+    if FP8_PV:  # e4m3 values, the probabilities times P_SCALE
+        out_scale /= code_factor * P_SCALE
     acc = acc * out_scale
     fp_weight = tl.full([BLOCK_N], 1.0, tl.float32) / (q_scale / score_scale * code_factor)
     if split == num_splits - 1:  # the full-precision tokens, in the model's dtype
@@ -230,7 +243,7 @@ def _codes_tile(
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, DOT: tl.constexpr, BLOCK_D: tl.constexpr, VALUE_TILED: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, ALL_IN: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr, FP8_PV: tl.constexpr, ALL_IN: tl.constexpr,
 ):  # fmt: skip
     """Tokens `[tile, tile + BLOCK_N)` of the codes into the softmax, those in `[lo, hi)` (ALL_IN: all of them);
     `tile_args` the kernel's values the tiles read (pointers, strides, positions, the rows' indices).
@@ -242,7 +255,7 @@ def _codes_tile(
     registers, 0.153 -> 0.103 SASS instructions per KV byte, gpu_static)."""
     (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim, lo, hi, n, d, d_ok,
      value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
-     softcap) = tile_args  # fmt: skip
+     softcap, q_row) = tile_args  # fmt: skip
     t = tile + n
     if ALL_IN:
         t_ok = tl.full(t.shape, 1, tl.int1)
@@ -262,9 +275,16 @@ def _codes_tile(
         v = tl.load(v_ptr + offsets, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         v = tl.load(v_ptr + slot[:, None] * c_st + d[None, :] * c_sd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-    v = decode_codes(v, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
+    if FP8_QK:  # e4m3 codes are the FP8 dots' operands as they are
+        k = as_e4m3(k)
+    else:
+        k = decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
+    if FP8_PV:
+        v = as_e4m3(v)
+    else:
+        v = decode_codes(v, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
     if WHOLE_TILES and not ALL_IN:
-        v = tl.where(t_ok[:, None], v, 0.0)
+        v = zero_columns(v, t_ok)
     if PER_TOKEN_K:
         k_scale = load_token_scales(k_scale_ptr, slot, s_st, t_ok, SCALE_WORDS)
     else:
@@ -277,9 +297,8 @@ def _codes_tile(
                          sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW,
                          ONE_POSITION)  # fmt: skip
     return attend_tile(
-        q, acc, m_i, l_i,
-        decode_codes(k, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT), v,
-        k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION, DROP_UNSEEN,
+        q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION,
+        DROP_UNSEEN, q_row, FP8_QK, FP8_PV, HW_CONVERT,
     )  # fmt: skip
 
 
@@ -356,22 +375,23 @@ def attention(
     sink_logits: torch.Tensor | None = None,
     num_splits: int | None = None,
     stages: int | None = None,
+    fp8_prefill: bool = False,
     plans: dict | None = None,
 ) -> torch.Tensor:
     """Attention of `query` `[batch, q_heads, q_len, head_dim]` over the tokens of `view` (see
     `reference.attend`); `num_splits` forces the number of KV splits (default: from the compiled kernel's
-    occupancy on the GPU, one off GPU); `stages` the KV tiles the loop keeps in flight (default 3). `plans` (a
-    dict the caller keeps, e.g. one per cache layer) memoizes the plan of each kind of call, so that a decode step
-    only fills in positions and tensors."""
+    occupancy on the GPU, one off GPU); `stages` the KV tiles the loop keeps in flight (default 3);
+    `fp8_prefill`: a prefill's dots over e4m3 codes run on FP8 tensor cores (see `fp8_dots`), else in fp16. `plans` (a dict the caller keeps, e.g. one per cache layer) memoizes the plan of
+    each kind of call, so that a decode step only fills in positions and tensors."""
     settings = (scaling, window, softcap, num_splits, stages)
     if plans is None:
-        plan = AttentionPlan(query, view, mask, sink_logits, *settings)
+        plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
     else:
-        key = (*settings, query.shape, query.dtype, view.layout(), None if mask is None else mask.shape[:-1],
-               sink_logits is not None)  # fmt: skip
+        key = (*settings, fp8_prefill, query.shape, query.dtype, view.layout(),
+               None if mask is None else mask.shape[:-1], sink_logits is not None)  # fmt: skip
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = AttentionPlan(query, view, mask, sink_logits, *settings)
+            plan = plans[key] = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
     out, launches = plan.launches(query, view, mask, sink_logits)
     launch_all(launches, query.device)
     return out
@@ -404,12 +424,13 @@ def plan_attention(
     stages: int | None = None,
     resident_slots: int | None = None,
     cuda: bool | None = None,
+    fp8_prefill: bool = False,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches (attention, then the split reduce if any) that fill it.
     For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `cuda=True`
     plans CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU."""
     plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, stages, resident_slots,
-                         cuda)  # fmt: skip
+                         cuda, fp8_prefill=fp8_prefill)  # fmt: skip
     return plan.launches(query, view, mask, sink_logits)
 
 
@@ -443,6 +464,8 @@ class AttentionPlan:
         stages: int | None = None,
         resident_slots: int | None = None,
         cuda: bool | None = None,
+        *,
+        fp8_prefill: bool = False,
     ):
         _check_attention(query, view, mask, sink_logits)
         batch, q_heads, q_len, head_dim = query.shape
@@ -458,6 +481,7 @@ class AttentionPlan:
         # the fp16 decode of float codes is value / code_factor: the factor joins the score scale
         score_scale = scaling * code_factor * (1.0 if softcap is not None else LOG2E.value)
         self.scalars = (window or 0, score_scale, code_factor, value_boost, code_factor / value_boost, softcap or 1.0)
+        fp8_qk = fp8_dots(fp8_prefill, self.block_m, fmt, dot)
         constexprs = dict(
             GROUP=group, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=self.block_d, IS_FLOAT=fmt.is_float,
             HW_CONVERT=self.hw_convert, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
@@ -474,6 +498,7 @@ class AttentionPlan:
             ONE_POSITION=q_len == 1,  # a decode step: no causal rule
             # tiled values in whole blocks over every slot: what the layers allocate (a ring may have any slots)
             VALUE_TILED=view.value_tiled, WHOLE_TILES=view.value_tiled and view.slots % VALUE_TILE.value == 0,
+            FP8_QK=fp8_qk, FP8_PV=fp8_qk and not view.per_token,
         )  # fmt: skip
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
@@ -576,6 +601,15 @@ class AttentionPlan:
                 HAS_SINK_LOGITS=sink_logits is not None, num_warps=warps,
             )))  # fmt: skip
         return launches
+
+
+def fp8_dots(fp8_prefill: bool, block_m: int, fmt, dot) -> bool:
+    """Whether a kernel's dots over codes run on FP8 tensor cores (QK; PV too with per-head V scales, which keep
+    the probabilities within e4m3's range): asked for, a prefill's 128-row tiles (a decode step is bound by
+    memory), e4m3fn codes (the format's own), fp16 or bf16 queries (fp32 ones keep fp32 dots). Off by default:
+    the query's and probabilities' 3 mantissa bits cost SmolLM2's prefill a mean KL of 3e-3 (the cache's own
+    target is 6e-4), and the compiled loop is no leaner (docs/benchmarks.md, issue 21 round 3)."""
+    return fp8_prefill and block_m == PREFILL_ROWS and fmt.dtype == torch.float8_e4m3fn and dot == tl.float16
 
 
 def reduce_blocks(out_rows: int, block_d: int) -> tuple[int, int, int]:

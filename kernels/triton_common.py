@@ -22,6 +22,7 @@ FP16_MAX = tl.constexpr(65504.0)
 MIN_ROWS = 16  # tl.dot needs 16 rows
 PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
 FP32_ONE_BITS = 0x3F800000
+P_SCALE = tl.constexpr(256.0)  # FP8 probabilities times this: [0, 256] in e4m3, down to 2^-17 (subnormals)
 VALUE_TILE = tl.constexpr(view.VALUE_TILE)
 
 
@@ -48,6 +49,9 @@ def encoding(fmt: StorageFormat) -> dict:
         NAN_CODE=torch.tensor(math.nan).to(fmt.dtype).view(torch.uint8).item(),
         SIGNED_ZERO=torch.tensor(-0.0).to(fmt.dtype).view(torch.uint8).item() != 0,
     )
+
+
+E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -155,21 +159,59 @@ def tanh(x):
 
 
 @triton.jit
+def to_e4m3(x, HW_CONVERT: tl.constexpr):
+    """fp32 `x` as e4m3fn (rounded to nearest even, saturated at 448): the hardware's conversion on CUDA; else
+    `encode`'s bits (the interpreter's fp32 -> fp8 cast is wrong at binade carries), with `encoding`'s numbers for
+    e4m3fn written out (module constants reach the interpreter as constexpr objects, which `encode`'s shifts
+    reject; tests/kernels/test_triton_write.py holds the result to torch's cast)."""
+    if HW_CONVERT:
+        return x.to(tl.float8e4nv)
+    code = encode(x, True, 448.0, 20, 960, 0.015625, 16384.0, 1182793728, 127, True)
+    return code.to(tl.int8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def as_e4m3(codes):
+    """e4m3fn codes as the dot's FP8 operand: already typed (the hardware path), or int8 bits."""
+    if codes.dtype == tl.float8e4nv:
+        return codes
+    return codes.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def zero_columns(x, keep):
+    """`x` `[N, D]` (values or codes, fp8-typed ones included) with the rows (tokens) not in `keep` `[N]` +0."""
+    if x.dtype.is_fp8():
+        return tl.where(keep[:, None], x.to(tl.int8, bitcast=True), 0).to(x.dtype, bitcast=True)
+    return tl.where(keep[:, None], x, 0)
+
+
+@triton.jit
 def attend_tile(
     q, acc, m_i, l_i, k, v, scores_scale, v_scale, visible, softcap,
     PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    DROP_UNSEEN: tl.constexpr,
+    DROP_UNSEEN: tl.constexpr, q_row=1.0, FP8_QK: tl.constexpr = False, FP8_PV: tl.constexpr = False,
+    HW_CONVERT: tl.constexpr = False,
 ):  # fmt: skip
     """One tile of the online softmax: `k` `[D, N]` and `v` `[N, D]` already in the dot dtype; `scores_scale` /
     `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]`. DROP_UNSEEN:
     the values of columns no row sees are zeroed (a masked NaN would otherwise reach every row: 0 x NaN); without
-    it the caller never loads such a column (its load mask leaves them 0)."""
+    it the caller never loads such a column (its load mask leaves them 0).
+
+    FP8_QK: `q` and `k` are e4m3, the scores times `q_row` `[M]` (the query's row scales); FP8_PV: `v` is e4m3 and
+    the probabilities times P_SCALE go to e4m3 (the caller divides P_SCALE out; HW_CONVERT: by the hardware's
+    conversion). Each FP8 dot sums its K products on the tensor cores, then adds in fp32: Hopper's FP8
+    accumulation is less than fp32 (vLLM's 128k-token needle accuracy fell from 91% to 13% when it ran over the
+    whole context)."""
     if DROP_UNSEEN:
         seen = tl.max(visible.to(tl.int32), axis=0) > 0
-        v = tl.where(seen[:, None], v, 0.0)
+        v = zero_columns(v, seen)
         if PER_TOKEN_V:
             v_scale = tl.where(seen, v_scale, 0.0)
-    scores = tl.dot(q, k, input_precision=PRECISION)
+    if FP8_QK:
+        scores = tl.dot(q, k, max_num_imprecise_acc=k.shape[0]) * q_row[:, None]
+    else:
+        scores = tl.dot(q, k, input_precision=PRECISION)
     if PER_TOKEN_K:
         scores = scores * scores_scale[None, :]
     if HAS_SOFTCAP:  # the query holds log2(e) only without softcap
@@ -182,7 +224,11 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if PER_TOKEN_V:
         p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if FP8_PV:
+        pv = tl.dot(to_e4m3(p * P_SCALE, HW_CONVERT), v, max_num_imprecise_acc=v.shape[0])
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 

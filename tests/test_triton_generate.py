@@ -47,3 +47,20 @@ def test_environment_variable_selects_the_backend(model, monkeypatch):
     cache = QuantizedFP8Cache(model, scales="dynamic")
     model(input_ids=PROMPTS[1:, :3], past_key_values=cache)
     assert {layer.backend.name for layer in cache.layers} == {"triton"}
+
+
+def test_fp8_prefill_reaches_the_kernels_and_keeps_the_logits_close():
+    """`QuantizedFP8Cache(fp8_prefill=True)`: an fp16 model's prefill of 72 tokens (128-row tiles: 2 query heads per
+    KV head) runs its dots on e4m3 operands; its logits move, by about what the query's rounding costs."""
+    model = tiny_model().half()
+    prompt = torch.randint(1, 120, (1, 72), generator=torch.Generator().manual_seed(0))
+
+    def prefill_logits(**cache_kwargs):
+        cache = QuantizedFP8Cache(model, backend="triton", scales=0.05, recent_tokens=0, sink_tokens=0, **cache_kwargs)
+        logits = model(input_ids=prompt, past_key_values=cache).logits.float()
+        assert {layer.kernels.fp8_prefill for layer in cache.layers} == {bool(cache_kwargs)}
+        return logits
+
+    fp16, fp8 = prefill_logits(), prefill_logits(fp8_prefill=True)
+    difference = ((fp8 - fp16).abs().mean() / fp16.abs().mean()).item()
+    assert 0 < difference < 0.05

@@ -209,7 +209,7 @@ def test_bad_inputs_are_named():
 
 def _op_args(view, query, mask, num_splits):
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
-            mask, None, None, view.fmt.name, view.per_token, view.ring, 0.1, 0, 0.0, num_splits)  # fmt: skip
+            mask, None, None, view.fmt.name, view.per_token, view.ring, 0.1, 0, 0.0, num_splits, False)  # fmt: skip
 
 
 def test_registered_op_is_the_launcher_on_a_static_view():
@@ -353,3 +353,54 @@ def test_a_plan_that_is_not_the_layers_keeps_nothing_in_the_views_memo():
     assert plan.splits(query, view) >= 1 and view.memo == {}
     plan.launches(query, view, None, None)
     assert list(view.memo) == [plan]  # the plan that launches keeps its arguments there
+
+
+# fp8_prefill: 128-row prefill tiles over e4m3 codes (QK on FP8 tensor cores; PV too with per-head V scales)
+FP8_CASES = [
+    Case(Stream(scales="per-head", updates=[150, 130], tiled=True), q_len=130, group=1, dtype=torch.float16),
+    Case(Stream(updates=[150, 130], tiled=True), q_len=130, group=1, dtype=torch.bfloat16),  # per-token V: QK only
+    Case(Stream(scales="per-tensor", updates=[100, 130], tiled=True), q_len=130, group=1, dtype=torch.float16,
+         options=dict(window=70)),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+def test_fp8_prefill_computes_the_fp8_arithmetic(case):
+    """`fp8_prefill=True` computes `reference.fp8_dots_attention` (the query rounded to e4m3 per row, the
+    probabilities times 256 to e4m3): far closer to it than either is to the exact oracle (tiles meet the running
+    max in another order, so single probabilities may round apart)."""
+    generator = torch.Generator().manual_seed(0)
+    stream = case.stream
+    view, _, _ = fill(stream, reference.write, generator, DEVICE)
+    query = torch.randn(stream.batch, stream.kv_heads, case.q_len, stream.head_dim, generator=generator)
+    query = query.to(DEVICE, case.dtype)
+    window, scaling = case.options.get("window"), stream.head_dim**-0.5
+    keys, values = reference.materialize(view)
+    mask = reference.causal_mask(case.q_len, keys.shape[2], window, DEVICE)
+    emulated = reference.fp8_dots_attention(query, keys, values, scaling=scaling, mask=mask, fp8_pv=not view.per_token)
+    exact = reference.attend(query.float(), view, scaling=scaling, window=window)
+    got = attention(query, view, scaling=scaling, window=window, fp8_prefill=True).float()
+    fp16 = attention(query, view, scaling=scaling, window=window).float()
+
+    def error(a, b):
+        return ((a - b).abs().mean() / b.abs().mean()).item()
+
+    assert error(got, emulated) < error(emulated, exact) / 5  # measured: 11-64x apart
+    assert error(fp16, exact) < error(got, exact) / 5  # the default path keeps its fp16 accuracy (10-100x)
+
+
+def test_fp8_prefill_only_where_it_applies():
+    """FP8 dots for 128-row tiles over e4m3fn codes with fp16 or bf16 queries, and only when asked."""
+    stream = Stream(updates=[140], tiled=True)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
+    prefill = torch.randn(2, 2, 140, 80, device=DEVICE)
+
+    def uses_fp8(query, **kwargs):
+        return AttentionPlan(query, view, None, None, 0.1, **kwargs).launch_options[False, False]["FP8_QK"]
+
+    assert uses_fp8(prefill.half(), fp8_prefill=True) and uses_fp8(prefill.bfloat16(), fp8_prefill=True)
+    assert not uses_fp8(prefill.half()) and not uses_fp8(prefill, fp8_prefill=True)  # default; fp32 queries
+    assert not uses_fp8(prefill[:, :, -1:].half(), fp8_prefill=True)  # a decode step
+    stream = Stream(fmt="fp8_e5m2", updates=[140], tiled=True)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
+    assert not uses_fp8(prefill.half(), fp8_prefill=True)  # e5m2 codes keep fp16 dots

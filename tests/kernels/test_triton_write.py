@@ -12,6 +12,7 @@ import triton.language as tl
 from hf_fp8kv.kernels import cpu, reference
 from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.reference import quantize
+from hf_fp8kv.kernels.triton_common import to_e4m3
 from hf_fp8kv.kernels.triton_write import encode, encoding, write_kv
 from hf_fp8kv.kernels.view import KVView, token_major
 from streams import Stream, fill
@@ -182,3 +183,25 @@ def test_registered_op_traces_for_torch_compile():
     key = torch.randn(2, 2, 1, 80, device=DEVICE)
     args = (key, -key, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name, True, False)
     torch.library.opcheck(ops.triton_ops().write.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+
+@triton.jit
+def _to_e4m3_test_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, HW_CONVERT: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, to_e4m3(x, HW_CONVERT).to(tl.uint8, bitcast=True), mask=offsets < n)
+
+
+def test_the_fp8_dots_operands_are_the_reference_cast_on_hard_values():
+    """`to_e4m3` (the FP8 prefill's query and probabilities): torch's e4m3fn cast, bit for bit, NaN and
+    saturation included (by the hardware on CUDA, by `encode` with the format's numbers elsewhere)."""
+    fmt = FORMATS["fp8_e4m3"]
+    x = hard_values(fmt).to(DEVICE)
+    x = x[~x.isnan()] if DEVICE == "cuda" else x  # (the hardware's NaN keeps no sign)
+    got = torch.empty(x.shape, dtype=torch.uint8, device=DEVICE)
+    block = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+    _to_e4m3_test_kernel[(triton.cdiv(x.numel(), block),)](x, got, x.numel(), BLOCK=block, HW_CONVERT=DEVICE == "cuda")
+    expected, _, _ = quantize(x, torch.ones((), device=DEVICE), fmt)
+    mismatch = got != expected.view(torch.uint8)
+    assert not mismatch.any(), f"{int(mismatch.sum())} codes differ, e.g. x={x[mismatch][:4].tolist()}"
