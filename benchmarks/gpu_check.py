@@ -464,6 +464,7 @@ def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bo
 def prefill(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from hf_fp8kv.kernels.triton_attention import attention
 
     group = sizes.q_heads // sizes.kv_heads
     module = SimpleNamespace(num_key_value_groups=group, is_causal=True, training=False)
@@ -475,6 +476,9 @@ def prefill(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -
                 for _ in range(2))  # fmt: skip
         layer = filled_layer(1, sizes.kv_heads, sizes.head_dim, length, sizes.dtype, device, scales="dynamic")
         view = layer.view()
+        # the opt-in FP8 dots (QK and PV on e4m3 with per-head scales) against fp16 dots over the same layer
+        static_layer = filled_layer(1, sizes.kv_heads, sizes.head_dim, length, sizes.dtype, device, scales=0.05)
+        static_view = static_layer.view()
         padding = torch.ones(1, 1, length, length, dtype=torch.bool, device=device).tril()
         padding[..., : length // 8] = False  # a left-padded row: its masked tiles are skipped
 
@@ -486,10 +490,15 @@ def prefill(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -
         attend_ms = bench(lambda: layer.kernels.attend(q, view, scaling=scaling), dry_run)
         masked_ms = bench(lambda: layer.kernels.attend(q, view, scaling=scaling, mask=padding), dry_run)
         write_ms = bench(write, dry_run)
+        fp16_dots_ms, fp8_dots_ms = (
+            bench(lambda: attention(q, static_view, scaling=scaling, fp8_prefill=fp8), dry_run) for fp8 in (False, True)
+        )  # fmt: skip
         rows.append({"length": length, f"SDPA {short_name(sizes.dtype)} ms": f"{sdpa_ms:.3f}",
                      "ours attend ms": f"{attend_ms:.3f}", "ours attend, padded mask ms": f"{masked_ms:.3f}",
                      "ours write ms": f"{write_ms:.3f}", "attend / SDPA": f"{attend_ms / sdpa_ms:.2f}",
-                     "(attend + write) / SDPA": f"{(attend_ms + write_ms) / sdpa_ms:.2f}"})  # fmt: skip
+                     "(attend + write) / SDPA": f"{(attend_ms + write_ms) / sdpa_ms:.2f}",
+                     "per-head scales: fp16 dots ms": f"{fp16_dots_ms:.3f}",
+                     "fp8_prefill ms": f"{fp8_dots_ms:.3f}"})  # fmt: skip
     report(f"## (e) causal prefill attention, batch 1, {sizes.q_heads}:{sizes.kv_heads} heads, head_dim "
            f"{sizes.head_dim}, {sizes.dtype} (target <= 1.15x SDPA at 4k-16k)")  # fmt: skip
     report.table(rows)

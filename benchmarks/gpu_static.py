@@ -489,7 +489,7 @@ def budget_failures(row: dict) -> list[str]:
     if row["spill_stores"] or row["spill_loads"]:
         failures.append(f"spills {row['spill_stores']} B stores / {row['spill_loads']} B loads per thread")
     case, loop = row["case"], row["loop"]
-    fp8_dots = case["head_dim"] == 128 and case["fp8_prefill"]  # (the default prefill keeps fp16 dots: quality)
+    fp8_dots = case["head_dim"] == 128 and case.get("fp8_prefill")  # (the default prefill keeps fp16 dots: quality)
     if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") != PREFILL_MMA:
         failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({PREFILL_MMA})")
     if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:

@@ -155,11 +155,12 @@ def _attention_kernel(
         whole_hi = tl.maximum(base + (hi - base) // BLOCK_N * BLOCK_N, whole_lo)
         head_tile = whole_lo - BLOCK_N
         first_tail = whole_hi
-    heads = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)
-    # the masked tiles first, but for a decode step in one split: masked first, the batch-64 decode kernel spilled
-    # 8 B; whole first, the split decode kernels took 0.115 -> 0.124 instructions per KV byte (padded: 0.129 ->
-    # 0.132) and the prefill with a window spilled 88 B. A decode's masked tiles (at most 2) are not pipelined
-    # (else 114 -> 125 registers at head_dim 128), a prefill's are (else its window case spilled 68 B) (gpu_static)
+    before = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)  # a partial tile before the whole ones (0 or 1)
+    # Loop order: the whole tiles first for a decode step in one split (masked first, the batch-64 decode kernel
+    # spilled 8 B), the masked ones first otherwise (whole first, the split decode kernels took 0.115 -> 0.124
+    # instructions per KV byte, padded 0.129 -> 0.132, and the windowed prefill spilled 88 B). A decode's masked
+    # tiles (at most 2) are not pipelined (else 114 -> 125 registers at head_dim 128), a prefill's are (else its
+    # windowed case spilled 68 B) (gpu_static)
     tile_args = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim, lo, hi,
                  n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
                  sink_lo, sink_hi, softcap, q_row)  # fmt: skip
@@ -173,9 +174,9 @@ def _attention_kernel(
                     FP8_PV, True,
                 )  # fmt: skip
         else:
-            masked = heads + tl.cdiv(hi - first_tail, BLOCK_N)
+            masked = before + tl.cdiv(hi - first_tail, BLOCK_N)
             for i in tl.range(0, masked, num_stages=1 if WHOLE_TILES and ONE_POSITION else STAGES):
-                tile = tl.where(i < heads, head_tile, first_tail + (i - heads) * BLOCK_N)
+                tile = tl.where(i < before, head_tile, first_tail + (i - before) * BLOCK_N)
                 acc, m_i, l_i = _codes_tile(
                     q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                     PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,

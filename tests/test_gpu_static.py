@@ -193,16 +193,18 @@ def test_budgets():
     assert report.budget_failures(dict(good, kind="write", blocks_per_sm=0)) == [
         "no block fits: 98 registers x 8 warps, 22528 B shared"
     ]
-    # head_dim 128: the tighter loop and occupancy budgets; its prefill on FP8 tensor cores; a 32k reduce spread
+    # head_dim 128: the tighter loop and occupancy budgets; its opt-in FP8 prefill on FP8 tensor cores (the default
+    # prefill keeps fp16 dots); a 32k reduce spread
     d128 = dict(case, head_dim=128)
     assert report.budget_failures(dict(good, case=d128)) == [
         "head_dim 128 decode at 2 blocks per SM < 3",
         "decode loop 0.150 SASS instructions per KV byte > 0.13 (400 instructions x 8 warps / 1 x 16384 B)",
     ]
     assert report.budget_failures(dict(good, case=d128, blocks_per_sm=3, loop=dict(good["loop"], instr_per_byte=0.12))) == []
-    prefill = dict(good, kind="prefill", case=d128, mma=dict(kind="HGMMA", count=64))
+    prefill = dict(good, kind="prefill", case=dict(d128, fp8_prefill=True), mma=dict(kind="HGMMA", count=64))
     assert report.budget_failures(prefill) == ["prefill dots are HGMMA, not FP8 (QGMMA)"]
     assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
+    assert report.budget_failures(dict(prefill, case=d128)) == []  # the default prefill: fp16 dots
     reduce = dict(good, kind="decode", kernel="_reduce_kernel", loop=None, case=dict(d128, context=32768), grid=[2])
     assert report.budget_failures(reduce) == ["reduce on 2 programs < 32 at batch 1, 32768 tokens"]
     assert report.budget_failures(dict(reduce, grid=[32, 4])) == []
