@@ -86,11 +86,12 @@ class KVView:
         """Everything about the buffers that a kernel plan depends on (not their contents, slots, positions or
         device, which a layer's kernel handle never changes): the key of every plan cache, so that no field can
         leave a plan stale."""
-        shape = self.codes.shape
+        shape, static = self.codes.shape, self.positions is not None
         return (
-            self.fmt.name, shape[:3], shape[4], self.per_token, self.positions is not None, self.ring,
+            self.fmt.name, shape[:3], shape[4], self.per_token, static, self.ring,
             None if self.recent is None else self.recent.shape[3], None if self.sinks is None else self.sinks.shape[3],
-            self.key_channel_scale is not None, self.has_nan, self.value_tiled and self.slots % VALUE_TILE == 0,
+            self.key_channel_scale is not None, self.has_nan,
+            self.value_tiled and (shape[3] - static) % VALUE_TILE == 0,  # (tiled values in whole blocks)
         )  # fmt: skip
 
     def buffers(self) -> tuple:
