@@ -50,8 +50,7 @@ class QuantizedKV(FP8KeyStates):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the visible tokens (the slow path: a full copy)."""
-        keys, values = materialize(self.view)
-        return keys.to(self.layer.dtype), values.to(self.layer.dtype)
+        return self.layer.materialize(self.view)
 
 
 class Float8Bits(NamedTuple):
@@ -240,8 +239,14 @@ class FP8Layer(CacheLayerMixin):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the stored tokens (a full copy)."""
-        keys, values = materialize(self.view())
-        return keys.to(self.dtype), values.to(self.dtype)
+        return self.materialize(self.view())
+
+    def materialize(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
+        """`view`'s keys and values in the model's dtype, `visible_length` of them (a static layer's buffers may
+        hold slots past its max_cache_len: whole blocks of tiled values)."""
+        keys, values = materialize(view)
+        length = self.visible_length(view)
+        return keys[:, :, :length].to(self.dtype), values[:, :, :length].to(self.dtype)
 
     # --- batch operations ------------------------------------------------------------------------------------
     def _select_rows(self, rows: list[int]) -> None:

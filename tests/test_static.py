@@ -120,3 +120,19 @@ def test_generate_past_max_cache_len_is_refused_before_the_first_step(compiled):
         model.generate(input_ids=IDS[:, :6], max_new_tokens=9, do_sample=False, **cache_kwargs(cache), **extra)
     assert cache.get_seq_length() == 0
     model.generate(input_ids=IDS[:, :6], max_new_tokens=7, do_sample=False, **cache_kwargs(cache))  # 12 tokens: fits
+
+
+def test_tiled_buffers_on_the_triton_backend_serve_the_slow_path_at_max_cache_len():
+    """On the Triton backend a static full-attention layer holds whole blocks of tiled values (max_cache_len 70:
+    128 slots); `dequantized` (what the slow path hands an sdpa module) still gives max_cache_len keys and values,
+    the torch backend's, and a chat turn once a sliding ring (window 8) is full reads the same tokens."""
+    model = gemma()
+    caches = {backend: QuantizedFP8Cache(model, scales="dynamic", max_cache_len=70, backend=backend, **PURE_FP8)
+              for backend in ("torch", "triton")}  # fmt: skip
+    logits = {backend: chat(model, cache) for backend, cache in caches.items()}
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+    full = {backend: cache.layers[1] for backend, cache in caches.items()}
+    assert full["triton"].codes.shape[3] == 129 and full["torch"].codes.shape[3] == 71  # (+ the spare slot)
+    for a, b in zip(full["triton"].dequantized(), full["torch"].dequantized()):
+        assert a.shape[2] == 70
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
