@@ -24,7 +24,7 @@ from importlib.resources import files
 import torch
 from transformers import DynamicCache
 
-from hf_fp8kv import KVScales, QuantizedFP8Cache, calibrate, layer_sensitivity
+from hf_fp8kv import QuantizedFP8Cache, calibrate, layer_sensitivity
 from hf_fp8kv.bundled import load_gemma3, load_smollm2
 from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
