@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .formats import TINY_SCALE, StorageFormat
+from .formats import FORMATS, TINY_SCALE, StorageFormat
 from .view import KVView, coded_end, slot_codes
 
 QUERY_BLOCK = 256  # query rows per block of the explicit-softmax path: its memory stays linear in the prompt
@@ -139,6 +139,9 @@ def attention(
     return out
 
 
+E4M3 = FORMATS["fp8_e4m3"]  # the FP8 dots' operand format
+
+
 def fp8_terms(x: torch.Tensor, scale: torch.Tensor | float, terms: int = 1) -> torch.Tensor:
     """`x` as an FP8 dot takes it: `x / scale` in e4m3 (3 mantissa bits), times `scale` again; with `terms=2` plus
     a second e4m3 term holding 16x what the first leaves (about 8 bits: what a more precise kernel would pay a
@@ -171,7 +174,7 @@ def fp8_dots_attention(
     group = q_heads // kv_heads
     keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
     query = query.float()
-    query = fp8_terms(query, query.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0, terms)
+    query = fp8_terms(query, query.abs().amax(-1, keepdim=True).clamp_min(1e-30) / E4M3.max, terms)
     if mask is None:
         mask = causal_mask(q_len, kv_len, device=query.device)
     m = torch.full(query.shape[:3], -math.inf, device=query.device)

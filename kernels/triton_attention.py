@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, PREFILL_ROWS, VALUE_TILE, as_e4m3, attend_full_precision, attend_tile,
-    block_sizes, check_value_layout, clamp_fp16, code_offsets, decode_codes, decode_settings, load_token_scales,
+    block_sizes, clamp_fp16, code_offsets, decode_codes, decode_settings, load_token_scales,
     to_e4m3, visibility, zero_columns,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
@@ -696,7 +696,7 @@ def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | Non
         raise ValueError(
             f"mask has {mask.shape[-1]} columns, fewer than the {view.end - view.start} tokens the queries see"
         )
-    check_value_layout(view)
+    view.check_layout()
     if sink_logits is not None and sink_logits.shape != (q_heads,):
         raise ValueError(f"sink_logits must have one logit per query head ({q_heads}), got {tuple(sink_logits.shape)}")
     if view.key_channel_scale is not None and view.key_channel_scale.shape != (kv_heads, head_dim):

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import view
-from .formats import StorageFormat
+from .formats import FORMATS, StorageFormat
 from .triton_launch import interpreting, next_power_of_2
 
 LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
@@ -51,7 +51,7 @@ def encoding(fmt: StorageFormat) -> dict:
     )
 
 
-E4M3_MAX = tl.constexpr(448.0)
+E4M3_MAX = tl.constexpr(FORMATS["fp8_e4m3"].max)
 
 
 @triton.jit
@@ -315,9 +315,3 @@ def decode_settings(fmt: StorageFormat, query: torch.Tensor, per_token: bool, cu
     value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token else 1.0
     return DecodeSettings(hw_convert, code_factor, dot, value_boost)
 
-
-def check_value_layout(kv_view: "view.KVView") -> None:
-    """Tiled value codes are addressed within contiguous (batch, head) planes."""
-    codes = kv_view.codes
-    if kv_view.value_tiled and codes.stride()[3:] != (codes.shape[4], 1):
-        raise ValueError(f"tiled value codes need contiguous (batch, head) planes, got strides {codes.stride()}")

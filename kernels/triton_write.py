@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_value_layout, code_offsets, encode, encoding, round_up_to_bf16
+from .triton_common import code_offsets, encode, encoding, round_up_to_bf16
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, coded_end, scale_dtypes
 
@@ -219,7 +219,7 @@ def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: to
         raise ValueError(
             f"scales must be fp32 (per-token: or bf16) {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}"
         )
-    check_value_layout(view)
+    view.check_layout()
     if stats.dtype != torch.int64 or stats.shape != (2, 2):
         raise ValueError(f"stats must be an int64 [2, 2] counter, got {stats.dtype} {tuple(stats.shape)}")
     devices = {t.device for t in (key, value, view.codes, view.scales, stats)}

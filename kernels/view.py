@@ -94,6 +94,11 @@ class KVView:
             self.value_tiled and (shape[3] - static) % VALUE_TILE == 0,  # (tiled values in whole blocks)
         )  # fmt: skip
 
+    def check_layout(self) -> None:
+        """The buffers' layout is one the kernels address: tiled values in contiguous (batch, head) planes."""
+        if self.value_tiled:
+            check_tiled_plane(self.codes[1])
+
     def buffers(self) -> tuple:
         """The tensors the view reads (what launch arguments derive from)."""
         return (self.codes, self.scales, self.recent, self.sinks, self.sink_start, self.sink_count, self.positions,
@@ -139,7 +144,7 @@ def slot_codes(codes: torch.Tensor, slot: int, value_tiled: bool) -> tuple[torch
     if not value_tiled:
         return codes[0, :, :, slot], codes[1, :, :, slot]
     plane = codes[1]
-    _tiled_plane(plane)
+    check_tiled_plane(plane)
     first = slot - slot % VALUE_TILE
     width = min(VALUE_TILE, plane.shape[2] - first)
     batch, heads, _, head_dim = plane.shape
@@ -192,18 +197,17 @@ def _whole_block_slots(codes: torch.Tensor) -> int:
     return codes.shape[3] - codes.shape[3] % VALUE_TILE
 
 
-def _tiled_plane(plane: torch.Tensor) -> torch.Tensor:
-    """A tiled value plane `[batch, kv_heads, slots, head_dim]` as bytes, checked contiguous per (batch, head)."""
-    batch, heads, slots, head_dim = plane.shape
-    if plane.stride()[2:] != (head_dim, 1):
+def check_tiled_plane(plane: torch.Tensor) -> None:
+    """Tiled value codes are addressed within contiguous (batch, head) planes (`[batch, kv_heads, slots, D]`)."""
+    if plane.stride()[2:] != (plane.shape[3], 1):
         raise ValueError(f"tiled value codes need contiguous (batch, head) planes, got strides {plane.stride()}")
-    return plane.view(torch.uint8)
 
 
 def _value_pieces(plane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-major views of a tiled value plane: its whole blocks `[batch, kv_heads, blocks, VALUE_TILE,
     head_dim]` and the last, narrower block `[batch, kv_heads, slots left, head_dim]`."""
-    plane = _tiled_plane(plane)
+    check_tiled_plane(plane)
+    plane = plane.view(torch.uint8)
     batch, heads, slots, head_dim = plane.shape
     blocks, rest = divmod(slots, VALUE_TILE)
     strides, base = plane.stride()[:2], plane.storage_offset()

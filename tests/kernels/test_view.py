@@ -68,3 +68,25 @@ def test_copy_slots_moves_tokens_whatever_the_alignment(first, count):
         copy_slots(dst, src, first, count, tiled)
         got = token_major(dst, tiled).view(torch.uint8)[:, :, :, :count]
         assert torch.equal(got, tokens.view(torch.uint8)[:, :, :, first : first + count]), f"tiled={tiled}"
+
+
+def test_tiled_values_outside_contiguous_planes_are_refused_by_name():
+    """Tiled values are addressed within a contiguous (batch, head) plane: a view of codes narrowed along the
+    head_dim is refused by the kernels' plans and the torch helpers, naming the strides."""
+    from hf_fp8kv.kernels.formats import get_format
+    from hf_fp8kv.kernels.triton_attention import attention
+    from hf_fp8kv.kernels.view import KVView
+
+    codes = random_codes(64, torch.Generator().manual_seed(0))
+    codes = torch.cat([codes, codes], dim=-1)[..., :8]  # head_dim 8 of a 16-wide buffer
+    view = KVView(codes=codes, scales=torch.ones(2, 1, 3, 1), fmt=get_format("fp8_e4m3"), end=32, recent_start=32,
+                  value_tiled=True)  # fmt: skip
+    key = torch.randn(2, 3, 1, 8)
+    with pytest.raises(ValueError, match=r"tiled value codes need contiguous \(batch, head\) planes"):
+        attention(torch.randn(2, 3, 1, 8), view, scaling=1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv(key, key, view, torch.zeros(2, 2, dtype=torch.int64))  # (32 tokens held: room for one more)
+    with pytest.raises(ValueError, match="contiguous"):
+        slot_codes(codes, 0, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        token_major(codes, True)
