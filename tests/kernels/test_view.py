@@ -90,3 +90,23 @@ def test_tiled_values_outside_contiguous_planes_are_refused_by_name():
         slot_codes(codes, 0, True)
     with pytest.raises(ValueError, match="contiguous"):
         token_major(codes, True)
+
+
+def test_the_torch_path_refuses_tiled_values_by_name():
+    """The torch path reads token-major values: a tiled view (the Triton backend's buffers) is refused, not
+    misread; `materialize` (the slow path) reads it through a token-major copy."""
+    from hf_fp8kv.kernels import cpu
+    from hf_fp8kv.kernels.formats import get_format
+    from hf_fp8kv.kernels.view import KVView
+
+    tokens = random_codes(70, torch.Generator().manual_seed(1)).view(torch.uint8) & 0x77  # finite e4m3 codes
+    tokens = tokens.view(torch.float8_e4m3fn)
+    tiled = torch.empty_like(tokens)
+    store_token_major(tiled, tokens, True)
+    fmt, scales = get_format("fp8_e4m3"), torch.ones(2, 1, 3, 1)
+    view = KVView(codes=tiled, scales=scales, fmt=fmt, end=70, recent_start=70, value_tiled=True)
+    with pytest.raises(ValueError, match="the torch path reads token-major value codes"):
+        cpu.attend(torch.randn(2, 3, 1, 8), view, scaling=1.0)
+    plain = KVView(codes=tokens, scales=scales, fmt=fmt, end=70, recent_start=70)
+    for got, expected in zip(cpu.materialize(view), cpu.materialize(plain)):
+        assert torch.equal(got, expected)
