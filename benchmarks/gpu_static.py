@@ -413,13 +413,22 @@ def last_waves(case: Case, kernel, slots: int) -> list[dict]:
             blocks = math.prod(launch.grid)
             # whole KV tiles: no plan beats ceil(all tiles / slots) tile-times, whatever its waves' fullness
             programs, splits = launch.grid[0] * launch.grid[1], launch.grid[2]
-            # the codes' tokens, and the recent and sink tokens in codes' bytes (as the split rule counts them)
-            work = context - case.recent + (case.recent + case.sinks) * getattr(torch, case.dtype).itemsize
-            tiles = -(-work // launch.kwargs["BLOCK_N"])
-            tile_times = -(-blocks // slots) * -(-tiles // splits)
+            # the codes' tiles, and the recent and sink tokens' in codes' bytes (as the split rule counts them): read
+            # by splits of their own beside others, else after the codes
+            block_n = launch.kwargs["BLOCK_N"]
+            tiles = -(-(context - case.recent) // block_n)
+            held = -(-(case.recent + case.sinks) * getattr(torch, case.dtype).itemsize // block_n)
+            held_parts = triton_attention.held_splits(splits, tiles, held) if launch.kwargs.get("FP_PROGRAM") else 0
+            if held_parts:
+                longest = max(-(-tiles // (splits - held_parts)), -(-held // held_parts))
+            else:
+                longest = -(-(tiles + held) // splits)
+            tiles += held
+            own = triton_attention.PROGRAM_TILES  # each program's own reads and writes, as the split rule counts them
+            tile_times = -(-blocks // slots) * (longest + own)
             grid.append(dict(
                 batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
-                tile_times=tile_times, fewest_tile_times=-(-programs * tiles // slots),
+                tile_times=tile_times, fewest_tile_times=-(-programs * tiles // slots) + own,
             ))  # fmt: skip
     return grid
 

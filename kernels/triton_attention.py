@@ -4,8 +4,9 @@ split reduce.
 Rows of a program are the (query position, query head) pairs of one KV head, position-major: every query head
 of a GQA group shares each K/V load (GQA packing), and a decode step (one position) fills one row block. The
 codes' part of the timeline is split across programs (flash-decoding) when the row blocks alone would leave the
-GPU idle; the last split also reads the full-precision recent and sink tokens, and the splits' partial results
-are merged by `_reduce_kernel` (in a loop over splits: no spill however many there are).
+GPU idle; the full-precision recent and sink tokens are then read by a split of their own (else after the codes),
+and the splits' partial results are merged by `_reduce_kernel` (in a loop over splits: no spill however many
+there are).
 
 Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (softmax scale, log2(e), per-head
 K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
@@ -27,13 +28,19 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, PREFILL_ROWS, VALUE_TILE, as_e4m3, attend_full_precision, attend_tile,
-    block_sizes, clamp_fp16, code_offsets, decode_codes, decode_settings, load_token_scales,
+    E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, PREFILL_ROWS, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
+    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, load_token_scales,
     to_e4m3, visibility, zero_columns,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView, scale_dtypes
 
+# tokens per tile of the full-precision (recent, sink) tokens: 64 took a default-window decode kernel at head_dim
+# 128 to 168 registers and a 12 B spill, 32 to 144 and none (gpu_static)
+FULL_PRECISION_TILE = tl.constexpr(32)
+# a program's own cost in tiles of codes (its query read, its partial results written then read by the reduce):
+# without it, batch 1 at 8k tokens with the default recent and sink tokens was split 132 ways, one tile each
+PROGRAM_TILES = 1
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
 REDUCE_CHUNK = 32  # head_dim channels per reduce program
 REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
@@ -41,7 +48,7 @@ REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 
 # positions move every step and the split count with the context (a multiple of 16 would compile a second
 # kernel mid-generation): none of them specialized, one compile
-@triton.jit(do_not_specialize=["num_splits", "start", "end", "recent_start", "mask_start"])
+@triton.jit(do_not_specialize=["num_splits", "held_splits", "start", "end", "recent_start", "mask_start"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sink_logits_ptr, channel_ptr,
@@ -53,7 +60,7 @@ def _attention_kernel(
     x_sb, x_sh, x_st, x_sd,
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
-    kv_heads, q_len, head_dim, num_splits, slots, capacity, offset, recent_slots, sink_slots, fp_tokens,
+    kv_heads, q_len, head_dim, num_splits, held_splits, slots, capacity, offset, recent_slots, sink_slots,
     start, end, recent_start, mask_start, window,
     score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -64,7 +71,7 @@ def _attention_kernel(
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr,
-    FP8_PV: tl.constexpr,
+    FP8_PV: tl.constexpr, FP_PROGRAM: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -88,29 +95,25 @@ def _attention_kernel(
     pos = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = rows < GROUP * q_len
-    q_pos = end - q_len + pos  # the queries are the last q_len tokens
+    if ONE_POSITION:  # a decode step: every row's query is the last token
+        q_pos = end - 1
+    else:
+        q_pos = end - q_len + pos  # the queries are the last q_len tokens
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
 
     # the query, scaled once: softmax scale and log2(e) (score_scale), per-head K scale, per-channel K scale
-    q = tl.load(
-        q_ptr + head[:, None] * q_sh + pos[:, None] * q_sl + d[None, :] * q_sd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
     q_scale = score_scale
     if not PER_TOKEN_K:
         q_scale *= tl.load(k_scale_ptr)
-    q = q * q_scale
-    if HAS_CHANNEL_SCALE:
-        q = q * tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)[None, :]
+    channel_ptr += kv_head * head_dim
+    query_args = (q_ptr, q_sh, q_sl, q_sd, head, pos, row_ok, d, d_ok, q_scale, channel_ptr)
+    q = _scaled_query(query_args, HAS_CHANNEL_SCALE)
     if FP8_QK:  # the codes' scores on FP8 tensor cores: the query in e4m3, one scale per row (its amax to the max)
         q_row = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / E4M3_MAX
         q_codes = to_e4m3(q / q_row[:, None], HW_CONVERT)
         q_row = q_row / code_factor  # (the bit decode's factor is in the query's scale; FP8 operands are values)
-    if DOT == tl.float16:  # the scaled query fits fp16 for any sane model; never let it become inf
-        q = clamp_fp16(q)
-    q = q.to(DOT)
+    q = as_dot(q, DOT)  # the scaled query fits fp16 for any sane model; never let it become inf
     if not FP8_QK:
         q_row = 1.0
         q_codes = q
@@ -125,102 +128,94 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # the codes' share of this split: [lo, hi) of [start, recent_start), narrowed to what the causal / window rule
-    # lets this row block see (without a mask: masks skip whole tiles below instead). The last split also reads
-    # the full-precision tokens: they count as `fp_tokens` tokens of codes (their bytes), so that it is not the
-    # slowest (with 64-token tiles, the default 128 + 4 came on top of up to a whole split's codes)
-    codes_end = tl.maximum(recent_start, start)
-    origin = start
-    if WHOLE_TILES:  # splits from the tile holding `start`: only the codes' first and last tiles can be partial
-        base = 0 if RING else offset  # a token's slot is t - base in whole blocks (a ring's are whole blocks)
-        origin = base + (start - base) // BLOCK_N * BLOCK_N
-    split_tokens = tl.cdiv(tl.cdiv(codes_end - origin + fp_tokens, BLOCK_N), num_splits) * BLOCK_N
-    lo = tl.maximum(origin + split * split_tokens, start)
-    hi = tl.minimum(origin + split * split_tokens + split_tokens, codes_end)
-    if not HAS_MASK:
-        first_pos = end - q_len + (pid_m * BLOCK_M) // GROUP
-        last_pos = end - q_len + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, GROUP * q_len) - 1) // GROUP
-        hi = tl.minimum(hi, last_pos + 1)
-    n = tl.arange(0, BLOCK_N)
-    if not HAS_MASK and HAS_WINDOW:  # the first tile's columns before every row's window are never read
-        lo = tl.maximum(lo, first_pos - window + 1)
-    # the tiles of whole value blocks (WHOLE_TILES: the buffer's slots are whole blocks) in a loop reading every
-    # column; the partial ones at either end (at most one before), or every tile without WHOLE_TILES, masked
-    head_tile = lo
-    first_tail = lo
-    whole_lo = lo
-    whole_hi = lo
-    if WHOLE_TILES:
-        whole_lo = base + tl.cdiv(lo - base, BLOCK_N) * BLOCK_N
-        whole_hi = tl.maximum(base + (hi - base) // BLOCK_N * BLOCK_N, whole_lo)
-        head_tile = whole_lo - BLOCK_N
-        first_tail = whole_hi
-    before = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)  # a partial tile before the whole ones (0 or 1)
-    # Loop order: the whole tiles first for a decode step in one split (masked first, the batch-64 decode kernel
-    # spilled 8 B), the masked ones first otherwise (whole first, the split decode kernels took 0.115 -> 0.124
-    # instructions per KV byte, padded 0.129 -> 0.132, and the windowed prefill spilled 88 B). A decode's masked
-    # tiles (at most 2) are not pipelined (else 114 -> 125 registers at head_dim 128), a prefill's are (else its
-    # windowed case spilled 68 B) (gpu_static)
-    tile_args = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim, lo, hi,
-                 n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                 sink_lo, sink_hi, softcap, q_row)  # fmt: skip
-    for phase in tl.static_range(2):
-        if (phase == 0) == (ONE_POSITION and not SPLIT):
-            for tile in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
-                acc, m_i, l_i = _codes_tile(
-                    q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
-                    PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
-                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, FP8_QK,
-                    FP8_PV, True,
-                )  # fmt: skip
-        else:
-            masked = before + tl.cdiv(hi - first_tail, BLOCK_N)
-            for i in tl.range(0, masked, num_stages=1 if WHOLE_TILES and ONE_POSITION else STAGES):
-                tile = tl.where(i < before, head_tile, first_tail + (i - before) * BLOCK_N)
-                acc, m_i, l_i = _codes_tile(
-                    q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
-                    PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
-                    DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, FP8_QK,
-                    FP8_PV, False,
-                )  # fmt: skip
+    # the full-precision tokens' arguments; their scores undo the query's K scaling (the scale and code factor)
+    fp_args = (
+        query_args, recent_k_ptr + b * r_sb + kv_head * r_sh, recent_v_ptr + b * r_sb + kv_head * r_sh,
+        sink_k_ptr + b * x_sb + kv_head * x_sh, sink_v_ptr + b * x_sb + kv_head * x_sh, r_st, r_sd, x_st, x_sd,
+        recent_slots, sink_slots, start, end, recent_start, d, d_ok, q_scale / score_scale * code_factor, q_pos,
+        row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap,
+    )  # fmt: skip
+    # FP_PROGRAM: the last `held_splits` splits read the full-precision tokens alone, the others the codes, in
+    # disjoint branches (the two in one program took a default-window decode kernel at head_dim 128 to 185
+    # registers, 2 blocks per SM; apart, with 32-token tiles, 144: gpu_static); else one split reads the codes,
+    # then the full-precision tokens
+    code_splits = num_splits - held_splits
+    if (split >= code_splits) & FP_PROGRAM:
+        acc, m_i, l_i = _full_precision_tokens(
+            acc, m_i, l_i, fp_args, split - code_splits, held_splits, HAS_CHANNEL_SCALE, HAS_RECENT, HAS_SINK_TOKENS,
+            HAS_MASK, HAS_WINDOW, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT, FULL_PRECISION_TILE,
+        )  # fmt: skip
+    else:
+        # the codes' share of this split: [lo, hi) of [start, recent_start), narrowed to what the causal / window rule
+        # lets this row block see (without a mask: masks skip whole tiles below instead)
+        codes_end = tl.maximum(recent_start, start)
+        origin = start
+        if WHOLE_TILES:  # splits from the tile holding `start`: only the codes' first and last tiles can be partial
+            base = 0 if RING else offset  # a token's slot is t - base in whole blocks (a ring's are whole blocks)
+            origin = base + (start - base) // BLOCK_N * BLOCK_N
+        split_tokens = tl.cdiv(tl.cdiv(codes_end - origin, BLOCK_N), code_splits) * BLOCK_N
+        lo = tl.maximum(origin + split * split_tokens, start)
+        hi = tl.minimum(origin + split * split_tokens + split_tokens, codes_end)
+        if not HAS_MASK:
+            first_pos = end - q_len + (pid_m * BLOCK_M) // GROUP
+            last_pos = end - q_len + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, GROUP * q_len) - 1) // GROUP
+            hi = tl.minimum(hi, last_pos + 1)
+        n = tl.arange(0, BLOCK_N)
+        if not HAS_MASK and HAS_WINDOW:  # the first tile's columns before every row's window are never read
+            lo = tl.maximum(lo, first_pos - window + 1)
+        # the tiles of whole value blocks (WHOLE_TILES: the buffer's slots are whole blocks) in a loop reading every
+        # column; the partial ones at either end (at most one before), or every tile without WHOLE_TILES, masked
+        head_tile = lo
+        first_tail = lo
+        whole_lo = lo
+        whole_hi = lo
+        if WHOLE_TILES:
+            whole_lo = base + tl.cdiv(lo - base, BLOCK_N) * BLOCK_N
+            whole_hi = tl.maximum(base + (hi - base) // BLOCK_N * BLOCK_N, whole_lo)
+            head_tile = whole_lo - BLOCK_N
+            first_tail = whole_hi
+        before = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)  # a partial tile before the whole ones (0 or 1)
+        # Loop order: the whole tiles first for a decode step in one split (masked first, the batch-64 decode kernel
+        # spilled 8 B), the masked ones first otherwise (whole first, the split decode kernels took 0.115 -> 0.124
+        # instructions per KV byte, padded 0.129 -> 0.132, and the windowed prefill spilled 88 B). A decode's masked
+        # tiles (at most 2) are not pipelined (else 114 -> 125 registers at head_dim 128), a prefill's are (else its
+        # windowed case spilled 68 B) (gpu_static)
+        tile_args = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim,
+                     lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head,
+                     pos, window, sink_lo, sink_hi, softcap, q_row)  # fmt: skip
+        for phase in tl.static_range(2):
+            if (phase == 0) == (ONE_POSITION and not SPLIT):
+                for tile in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
+                    acc, m_i, l_i = _codes_tile(
+                        q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
+                        PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
+                        DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES,
+                        FP8_QK, FP8_PV, True,
+                    )  # fmt: skip
+            else:
+                masked = before + tl.cdiv(hi - first_tail, BLOCK_N)
+                for i in tl.range(0, masked, num_stages=1 if WHOLE_TILES and ONE_POSITION else STAGES):
+                    tile = tl.where(i < before, head_tile, first_tail + (i - before) * BLOCK_N)
+                    acc, m_i, l_i = _codes_tile(
+                        q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
+                        PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
+                        DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES,
+                        FP8_QK, FP8_PV, False,
+                    )  # fmt: skip
 
-    # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
-    # V scale) applied once; the full-precision tokens then undo the query's K scaling on their scores
-    out_scale = out_factor
-    if not PER_TOKEN_V:
-        out_scale *= tl.load(v_scale_ptr)
-    if FP8_PV:  # e4m3 values, the probabilities times P_SCALE
-        out_scale /= code_factor * P_SCALE
-    acc = acc * out_scale
-    fp_weight = tl.full([BLOCK_N], 1.0, tl.float32) / (q_scale / score_scale * code_factor)
-    if split == num_splits - 1:  # the full-precision tokens, in the model's dtype
-        if HAS_RECENT:
-            recent_k_ptr += b * r_sb + kv_head * r_sh
-            recent_v_ptr += b * r_sb + kv_head * r_sh
-            recent_lo = tl.maximum(recent_start, start)
-            for first in range(0, recent_slots, BLOCK_N):
-                slot = first + n
-                t = end - 1 - (end - 1 - slot) % recent_slots  # the latest token of the slot's residue
-                t_ok = (slot < recent_slots) & (t >= recent_lo) & (t >= 0) & (t < end)
-                acc, m_i, l_i = attend_full_precision(
-                    q, acc, m_i, l_i, recent_k_ptr, recent_v_ptr, slot, t, t_ok, r_st, r_sd, d, d_ok, fp_weight,
-                    q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
-                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW, ONE_POSITION, HAS_SOFTCAP,
-                    PRECISION, DOT,
-                )  # fmt: skip
-        if HAS_SINK_TOKENS:
-            sink_k_ptr += b * x_sb + kv_head * x_sh
-            sink_v_ptr += b * x_sb + kv_head * x_sh
-            for first in range(0, sink_slots, BLOCK_N):
-                slot = first + n
-                t = sink_lo + slot
-                t_ok = (t < sink_hi) & (t >= start)
-                acc, m_i, l_i = attend_full_precision(
-                    q, acc, m_i, l_i, sink_k_ptr, sink_v_ptr, slot, t, t_ok, x_st, x_sd, d, d_ok, fp_weight,
-                    q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
-                    softcap, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, False, MASK_ROW, ONE_POSITION, HAS_SOFTCAP,
-                    PRECISION, DOT,
-                )  # fmt: skip
+        # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
+        # V scale) applied once
+        out_scale = out_factor
+        if not PER_TOKEN_V:
+            out_scale *= tl.load(v_scale_ptr)
+        if FP8_PV:  # e4m3 values, the probabilities times P_SCALE
+            out_scale /= code_factor * P_SCALE
+        acc = acc * out_scale
+        if (split == num_splits - 1) & (not FP_PROGRAM):
+            acc, m_i, l_i = _full_precision_tokens(
+                acc, m_i, l_i, fp_args, 0, 1, HAS_CHANNEL_SCALE, HAS_RECENT, HAS_SINK_TOKENS, HAS_MASK, HAS_WINDOW,
+                MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT, FULL_PRECISION_TILE,
+            )  # fmt: skip
 
     if SPLIT:
         row_index = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits + split
@@ -301,6 +296,64 @@ def _codes_tile(
         q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION,
         DROP_UNSEEN, q_row, FP8_QK, FP8_PV, HW_CONVERT,
     )  # fmt: skip
+
+
+@triton.jit
+def _scaled_query(query_args, HAS_CHANNEL_SCALE: tl.constexpr):
+    """The program's query rows in fp32 times `q_scale` (and the per-channel K scales, `channel_ptr`)."""
+    q_ptr, q_sh, q_sl, q_sd, head, pos, row_ok, d, d_ok, q_scale, channel_ptr = query_args
+    q = tl.load(
+        q_ptr + head[:, None] * q_sh + pos[:, None] * q_sl + d[None, :] * q_sd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    q = q * q_scale
+    if HAS_CHANNEL_SCALE:
+        q = q * tl.load(channel_ptr + d, mask=d_ok, other=0.0)[None, :]
+    return q
+
+
+@triton.jit
+def _full_precision_tokens(
+    acc, m_i, l_i, fp_args, part, parts, HAS_CHANNEL_SCALE: tl.constexpr, HAS_RECENT: tl.constexpr,
+    HAS_SINK_TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_ROW: tl.constexpr,
+    ONE_POSITION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The recent and sink tokens (in the model's dtype) into the softmax, `BLOCK_N` at a time: part `part` of
+    `parts` (a share of the recent buffer's slots; the sinks in the last); `fp_args` the kernel's values they
+    read. Not pipelined: a few tiles (3 stages: a default-window decode kernel's full-precision tiles took 163 ->
+    180 registers). The query is read again: the codes' copy, kept live across their loop, took a batch-64
+    default-window decode kernel from 147 registers to 168 and a 20 B spill (gpu_static)."""
+    (query_args, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr, r_st, r_sd, x_st, x_sd, recent_slots, sink_slots,
+     start, end, recent_start, d, d_ok, k_scaling, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
+     window, sink_lo, sink_hi, softcap) = fp_args  # fmt: skip
+    q = as_dot(_scaled_query(query_args, HAS_CHANNEL_SCALE), DOT)
+    n = tl.arange(0, BLOCK_N)
+    fp_weight = tl.full([BLOCK_N], 1.0, tl.float32) / k_scaling
+    if HAS_RECENT:
+        recent_lo = tl.maximum(recent_start, start)
+        share = tl.cdiv(tl.cdiv(recent_slots, BLOCK_N), parts) * BLOCK_N
+        for first in tl.range(part * share, tl.minimum(part * share + share, recent_slots), BLOCK_N, num_stages=1):
+            slot = first + n
+            t = end - 1 - (end - 1 - slot) % recent_slots  # the latest token of the slot's residue
+            t_ok = (slot < recent_slots) & (t >= recent_lo) & (t >= 0) & (t < end)
+            acc, m_i, l_i = attend_full_precision(
+                q, acc, m_i, l_i, recent_k_ptr, recent_v_ptr, slot, t, t_ok, r_st, r_sd, d, d_ok, fp_weight, q_pos,
+                row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, HAS_MASK,
+                HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT,
+            )  # fmt: skip
+    if HAS_SINK_TOKENS:
+        for first in tl.range(0, tl.where(part == parts - 1, sink_slots, 0), BLOCK_N, num_stages=1):
+            slot = first + n
+            t = sink_lo + slot
+            t_ok = (t < sink_hi) & (t >= start)
+            acc, m_i, l_i = attend_full_precision(
+                q, acc, m_i, l_i, sink_k_ptr, sink_v_ptr, slot, t, t_ok, x_st, x_sd, d, d_ok, fp_weight, q_pos,
+                row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, HAS_MASK,
+                HAS_WINDOW, HAS_SINK_TOKENS, False, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT,
+            )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -399,17 +452,32 @@ def attention(
 
 
 @functools.lru_cache(maxsize=4096)
-def split_count(programs: int, tiles: int, resident_slots: int) -> int:
+def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int = 0) -> int:
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
-    `resident_slots` blocks at once: the count that minimizes waves x tiles per split (so the last wave is
-    nearly full); the smallest on ties."""
-    most = max(1, min(tiles, 4 * resident_slots // max(programs, 1)))
+    `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
+    `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
+    for as much again of its own); the smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles
+    of codes' bytes, shared as `held_splits` says."""
+    most = max(1, min(tiles + held_tiles, 4 * resident_slots // max(programs, 1)))
     best, best_cost = 1, None
     for splits in range(1, most + 1):
-        cost = cdiv(programs * splits, resident_slots) * cdiv(tiles, splits)
+        held = held_splits(splits, tiles, held_tiles)
+        longest = max(cdiv(tiles, splits - held), cdiv(held_tiles, held)) if held else cdiv(tiles + held_tiles, splits)
+        cost = cdiv(programs * splits, resident_slots) * (longest + PROGRAM_TILES)
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
+
+
+@functools.lru_cache(maxsize=4096)
+def held_splits(splits: int, tiles: int, held_tiles: int) -> int:
+    """How many of `splits` KV splits read the full-precision tokens (`held_tiles` tiles of codes' bytes) rather
+    than `tiles` tiles of codes: none with one split (it reads both), else the count whose longest split is the
+    shortest (at least one, the fewest on ties)."""
+    if splits == 1 or not held_tiles:
+        return 0
+    longest = lambda held: max(cdiv(tiles, splits - held), cdiv(held_tiles, held))  # noqa: E731
+    return min(range(1, min(held_tiles, splits - 1) + 1), key=longest)
 
 
 def plan_attention(
@@ -505,7 +573,8 @@ class AttentionPlan:
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
         # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
         self.launch_options = {
-            (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128}
+            (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
+                             "FP_PROGRAM": split and (view.recent is not None or view.sinks is not None)}
             for split in (False, True) for words in (False, True)
         }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
@@ -520,7 +589,8 @@ class AttentionPlan:
             # (the buffers' launch arguments built here are not kept in the view's memo: an entry keyed by a plan
             # that is not the layer's would hold its buffers after the layer replaced them)
             stored, buffers = self._stored(view), self._buffers(query, 2)
-            attention = self._attention(query, view, mask, sink_logits, 2, stored, *buffers)[0]
+            held = int(stored.fp_tokens > 0)
+            attention = self._attention(query, view, mask, sink_logits, 2, held, stored, *buffers)[0]
             self.resident_slots = sm_count(query.device) * compiled_occupancy(attention, query.device)
 
     def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -539,24 +609,28 @@ class AttentionPlan:
     def splits(self, query: torch.Tensor, view: KVView) -> int:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
         so that the grid is the same at every step)."""
-        return self._split_count(query, view, self._stored(view))  # not kept in the view's memo (see `__init__`)
+        return self._split_count(query, view, self._stored(view))[0]  # not kept in the view's memo (see `__init__`)
 
-    def _split_count(self, query: torch.Tensor, view: KVView, stored: tuple) -> int:
+    def _split_count(self, query: torch.Tensor, view: KVView, stored: tuple) -> tuple[int, int]:
+        """The split count, and how many of the splits read the full-precision tokens (`held_splits`)."""
         codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)
-        tiles = max(1, cdiv(codes_tokens + stored.fp_tokens, self.block_n))  # the full-precision tokens too
+        tiles, held_tiles = max(1, cdiv(codes_tokens, self.block_n)), cdiv(stored.fp_tokens, self.block_n)
         if self.num_splits is not None:
-            return max(1, min(self.num_splits, tiles))
-        if not self.resident_slots or self.row_blocks > 1:
-            return 1
-        return split_count(query.shape[0] * self.kv_heads * self.row_blocks, tiles, self.resident_slots)
+            splits = max(1, min(self.num_splits, tiles + held_tiles))
+        elif not self.resident_slots or self.row_blocks > 1:
+            splits = 1
+        else:
+            programs = query.shape[0] * self.kv_heads * self.row_blocks
+            splits = split_count(programs, tiles, self.resident_slots, held_tiles)
+        return splits, held_splits(splits, tiles, held_tiles)
 
     def launches(
         self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[Launch]]:
         stored = view.derived(self, self._stored)
-        splits = self._split_count(query, view, stored)
+        splits, held = self._split_count(query, view, stored)
         out, part_acc, part_stats = self._buffers(query, splits)
-        launches = self._attention(query, view, mask, sink_logits, splits, stored, out, part_acc, part_stats)
+        launches = self._attention(query, view, mask, sink_logits, splits, held, stored, out, part_acc, part_stats)
         return out, launches
 
     def _stored(self, view: KVView) -> Stored:
@@ -574,7 +648,7 @@ class AttentionPlan:
                       (_slots(view.recent), _slots(view.sinks)), _fp_tokens(view), _scale_words(view))  # fmt: skip
 
     def _attention(
-        self, query, view, mask, sink_logits, splits, stored: Stored, out, part_acc, part_stats
+        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats
     ) -> list[Launch]:
         if view.static:  # positions are read on the device
             start, end, recent_start, mask_start = view.start, 0, 0, 0
@@ -583,11 +657,11 @@ class AttentionPlan:
             mask_start = view.mask_start if view.mask_start is not None else end - mask.shape[-1] if mask is not None else 0
         if mask is not None:
             mask = _expand_mask(mask, *self.out_shape[:3])
-        tensors, channel, strides, slots, fp_slots, fp_tokens, words = stored  # (unpacked: the step's hot path)
+        tensors, channel, strides, slots, fp_slots, _, words = stored  # (unpacked: the step's hot path)
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *self.sizes, splits, *slots, view.offset, *fp_slots, fp_tokens, start, end, recent_start, mask_start,
+            *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
             *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
         if splits > 1:

@@ -10,7 +10,7 @@ import torch
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.triton_attention import (
-    AttentionPlan, _scale_words, attention, plan_attention, reduce_blocks, split_count,
+    AttentionPlan, _scale_words, attention, held_splits, plan_attention, reduce_blocks, split_count,
 )
 from hf_fp8kv.kernels.view import KVView, slot_codes
 from streams import Stream, fill
@@ -67,6 +67,12 @@ CASES = [
     Case(Stream(recent=6, sinks=3), splits=2),  # a decode step without a mask: the sinks' codes left out
     Case(Stream(recent=5, sinks=2, updates=[40, 8]), q_len=8, options=dict(softcap=8.0, sink_logits=True, channel=True)),
     Case(Stream(recent=4, sinks=2, dtype=torch.float16), dtype=torch.float16, splits=2, mask="padding"),
+    # a decode step's window over recent and sink tokens: in a program of their own (splits), or after the codes
+    Case(Stream(recent=8, sinks=2, updates=[100, 1]), splits=3, options=dict(window=40)),
+    Case(Stream(recent=8, sinks=2, updates=[100, 1]), options=dict(window=40, channel=True)),
+    Case(Stream(recent=5, sinks=2, updates=[40, 1]), splits=2, options=dict(softcap=8.0, channel=True)),
+    Case(Stream(recent=70, sinks=2, updates=[100, 1]), splits=4, options=dict(window=90)),  # 3 splits of them
+    Case(Stream(recent=70, sinks=2, updates=[100, 1]), splits=4, mask="padding"),
     # static buffers: positions on the device, the mask over every slot, a fixed grid
     Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1]), splits=2, mask="padding"),
     Case(Stream(static=80, updates=[30, 5]), q_len=5),
@@ -78,6 +84,7 @@ CASES = [
     Case(Stream(updates=[150, 130], tiled=True), q_len=130, group=1),  # 128-row prefill tiles, 32-token tiles
     Case(Stream(recent=8, sinks=3, sink_rows=[0, 4], updates=[100, 1], tiled=True), splits=2, mask="padding"),
     Case(Stream(updates=[120, 4], tiled=True), q_len=4, options=dict(window=70)),
+    Case(Stream(recent=8, sinks=3, updates=[130, 1], tiled=True), splits=3, options=dict(window=70)),
     Case(Stream(dtype=torch.bfloat16, updates=[90, 1], tiled=True), dtype=torch.bfloat16, splits=2),
     Case(Stream(static=130, updates=[128, 1], tiled=True), splits=2, mask="padding"),
     Case(Stream(static=64, ring=True, recent=3, updates=[60, 1, 1, 1, 1, 1, 1, 1], tiled=True), mask="padding"),
@@ -147,6 +154,17 @@ def test_splits_agree_with_one_split():
         assert_close(run(case)[0], one, torch.float32)
 
 
+def test_held_tokens_shared_by_several_splits_agree_with_one_split():
+    """70 fp32 recent tokens and 2 sinks (288 bytes per channel: 5 tiles of codes' bytes) beside one tile of codes:
+    4 splits give them 3 (32-token shares of the recent slots, the sinks in the last), 6 give them 5."""
+    assert (held_splits(4, 1, 5), held_splits(6, 1, 5)) == (3, 5)
+    case = Case(Stream(updates=[100, 1], recent=70, sinks=2), group=8, splits=1)
+    one, _ = run(case)
+    for splits in (4, 6):
+        case.splits = splits
+        assert_close(run(case)[0], one, torch.float32)
+
+
 def test_split_partials_are_fp32_whatever_the_default_dtype():
     view, _, _ = fill(Stream(updates=[200, 1]), reference.write, torch.Generator().manual_seed(0), DEVICE)
     query = torch.randn(2, 8, 1, 80, device=DEVICE)
@@ -174,11 +192,31 @@ def test_nan_codes_read_as_nan_on_every_path():
 def test_split_count_fills_the_last_wave():
     for programs in (8, 16, 32, 64, 128, 256, 512):
         for tiles in (64, 512, 2048):
-            slots = 132 * 2
-            splits = split_count(programs, tiles, slots)
-            blocks = programs * splits
-            efficiency = blocks / (-(-blocks // slots) * slots)
-            assert efficiency >= 0.85, (programs, tiles, splits, efficiency)
+            for held_tiles in (0, 5):  # the default 128 recent + 4 sink bf16 tokens: 264 bytes per channel
+                slots = 132 * 2
+                splits = split_count(programs, tiles, slots, held_tiles)
+                blocks = programs * splits
+                efficiency = blocks / (-(-blocks // slots) * slots)
+                # (or a split of held tokens is the longest: no more splits of codes would end sooner)
+                held = held_splits(splits, tiles, held_tiles)
+                held_bound = held > 0 and -(-tiles // (splits - held)) <= -(-held_tiles // held)
+                assert efficiency >= 0.85 or held_bound, (programs, tiles, held_tiles, splits, efficiency)
+
+
+def test_held_tokens_are_read_by_splits_of_their_own():
+    """With recent / sink tokens, one split reads them after its codes; more splits give them 1 or more of their
+    own beside at least one of codes. Batch 1 at 4k and 8k tokens (8 programs): the longest split is no longer
+    than with the held tokens' bytes counted as codes and read by the last split."""
+    assert held_splits(1, 100, 5) == 0 and held_splits(7, 100, 0) == 0
+    for splits in (2, 3, 8, 40):
+        for tiles in (1, 64, 2048):
+            assert 1 <= held_splits(splits, tiles, 5) <= min(5, splits - 1)
+    for tiles in (64, 129):
+        splits = split_count(8, tiles, 396, held_tiles=5)
+        held = held_splits(splits, tiles, 5)
+        longest = max(-(-tiles // (splits - held)), -(-5 // held))
+        counted = split_count(8, tiles + 5, 396)
+        assert longest <= max(-(-(tiles + 5) // counted), 5) and held >= 1, (tiles, splits, held)
 
 
 def test_static_grid_is_fixed():
