@@ -73,6 +73,8 @@ CASES = [
     Case(Stream(recent=5, sinks=2, updates=[40, 1]), splits=2, options=dict(softcap=8.0, channel=True)),
     Case(Stream(recent=70, sinks=2, updates=[100, 1]), splits=4, options=dict(window=90)),  # 3 splits of them
     Case(Stream(recent=70, sinks=2, updates=[100, 1]), splits=4, mask="padding"),
+    Case(Stream(recent=8, sinks=2, updates=[100, 3]), q_len=3, splits=3, options=dict(window=50)),  # causal rows
+    Case(Stream(recent=8, sinks=2, sink_rows=[0, 4], updates=[100, 3]), q_len=3, splits=2, mask="padding"),
     # static buffers: positions on the device, the mask over every slot, a fixed grid
     Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1]), splits=2, mask="padding"),
     Case(Stream(static=80, updates=[30, 5]), q_len=5),
@@ -85,6 +87,8 @@ CASES = [
     Case(Stream(recent=8, sinks=3, sink_rows=[0, 4], updates=[100, 1], tiled=True), splits=2, mask="padding"),
     Case(Stream(updates=[120, 4], tiled=True), q_len=4, options=dict(window=70)),
     Case(Stream(recent=8, sinks=3, updates=[130, 1], tiled=True), splits=3, options=dict(window=70)),
+    Case(Stream(dtype=torch.bfloat16, recent=8, sinks=2, updates=[90, 1], tiled=True), dtype=torch.bfloat16, splits=3,
+         mask="padding"),
     Case(Stream(dtype=torch.bfloat16, updates=[90, 1], tiled=True), dtype=torch.bfloat16, splits=2),
     Case(Stream(static=130, updates=[128, 1], tiled=True), splits=2, mask="padding"),
     Case(Stream(static=64, ring=True, recent=3, updates=[60, 1, 1, 1, 1, 1, 1, 1], tiled=True), mask="padding"),
