@@ -151,6 +151,7 @@ def cases(quick: bool = False) -> list[Case]:
         Case("decode", **default),
         Case("decode", batch=16, mask=True, **default),
         Case("decode", static_cache=16384, **default),
+        Case("decode", batch=64, context=4099, **default),  # one split: the held tokens after the codes
         Case("decode", group=4, context=32768, per_token=True),
         Case("prefill", q_len=500, context=500, recent=128),
     ]
