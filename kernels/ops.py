@@ -63,7 +63,7 @@ class TorchLayerKernels:
     attend = staticmethod(cpu.attend)
     value_tiled = False  # the value codes' layout of the buffers a layer allocates (`KVView.value_tiled`)
 
-    def __init__(self, fp8_prefill: bool = False) -> None:
+    def __init__(self) -> None:
         self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
 
 

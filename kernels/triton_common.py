@@ -354,4 +354,3 @@ def decode_settings(fmt: StorageFormat, query: torch.Tensor, per_token: bool, cu
     dot = tl.float32 if query.dtype == torch.float32 else tl.float16
     value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token else 1.0
     return DecodeSettings(hw_convert, code_factor, dot, value_boost)
-
