@@ -14,7 +14,7 @@ tiles for 396 slots: 2 tile-times is the floor, so its 65%-full single wave is n
 the spill budget only.
 
     python benchmarks/gpu_static.py                 # every case (a few minutes on 2 cores)
-    python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce), one write, one paged
+    python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce), one write, two paged
     python benchmarks/gpu_static.py --no-budget --json report.json
 
 How the loop is read (see `main_loop`, `unroll_factor`, `tiles_in_flight`): the loops are the backward branches of
@@ -104,6 +104,7 @@ class Case:
     static_cache: int = 0  # max_cache_len of a static cache (device positions, preallocated buffers); 0: dynamic
     fp8_prefill: bool = False  # a prefill's dots on FP8 tensor cores (the cache's opt-in `fp8_prefill`)
     waves: bool = True  # decode: judge the last wave over the batch x context grid
+    page_size: int = 256  # paged: tokens per page (transformers' default; not a multiple of 16: read token by token)
 
     @property
     def name(self) -> str:
@@ -114,6 +115,7 @@ class Case:
         if self.kind == "paged":
             shape = f"{self.batch} req q{self.q_len} ctx{self.context}"
             held = f" recent {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
+            held += f" page{self.page_size}" if self.page_size != 256 else ""
             return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{held} paged {shape}"
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
         rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
@@ -123,10 +125,16 @@ class Case:
         return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{rule} {shape} ctx{self.context}"
 
 
+# continuous batching's decode on transformers' 256-token pages (tiles of consecutive slots) and on 24-token ones
+# (each token read on its own): the quick report compiles both
+PAGED_DECODE = [Case("paged", batch=64, context=4096, waves=False),
+                Case("paged", batch=64, context=4096, waves=False, page_size=24)]  # fmt: skip
+
+
 def cases(quick: bool = False) -> list[Case]:
     """The report's cases: every decode variant, hundreds of splits (few KV heads), prefill, writes."""
     if quick:
-        return [Case("decode"), Case("write"), Case("paged", batch=64, context=4096, waves=False)]
+        return [Case("decode"), Case("write"), *PAGED_DECODE]
     decode = [
         Case("decode", group=group, head_dim=head_dim, dtype=dtype, per_token=per_token)
         for per_token in (False, True)
@@ -163,6 +171,7 @@ def cases(quick: bool = False) -> list[Case]:
         for d in (64, 128, 256)
         for p in (False, True)
     ]
+    paged += PAGED_DECODE[1:] + [Case("paged", batch=64, per_token=True, context=4096, waves=False, page_size=24)]
     paged += [Case("paged", batch=4, q_len=256, per_token=True, head_dim=d, context=4096, waves=False) for d in (128, 256)]
     # with each request's recent and sink tokens in the model's dtype beside its pages
     paged += [
@@ -218,8 +227,8 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     return launches
 
 
-# transformers' continuous batching: tokens per page block; a 30-layer model (a page-block stride not a power of 2)
-PAGE_SIZE, LAYERS = 256, 30
+# transformers' continuous batching: a 30-layer model (a page-block stride not a power of 2)
+LAYERS = 30
 
 
 def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
@@ -228,7 +237,7 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
     row_bytes = paged.row_size(case.kv_heads * case.head_dim, case.kv_heads if case.per_token else 0)
     tokens = case.batch * case.q_len
     query = torch.empty(tokens, case.kv_heads * case.group, case.head_dim, dtype=dtype, device=device)
-    bytes_per_block = LAYERS * 2 * PAGE_SIZE * row_bytes
+    bytes_per_block = LAYERS * 2 * case.page_size * row_bytes
     pages = torch.empty(16 * bytes_per_block, dtype=torch.uint8, device=device)
     new_rows = torch.empty(tokens, 2, row_bytes, dtype=torch.uint8, device=device)
     read_index = torch.empty(case.batch * case.context, dtype=torch.int64, device=device)
@@ -242,8 +251,9 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
         recent = paged.RecentRows(rows, case.recent, case.sinks, requests, ([],) * 4)
     _, launch = triton_paged.plan_paged_attention(
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
-        layer_offset=3 * 2 * PAGE_SIZE * row_bytes, bytes_per_block=bytes_per_block,
-        block_stride=LAYERS * 2 * PAGE_SIZE, page_size=PAGE_SIZE, scaling=case.head_dim**-0.5, static_scales=static,
+        layer_offset=3 * 2 * case.page_size * row_bytes, bytes_per_block=bytes_per_block,
+        block_stride=LAYERS * 2 * case.page_size, page_size=case.page_size, scaling=case.head_dim**-0.5,
+        static_scales=static,
         max_q_len=case.q_len, recent=recent, cuda=True,
     )  # fmt: skip
     return launch
@@ -575,7 +585,7 @@ def run(selected: list[Case], jobs: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="one decode case (attention + reduce), one write, one paged"
+        "--quick", action="store_true", help="one decode case (attention + reduce), one write, two paged"
     )
     parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")
     parser.add_argument("--json", metavar="PATH", help="also write every figure (and the loop evidence) as JSON")

@@ -494,12 +494,10 @@ class FP8PagesMixin:
         self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
         self.geometry: dict[int, PageGeometry] = {}  # layer -> where its rows lie in the page bytes
-        self.page_rows: dict[int, torch.Tensor] = {}  # layer -> uint8 [blocks, 2 (K, V), page_size, row bytes]
         offset = 0
         for layer_idx, layout in zip(self.layer_indices, self.layouts):
-            geometry = PageGeometry(offset, self.bytes_per_block, self.block_physical_stride, self.tokens_per_page)
-            self.geometry[layer_idx] = geometry
-            self.page_rows[layer_idx] = geometry.rows(cache_tensor, layout.nbytes)
+            self.geometry[layer_idx] = PageGeometry(offset, self.bytes_per_block, self.block_physical_stride,
+                                                    self.tokens_per_page)  # fmt: skip
             offset += 2 * self.tokens_per_page * layout.nbytes
         device = cache_tensor.device
         self.backend = backend_for(self.settings.backend, device)
@@ -528,8 +526,7 @@ class FP8PagesMixin:
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
         rows, nonfinite = self.backend.encode_rows(states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx))
         self.has_nan[layer_idx] |= nonfinite
-        blocks, slots = self.geometry[layer_idx].locate(write_index)
-        self.page_rows[layer_idx][blocks, :, slots] = rows
+        self.geometry[layer_idx].write(self.cache_tensor, layout, write_index, rows)
         return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q, recent)
 
     def _write_recent(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> RecentRows:

@@ -1,16 +1,21 @@
 """Paged rows (continuous batching): the row format, its torch codec, and attention over rows read in place.
 
-A page row is one token's keys (or values) of one layer: `[codes of every KV head | fp32 scale per KV head]`
+A row is one token's keys (or values) of one layer: `[codes of every KV head | fp32 scale per KV head]`
 (per-token scales), `[codes]` (one scale per KV head) or the model-dtype values (a layer kept in the model
-dtype), padded to `ROW_ALIGNMENT` bytes. The row of the token at physical index `p` lies at byte
-`(p // block_stride) * bytes_per_block + layer_offset + plane * page_size * row_bytes + (p % block_stride) *
-row_bytes` of the pages (plane 0: keys, 1: values): the geometry of transformers' paged cache (`PageGeometry`).
+dtype), padded to `ROW_ALIGNMENT` bytes. A layer's page in a block holds `page_size` tokens in two planes of
+`page_size * row_bytes` bytes, at byte `(p // block_stride) * bytes_per_block + layer_offset` for the token at
+physical index `p` (its slot `p % block_stride`): the geometry of transformers' paged cache (`PageGeometry`). The
+key plane holds the rows one after the other (slot `s` at `s * row_bytes`). The value plane holds them
+transposed, head_dim-major: value element `e` (of `kv_heads * head_dim`) of slot `s` at `(e * page_size + s)` times
+the element size, then the per-token scales, head `h`'s of slot `s` at `value_bytes * page_size + 4 * (h *
+page_size + s)`. A tile of consecutive slots then reads each value channel as one vector, the layout the
+tensor cores' P x V takes (token-major values were read a byte at a time: `triton_paged`).
 
 Request r owns query rows `[cu_q[r], cu_q[r + 1])` and sees `past[r] + q_len` keys: the first `past[r]` read from
 the pages through `read_index[k_first[r] : k_first[r] + past[r]]`, the last `q_len` from `new_rows` (this
 step's tokens, encoded as rows `[tokens, 2, row_bytes]`), causally (query i is key `past + i`), and within
 `window` keys when it is set. `attend` is the torch path (and the Triton paged kernel's reference): each
-request's rows are decoded and attended in turn, never the whole cache.
+request's rows are gathered, decoded and attended in turn, never the whole cache.
 
 With recent and sink tokens (`RecentRows`), each request also holds its newest and first tokens in the model's
 dtype beside its pages, and those keys are read from there instead of from their codes, as the dense cache reads
@@ -66,22 +71,52 @@ class RowLayout:
 
 @dataclass(frozen=True)
 class PageGeometry:
-    """Where one layer's rows lie in the page bytes (see the module docstring)."""
+    """Where one layer's tokens lie in the page bytes (see the module docstring)."""
 
     layer_offset: int
     bytes_per_block: int
     block_stride: int
     page_size: int
 
-    def rows(self, pages: torch.Tensor, row_bytes: int) -> torch.Tensor:
-        """The layer's rows as `[blocks, 2 (K, V), page_size, row_bytes]` over the page bytes."""
-        blocks = pages.numel() // self.bytes_per_block
-        size = (blocks, 2, self.page_size, row_bytes)
-        return pages.as_strided(size, (self.bytes_per_block, self.page_size * row_bytes, row_bytes, 1), self.layer_offset)
-
     def locate(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The (block, slot) of physical indices."""
         return index // self.block_stride, index % self.block_stride
+
+    def read(self, pages: torch.Tensor, layout: RowLayout, index: torch.Tensor) -> torch.Tensor:
+        """The rows `[tokens, 2, row bytes]` of the tokens at physical indices `index`."""
+        keys, values, scales = self._planes(pages, layout)
+        blocks, slots = self.locate(index)
+        rows = pages.new_zeros(index.numel(), 2, layout.nbytes)
+        rows[:, 0] = keys[blocks, slots]
+        rows[:, 1, : layout.value_bytes] = values[blocks, :, slots].flatten(1)
+        if scales is not None:
+            rows[:, 1, layout.scale_bytes] = scales[blocks, :, slots].flatten(1)
+        return rows
+
+    def write(self, pages: torch.Tensor, layout: RowLayout, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store rows `[tokens, 2, row bytes]` at physical indices `index`."""
+        keys, values, scales = self._planes(pages, layout)
+        blocks, slots = self.locate(index)
+        keys[blocks, slots] = rows[:, 0]
+        values[blocks, :, slots] = rows[:, 1, : layout.value_bytes].unflatten(-1, values.shape[1::2])
+        if scales is not None:
+            scales[blocks, :, slots] = rows[:, 1, layout.scale_bytes].unflatten(-1, scales.shape[1::2])
+
+    def _planes(self, pages: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Views of the layer's pages: key rows `[blocks, page_size, row bytes]`, value elements `[blocks,
+        kv_heads * head_dim, page_size, element bytes]`, per-token value scales `[blocks, kv_heads, page_size, 4]`
+        (None without them)."""
+        blocks, size, row = pages.numel() // self.bytes_per_block, self.page_size, layout.nbytes
+        keys = pages.as_strided((blocks, size, row), (self.bytes_per_block, row, 1), self.layer_offset)
+        item = layout.value_bytes // (layout.kv_heads * layout.head_dim)
+        value_at = self.layer_offset + size * row
+        values = pages.as_strided((blocks, layout.value_bytes // item, size, item),
+                                  (self.bytes_per_block, size * item, item, 1), value_at)  # fmt: skip
+        if not layout.per_token:
+            return keys, values, None
+        scales = pages.as_strided((blocks, layout.kv_heads, size, 4), (self.bytes_per_block, size * 4, 4, 1),
+                                  value_at + size * layout.value_bytes)  # fmt: skip
+        return keys, values, scales
 
 
 @dataclass(frozen=True)
@@ -180,7 +215,6 @@ def attend(
     request's queries over its own rows (see the module docstring), one request at a time; the held recent and
     sink tokens from `recent`."""
     out = torch.zeros_like(query)
-    page_rows = geometry.rows(pages, new_rows.shape[-1])
     cu_q, firsts, pasts = cu_seq_lens_q.tolist(), k_first.tolist(), past.tolist()
     for r, (first, count) in enumerate(zip(firsts, pasts)):
         q_first, q_len = cu_q[r], cu_q[r + 1] - cu_q[r]
@@ -188,8 +222,7 @@ def attend(
             continue
         rows = new_rows[q_first : q_first + q_len]
         if count:
-            blocks, slots = geometry.locate(read_index[first : first + count])
-            rows = torch.cat((page_rows[blocks, :, slots], rows))
+            rows = torch.cat((geometry.read(pages, layout, read_index[first : first + count]), rows))
         kv = decode_rows(rows, layout, has_nan, static_scales)
         if recent is not None:
             recent.lay_over(kv, r)

@@ -6,12 +6,16 @@ attention these kernels reproduce). One program handles `BLOCK_M` rows of one re
 (query position, query head of the group) pair, so a GQA group reads each K/V tile once. As in
 `triton_attention`: codes are converted by the hardware on CUDA (e4m3fn, e5m2) or by exact bit operations
 (`decode_codes`), dots run in fp16 (fp32 for fp32 queries), per-token scales multiply scores and probabilities,
-per-head scales the query and the output. A request's recent and sink tokens held in the model's dtype
-(`paged.RecentRows`) are left out of the codes' loop and read after it, in the same online softmax, as the dense
-kernel reads its recent and sink buffers.
+per-head scales the query and the output. The cached keys are read from the pages in tiles of consecutive slots
+of one page when the page size allows it (`page_tile_tokens`): one physical index per tile, the value plane's
+channels as 16-byte vectors along the tokens; this step's keys from the new rows after them. A request's recent
+and sink tokens held in the model's dtype (`paged.RecentRows`) are left out of the codes' loops and read after
+them, in the same online softmax, as the dense kernel reads its recent and sink buffers.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -21,32 +25,52 @@ from .formats import TINY_SCALE, StorageFormat
 from .paged import ROW_ALIGNMENT, RecentRows, row_size
 from .triton_common import (
     HW_CODE_TYPES, LOG2E, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
-    encode, encoding, round_up_to_bf16,
+    encode, encoding, round_up_to_bf16, zero_columns,
 )
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
 
 BLOCK_T = 16  # tokens per program of the row encoder
-# head_dim (its power of 2) from which the paged kernel loads V tiles as columns, as K's: each token's page row
-# is then worked out in one register layout, where two layouts each did it for their tokens (gpu_static, sm_90,
-# 64 decode requests, static / per-token scales: d128 0.240 / 0.296 -> 0.217 / 0.282 SASS instructions per KV
-# byte, d256 0.241 / 0.270 -> 0.216 / 0.255; at d64 the transposition costs more than it saves, 0.173 -> 0.209)
+# head_dim (its power of 2) from which the paged kernel loads the new rows' V tiles as columns, as K's: each
+# token's row is then worked out in one register layout, where two layouts each did it for their tokens
+# (gpu_static, sm_90, 64 decode requests, static / per-token scales, measured when every key was read from rows:
+# d128 0.240 / 0.296 -> 0.217 / 0.282 SASS instructions per KV byte, d256 0.241 / 0.270 -> 0.216 / 0.255; at d64
+# the transposition costs more than it saves, 0.173 -> 0.209)
 V_AS_COLUMNS_FROM = 128
 
 
 @triton.jit
-def _row_scale(row_ptr, ok, value_bytes, kv_head, ALIGNED: tl.constexpr = False):
-    """The fp32 scale stored after the codes of `row_ptr`'s rows (4 little-endian bytes per KV head); one 4-byte
-    load when the rows are `ALIGNED` (the scales then start on 4 bytes)."""
-    base = row_ptr + value_bytes + 4 * kv_head
+def _scale_at(ptr, ok, ALIGNED: tl.constexpr = False):
+    """The fp32 scales stored at byte pointers `ptr` (4 little-endian bytes each); one 4-byte load each when the
+    rows are `ALIGNED` (the scales then start on 4 bytes)."""
     if ALIGNED:
-        scale = tl.load(base.to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+        scale = tl.load(ptr.to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
     else:
-        bits = tl.load(base, mask=ok, other=0).to(tl.int32)
-        bits |= tl.load(base + 1, mask=ok, other=0).to(tl.int32) << 8
-        bits |= tl.load(base + 2, mask=ok, other=0).to(tl.int32) << 16
-        bits |= tl.load(base + 3, mask=ok, other=0).to(tl.int32) << 24
+        bits = tl.load(ptr, mask=ok, other=0).to(tl.int32)
+        bits |= tl.load(ptr + 1, mask=ok, other=0).to(tl.int32) << 8
+        bits |= tl.load(ptr + 2, mask=ok, other=0).to(tl.int32) << 16
+        bits |= tl.load(ptr + 3, mask=ok, other=0).to(tl.int32) << 24
         scale = bits.to(tl.float32, bitcast=True)
     return scale
+
+
+@triton.jit
+def _attend_codes(
+    q, acc, m_i, l_i, k_codes, v_codes, k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN: tl.constexpr,
+    IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
+    NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ZERO_UNREAD: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """A tile of keys `t` (`k_codes` `[D, N]`, `v_codes` `[N, D]`, those of `t_ok` read) into the softmax;
+    ZERO_UNREAD: the values of the others are zeroed (loaded whole, they may hold anything)."""
+    k = decode_codes(k_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
+    v = decode_codes(v_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
+    if ZERO_UNREAD:
+        v = zero_columns(v, t_ok)
+    visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :] & row_ok[:, None]
+    if HAS_WINDOW:
+        visible = visible & (t[None, :] > q_pos[:, None] - window)
+    return attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, PER_TOKEN, PER_TOKEN, False,
+                       PRECISION, False)  # fmt: skip
 
 
 @triton.jit
@@ -87,6 +111,51 @@ def _attend_held(
             False, False, False, PRECISION, DOT,
         )  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def _page_tile(
+    q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
+    HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr, ALL_IN: tl.constexpr,
+):  # fmt: skip
+    """Keys `[n0, n0 + BLOCK_N)` of the pages into the softmax, those in `[k_lo, pages_end)` (ALL_IN: all of them).
+    PAGE_TILES: the tile is consecutive slots of one page, read whole from the first one's physical index (values:
+    16-byte vectors of each channel along the tokens); else each key's slot from its own."""
+    (read_ptr, k_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block, row_bytes,
+     page_size, value_bytes, value_boost, kv_head, q_pos, row_ok, window) = tile_args  # fmt: skip
+    t = n0 + n
+    if ALL_IN:
+        t_ok = tl.full(t.shape, 1, tl.int1)
+    else:
+        t_ok = (t >= k_lo) & (t < pages_end)
+    if PAGE_TILES:
+        slot = tl.multiple_of(phys % BLOCK_STRIDE, n.shape[0]) + n
+    else:
+        slot = phys % BLOCK_STRIDE
+    # (a constant divisor: a multiply-high, where a runtime one took ~20 instructions per token)
+    page = (phys // BLOCK_STRIDE).to(tl.int64) * bytes_per_block + layer_offset
+    k_row = page + slot * row_bytes
+    value_plane = page + page_size * row_bytes
+    if ALIGNED:  # rows start on 16 bytes: the K codes load as 16-byte vectors, copied asynchronously
+        k_row = tl.multiple_of(k_row, 16)
+    k_codes = tl.load(codes_ptr + k_row[None, :] + channel, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+    # a token's value element e at `value_plane + e * page_size + slot`; a page tile's are read whole, the slots
+    # out of [k_lo, pages_end) zeroed after decoding (they may hold anything, NaN codes too)
+    v_mask = d_ok[:, None] if PAGE_TILES else t_ok[None, :] & d_ok[:, None]
+    v_codes = tl.load(codes_ptr + value_plane + slot[None, :] + channel * page_size, mask=v_mask, other=0.0)
+    if PER_TOKEN:
+        k_scale = _scale_at(pages_ptr + k_row + value_bytes + 4 * kv_head, t_ok, ALIGNED)
+        v_scale = _scale_at(pages_ptr + value_plane + value_bytes * page_size + 4 * (kv_head * page_size + slot),
+                            t_ok, ALIGNED) * value_boost  # fmt: skip
+    else:  # per head: folded into the query (K) and the output (V)
+        k_scale = 1.0
+        v_scale = 1.0
+    return _attend_codes(
+        q, acc, m_i, l_i, k_codes, tl.trans(v_codes), k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN,
+        IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, HAS_WINDOW, PAGE_TILES and not ALL_IN, DOT, PRECISION,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -170,7 +239,7 @@ def _paged_attention_kernel(
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
     HAS_RECENT: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PAGE_TILES: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile. With HAS_RECENT,
@@ -207,64 +276,87 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_end = past + (tl.minimum(first_row + BLOCK_M, q_len * GROUP) - 1) // GROUP + 1  # none after the last query
-    k_lo = 0
+    k_lo = 0  # the first key read from the codes
     if HAS_WINDOW:
         window_lo = past + first_row // GROUP - window + 1
-        k_lo = tl.maximum(window_lo, 0) // BLOCK_N * BLOCK_N
-    # the keys read from the codes: [sink_end, codes_end) (key indices; the others are held in full precision)
+        k_lo = tl.maximum(window_lo, 0)
+    # the keys read from the codes: [k_lo, codes_end) (key indices; the others are held in full precision)
     codes_end = k_end
     if HAS_RECENT:
         sink_end, recent_lo, _, _ = _held_keys(recent_meta_ptr, request, requests)
         codes_end = tl.minimum(k_end, recent_lo)
-        k_lo = tl.maximum(k_lo, sink_end)  # (a start off the tile grid: no per-tile sink mask in the loop)
+        k_lo = tl.maximum(k_lo, sink_end)
     # the page bytes as the codes `decode_codes` takes (a typed load, as in `_attention_kernel`): the fp8 type for
     # the hardware conversion, else int8 bits
     codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
-    k_column = kv_head * HEAD_DIM + d[:, None]
-    v_column = kv_head * HEAD_DIM + d[None, :]
-    # each tile's page indices are loaded one iteration ahead, into registers: loaded in the iteration that uses
-    # them, they left the codes' copies one tile in flight (gpu_static: `DEPBAR.LE SB0, 0`), two this way
+    channel = kv_head * HEAD_DIM + d[:, None]  # [D, 1]: a K row's codes; the V plane's rows of the tokens' values
+    pages_end = tl.minimum(codes_end, past)
     n = tl.arange(0, BLOCK_N)
-    phys_next = tl.load(read_ptr + k_first + k_lo + n, mask=(k_lo + n < past) & (k_lo + n < codes_end), other=0)
-    for n0 in tl.range(k_lo, codes_end, BLOCK_N, num_stages=STAGES):
+    # The keys in the pages, in tiles of BLOCK_N keys. PAGE_TILES: BLOCK_N consecutive slots of one page, from a
+    # multiple of BLOCK_N (transformers' allocators fill a request's pages slot by slot), the tiles from the one
+    # holding `k_lo`: the whole tiles in a loop reading every slot, the partial ones at either end (at most 2)
+    # masked and not pipelined (pipelined: d64 decode 149 -> 170 registers, 6 -> 4 blocks per SM, gpu_static);
+    # else every tile masked, each token's slot read on its own. A whole tile's physical index is loaded one tile
+    # ahead, into registers: loaded in the iteration that uses it, the codes' copies waited for it (gpu_static:
+    # `DEPBAR.LE SB0, 0`, one tile in flight), two this way
+    read_ptr += k_first
+    tile_lo = k_lo
+    if PAGE_TILES:
+        tile_lo -= tl.load(read_ptr + k_lo, mask=k_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
+        whole_lo = tile_lo + tl.where(tile_lo < k_lo, BLOCK_N, 0)
+        whole_hi = tl.maximum(tile_lo + (pages_end - tile_lo) // BLOCK_N * BLOCK_N, whole_lo)
+    else:
+        whole_lo = tile_lo
+        whole_hi = tile_lo
+    before = (tile_lo < tl.minimum(whole_lo, pages_end)).to(tl.int32)  # a partial tile before the whole ones
+    tile_args = (read_ptr, k_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block,
+                 row_bytes, page_size, value_bytes, value_boost, kv_head, q_pos, row_ok, window)  # fmt: skip
+    if PAGE_TILES:
+        phys_next = tl.load(read_ptr + whole_lo, mask=whole_lo < whole_hi, other=0)
+        for n0 in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
+            phys = phys_next.to(tl.int32)
+            phys_next = tl.load(read_ptr + n0 + BLOCK_N, mask=n0 + BLOCK_N < whole_hi, other=0)
+            acc, m_i, l_i = _page_tile(
+                q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
+                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, True,
+            )  # fmt: skip
+    for i in tl.range(0, before + tl.cdiv(pages_end - whole_hi, BLOCK_N), num_stages=1 if PAGE_TILES else STAGES):
+        n0 = tl.where(i < before, tile_lo, whole_hi + (i - before) * BLOCK_N)
+        if PAGE_TILES:  # the tile's first slot, from its first key read
+            first = tl.maximum(n0, k_lo)
+            phys = (tl.load(read_ptr + first) - (first - n0)).to(tl.int32)
+        else:
+            phys = tl.load(read_ptr + n0 + n, mask=(n0 + n >= k_lo) & (n0 + n < pages_end), other=0).to(tl.int32)
+        acc, m_i, l_i = _page_tile(
+            q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK,
+            NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, PAGE_TILES, False,
+        )  # fmt: skip
+    # this step's keys, from the new rows (token-major values)
+    for n0 in tl.range(tl.maximum(k_lo, past), codes_end, BLOCK_N, num_stages=STAGES):
         t = n0 + n
         t_ok = t < codes_end
-        if HAS_WINDOW:  # the first tile's keys before every row's window are never read
-            t_ok = t_ok & (t >= window_lo)
-        in_pages = t_ok & (t < past)
-        phys = phys_next.to(tl.int32)  # 32-bit division below
-        t_next = t + BLOCK_N
-        phys_next = tl.load(read_ptr + k_first + t_next, mask=(t_next < past) & (t_next < codes_end), other=0)
-        # (a constant divisor: a multiply-high, where a runtime one took ~20 instructions per token)
-        block, slot = phys // BLOCK_STRIDE, phys % BLOCK_STRIDE
-        page_row = block.to(tl.int64) * bytes_per_block + layer_offset + slot * row_bytes
-        new_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
-        # each token's K row as an offset from `pages_ptr`: in the pages, or among this step's new rows (one load
-        # per tile; a sum of two masked loads went through registers byte by byte, gpu_static)
-        k_row = tl.where(in_pages, page_row, new_row)
-        v_row = k_row + tl.where(in_pages, page_size * row_bytes, row_bytes)
-        if ALIGNED:  # rows start on 16 bytes: the codes load as 16-byte vectors, copied asynchronously
+        k_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
+        v_row = k_row + row_bytes
+        if ALIGNED:
             k_row = tl.multiple_of(k_row, 16)
             v_row = tl.multiple_of(v_row, 16)
-        k_codes = tl.load(codes_ptr + k_row[None, :] + k_column, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+        k_codes = tl.load(codes_ptr + k_row[None, :] + channel, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
         if V_AS_COLUMNS:  # the V tile loaded as K's, [D, N]: the tokens' rows are computed in one layout only
-            v_codes = tl.trans(tl.load(codes_ptr + v_row[None, :] + k_column, mask=t_ok[None, :] & d_ok[:, None],
+            v_codes = tl.trans(tl.load(codes_ptr + v_row[None, :] + channel, mask=t_ok[None, :] & d_ok[:, None],
                                        other=0.0))  # fmt: skip
         else:
-            v_codes = tl.load(codes_ptr + v_row[:, None] + v_column, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        k = decode_codes(k_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [D, N]
-        v = decode_codes(v_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)  # [N, D]
+            v_codes = tl.load(codes_ptr + v_row[:, None] + kv_head * HEAD_DIM + d[None, :],
+                              mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         if PER_TOKEN:
-            k_scale = _row_scale(pages_ptr + k_row, t_ok, value_bytes, kv_head, ALIGNED)
-            v_scale = _row_scale(pages_ptr + v_row, t_ok, value_bytes, kv_head, ALIGNED) * value_boost
-        else:  # per head: folded into the query (K) and the output (V)
+            k_scale = _scale_at(pages_ptr + k_row + value_bytes + 4 * kv_head, t_ok, ALIGNED)
+            v_scale = _scale_at(pages_ptr + v_row + value_bytes + 4 * kv_head, t_ok, ALIGNED) * value_boost
+        else:
             k_scale = 1.0
             v_scale = 1.0
-        visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :] & row_ok[:, None]
-        if HAS_WINDOW:
-            visible = visible & (t[None, :] > q_pos[:, None] - window)
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, PER_TOKEN, PER_TOKEN, False,
-                                     PRECISION, False)  # fmt: skip
+        acc, m_i, l_i = _attend_codes(
+            q, acc, m_i, l_i, k_codes, v_codes, k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN,
+            IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, HAS_WINDOW, False, DOT, PRECISION,
+        )  # fmt: skip
     out_scale = out_factor
     if not PER_TOKEN:
         out_scale *= tl.load(v_scale_ptr + kv_head)
@@ -299,6 +391,14 @@ def paged_attention_tiles(rows: int, head_dim: int) -> tuple[int, int, int, dict
     return block_m, block_n, block_d, options
 
 
+def page_tile_tokens(block_n: int, page_size: int, window: int | None) -> int | None:
+    """Tokens of the paged kernel's tiles of consecutive slots: `block_n` or a smaller power of 2 dividing the
+    page size (and a sliding layer's window, where its ring of slots wraps), at least 16 (a 16-byte vector of each
+    value channel); None: no such tile, each token's slot is read on its own."""
+    tile = math.gcd(block_n, page_size, window or 0)
+    return tile if tile >= 16 else None
+
+
 def paged_attention(
     query: torch.Tensor,
     pages: torch.Tensor,
@@ -323,10 +423,11 @@ def paged_attention(
     """fp32 attention output `[tokens, q_heads, head_dim]` of `query` `[tokens, q_heads, head_dim]` (every
     request's rows, `cu_seq_lens_q` int32 `[requests + 1]`) over paged rows (see the module docstring).
 
-    `pages`: the uint8 page bytes; `new_rows`: uint8 `[tokens, 2, row_bytes]`; `read_index`: int64 physical
-    indices; `k_first` / `past`: int32 `[requests]`; `static_scales`: fp32 `[kv_heads]` K and V scales (None:
-    per-token-head scales stored in the rows); `recent`: the requests' recent and sink tokens in the model's dtype
-    (contiguous rows). Codes in the fp8 formats or int8.
+    `pages`: the uint8 page bytes; `new_rows`: uint8 `[tokens, 2, row_bytes]`; `read_index`: int64 physical indices,
+    each page's tokens in its consecutive slots (as transformers' allocators place them; with `window`, a sliding
+    layer's ring of `window` slots); `k_first` / `past`: int32 `[requests]`; `static_scales`: fp32 `[kv_heads]` K and
+    V scales (None: per-token-head scales stored in the rows); `recent`: the requests' recent and sink tokens in the
+    model's dtype (contiguous rows). Codes in the fp8 formats or int8.
     """
     out, launch = plan_paged_attention(
         query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=fmt, kv_heads=kv_heads,
@@ -375,6 +476,8 @@ def plan_paged_attention(
         return out, None
     group = q_heads // kv_heads
     block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim)
+    page_tile = page_tile_tokens(block_n, page_size, window)
+    block_n = page_tile or block_n
     decode = decode_settings(fmt, query, per_token, cuda)
     hw_convert, code_factor, dot, value_boost = decode
     k_scale, v_scale = static_scales if static_scales is not None else (out, out)
@@ -399,6 +502,7 @@ def plan_paged_attention(
         BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert,
         CODE_TYPE=HW_CODE_TYPES.get(fmt.dtype, tl.int8), FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
-        HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision, **options,
+        HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
+        PAGE_TILES=page_tile is not None, **options,
     )  # fmt: skip
     return out, Launch(_paged_attention_kernel, grid, args, constexprs)

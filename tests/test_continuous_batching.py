@@ -323,22 +323,30 @@ def test_forked_requests_copy_the_recent_and_sink_tokens():
         assert output.generated_tokens == expected[request_id.split("__child#")[0]], request_id
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("scales", ["dynamic", 0.05])
-def test_triton_backend_reads_the_same_pages(scales):
-    """The Triton paged kernel (the interpreter here, CUDA on a GPU) through the whole batch: the same tokens as
-    the torch path, on a sliding and a full layer."""
-    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+@pytest.mark.parametrize("page_size, window", [(4, 8), (16, 16)])
+def test_triton_backend_reads_the_same_pages(scales, page_size, window, variant):
+    """The Triton paged kernel (the interpreter here, CUDA on a GPU) through the whole batch: the torch path's
+    logits at every step, on a sliding layer (its ring of slots wraps: pure FP8 reads it from the codes) and a
+    full layer; 4-token pages read token by token, 16-token ones in tiles of consecutive slots."""
+    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=window,
                        use_sliding_window=True, max_window_layers=0).to(DEVICE)  # fmt: skip
     generator = torch.Generator().manual_seed(1)
-    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 11, 19)]
-    tokens = {}
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 11, 19, 37)]
+    logits = {}
     for backend in ("torch", "triton"):
-        cb.enable(model, scales=scales, backend=backend, max_requests=4)
-        outputs = model.generate_batch(inputs, generation_config=GREEDY,
-                                       continuous_batching_config=pages(page_size=4), warmup=False)  # fmt: skip
-        tokens[backend] = [o.generated_tokens for o in outputs.values()]
+        cb.enable(model, scales=scales, backend=backend, max_requests=4, **VARIANTS[variant])
+        steps = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, out: steps.append(out[0].float().cpu()))
+        try:
+            model.generate_batch(inputs, generation_config=GREEDY,
+                                 continuous_batching_config=pages(page_size=page_size), warmup=False)  # fmt: skip
+        finally:
+            hook.remove()
+        logits[backend] = torch.cat(steps)
     cb.disable(model)
-    assert tokens["triton"] == tokens["torch"]
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
 
 
 def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):

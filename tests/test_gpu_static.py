@@ -111,8 +111,11 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     assert {"q_ptr", "k_ptr", "v_ptr", "out_ptr"} <= set(attention["aligned_args"])
     assert "length" not in attention["aligned_args"] + attention["constexpr_args"]
     assert rows["_write_kernel"]["loop"] is None and rows["_reduce_kernel"]["loop"] is None
-    paged = rows["_paged_attention_kernel"]  # GQA-packed rows: one program per request and KV head
-    assert paged["grid"] == [64, 8, 1] and paged["loop"]["dots"] > 0 and paged["spill_stores"] == 0
+    # GQA-packed rows: one program per request and KV head; pages read in tiles of slots, or token by token
+    paged = {row["case"]["page_size"]: row for row in report["rows"] if row["kernel"] == "_paged_attention_kernel"}
+    assert set(paged) == {256, 24}
+    for row in paged.values():
+        assert row["grid"] == [64, 8, 1] and row["loop"]["dots"] > 0 and row["spill_stores"] == 0
 
 
 def test_known_loops_are_read_right(compiled):

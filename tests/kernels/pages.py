@@ -5,7 +5,7 @@ precision beside the pages (`RecentRows`)."""
 import torch
 
 from hf_fp8kv.kernels import reference
-from hf_fp8kv.kernels.paged import RecentRows, row_size
+from hf_fp8kv.kernels.paged import PageGeometry, RecentRows, RowLayout, row_size
 
 PAGE_SIZE = 4
 LAYERS = 2  # pages per block; the tested layer is the second one (a non-zero layer offset)
@@ -25,23 +25,26 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Ten
 
 
 def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None,
-          recent=None, dtype=torch.float32):  # fmt: skip
-    """Pages and new rows of `requests` (`(past, q_len)` each); `garbage_before`: a window, whose cached rows
-    before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed page's filler.
-    `recent`: `(R, S, key_start)`, each request's newest R and first S tokens held in `dtype` rows (returned as
-    the fifth item), every other request as if its prompt's first half came from another request (prefix sharing:
-    neither those sinks nor those recent tokens held), its keys starting at position `key_start` (a sliding
+          recent=None, dtype=torch.float32, page_size=PAGE_SIZE):  # fmt: skip
+    """Pages of `page_size` tokens and new rows of `requests` (`(past, q_len)` each), each request's tokens in its
+    blocks' consecutive slots, as transformers' full-attention allocator places them; `garbage_before`: a window,
+    whose cached rows before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed
+    page's filler. `recent`: `(R, S, key_start)`, each request's newest R and first S tokens held in `dtype` rows
+    (returned as the fifth item), every other request as if its prompt's first half came from another request (prefix
+    sharing: neither those sinks nor those recent tokens held), its keys starting at position `key_start` (a sliding
     layer's window; sinks then apply to none)."""
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
     row_bytes = row_size(kv_heads * head_dim, kv_heads if dynamic else 0)
-    page_bytes = 2 * PAGE_SIZE * row_bytes
+    page_bytes = 2 * page_size * row_bytes
     layer_offset = page_bytes  # the first layer's page comes first
     bytes_per_block = LAYERS * page_bytes + block_padding  # padded, as a block of mixed layers may be
-    block_stride = 2 * PAGE_SIZE * LAYERS
-    total_pages = sum(-(-past // PAGE_SIZE) for past, _ in requests) + 2
-    pages = torch.zeros(total_pages * bytes_per_block, dtype=torch.uint8)
+    block_stride = 2 * page_size * LAYERS
+    geometry = PageGeometry(layer_offset, bytes_per_block, block_stride, page_size)
+    row_layout = RowLayout(fmt, dynamic, kv_heads, head_dim, dtype)
+    total_pages = sum(-(-past // page_size) for past, _ in requests) + 2
+    pages = torch.full((total_pages * bytes_per_block,), 0xFF, dtype=torch.uint8)  # unwritten: NaN codes
     free_blocks = torch.randperm(total_pages, generator=generator).tolist()
     queries, new_rows, read_index, expected, held = [], [], [], [], []
     cu_q, k_first, pasts = [0], [], []
@@ -51,14 +54,13 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
         k_rows, k_values = encode(keys, fmt, static[0] if static else None)
         v_rows, v_values = encode(values, fmt, static[1] if static else None)
         k_first.append(len(read_index))
-        blocks = [free_blocks.pop() for _ in range(-(-past // PAGE_SIZE))]
-        for t in range(past):
-            block, slot = blocks[t // PAGE_SIZE], t % PAGE_SIZE
-            read_index.append(block * block_stride + slot)
-            unseen = garbage_before is not None and t <= past - garbage_before
-            for plane, rows in ((0, k_rows), (1, v_rows)):
-                at = block * bytes_per_block + layer_offset + plane * PAGE_SIZE * row_bytes + slot * row_bytes
-                pages[at : at + row_bytes] = 0xFF if unseen else rows[t]
+        blocks = [free_blocks.pop() for _ in range(-(-past // page_size))]
+        index = [blocks[t // page_size] * block_stride + t % page_size for t in range(past)]
+        cached = torch.stack((k_rows[:past], v_rows[:past]), dim=1)
+        if garbage_before is not None:
+            cached[: max(past - garbage_before + 1, 0)] = 0xFF
+        geometry.write(pages, row_layout, torch.tensor(index, dtype=torch.int64), cached)
+        read_index += index
         new_rows.append(torch.stack((k_rows[past:], v_rows[past:]), dim=1))
         query = torch.randn(q_len, kv_heads * group, head_dim, generator=generator)
         queries.append(query)
@@ -68,7 +70,7 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
         cu_q.append(cu_q[-1] + q_len)
         pasts.append(past)
     layout = dict(kv_heads=kv_heads, layer_offset=layer_offset, bytes_per_block=bytes_per_block,
-                  block_stride=block_stride, page_size=PAGE_SIZE)  # fmt: skip
+                  block_stride=block_stride, page_size=page_size)  # fmt: skip
     tensors = (
         torch.cat(queries), pages, torch.cat(new_rows).contiguous(), torch.tensor(read_index, dtype=torch.int64),
         torch.tensor(cu_q, dtype=torch.int32), torch.tensor(k_first, dtype=torch.int32),

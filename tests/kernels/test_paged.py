@@ -25,6 +25,35 @@ def test_rows_round_trip_through_the_codec(name):
     assert torch.equal(paged.decode_rows(rows, layout, False, None), dequantize_stacked(codes, scales, fmt, False))
 
 
+@pytest.mark.parametrize("per_token, dtype", [(True, None), (False, None), (False, torch.bfloat16)])
+def test_pages_hold_key_rows_and_transposed_value_planes(per_token, dtype):
+    """The page bytes of `PageGeometry.write`: key rows one after the other, value elements head_dim-major with
+    the per-token scales after them (see the module docstring); `read` gives the rows back."""
+    fmt = None if dtype else FORMATS["fp8_e4m3"]
+    layout = paged.RowLayout(fmt, per_token, 2, 8, dtype or torch.float32)
+    geometry = paged.PageGeometry(layer_offset=32, bytes_per_block=2 * 16 * layout.nbytes + 64, block_stride=48,
+                                  page_size=16)  # fmt: skip
+    pages = torch.zeros(3 * geometry.bytes_per_block, dtype=torch.uint8)
+    index = torch.tensor([48 + 5, 2 * 48 + 15, 7])  # (block, slot): (1, 5), (2, 15), (0, 7)
+    rows = torch.randint(0, 256, (3, 2, layout.nbytes), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    rows[..., layout.value_bytes + (4 * 2 if per_token else 0) :] = 0  # padding
+    geometry.write(pages, layout, index, rows)
+    assert torch.equal(geometry.read(pages, layout, index), rows)
+    item = 2 if dtype else 1
+    for token, (block, slot) in enumerate([(1, 5), (2, 15), (0, 7)]):
+        page = block * geometry.bytes_per_block + 32
+        key_at = page + slot * layout.nbytes
+        assert torch.equal(pages[key_at : key_at + layout.nbytes], rows[token, 0])
+        plane = page + 16 * layout.nbytes
+        for element in (0, 9, 15):  # value element e of the slot at (e * page_size + slot) * item
+            at = plane + (element * 16 + slot) * item
+            assert torch.equal(pages[at : at + item], rows[token, 1, element * item : element * item + item])
+        if per_token:
+            for head in range(2):
+                at = plane + 16 * layout.value_bytes + 4 * (head * 16 + slot)
+                assert torch.equal(pages[at : at + 4], rows[token, 1, layout.value_bytes + 4 * head :][:4])
+
+
 # every case, and those with a window again with NaN filler in the rows before it
 ATTEND_CASES = [(case, False) for case in CASES] + [(case, True) for case in CASES if case[-1] is not None]
 

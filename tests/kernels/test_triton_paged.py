@@ -11,8 +11,8 @@ import torch
 
 from hf_fp8kv.kernels import paged
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.triton_paged import encode_rows, paged_attention, plan_paged_attention
-from pages import build, oracle
+from hf_fp8kv.kernels.triton_paged import encode_rows, page_tile_tokens, paged_attention, plan_paged_attention
+from pages import PAGE_SIZE, build, oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,15 +50,16 @@ RECENT_CASES = [
 ]
 
 
-def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None) -> bool:
+def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None, page_size=PAGE_SIZE) -> dict:
     """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window;
-    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`); returns whether it was told
-    its rows are aligned."""
+    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`); returns the launch's
+    constexprs (what the kernel was told of its rows)."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
     built = build(requests, fmt, kv_heads, head_dim, group, dynamic, block_padding=block_padding,
-                  garbage_before=window if garbage else None, recent=recent, dtype=dtype)  # fmt: skip
+                  garbage_before=window if garbage else None, recent=recent, dtype=dtype,
+                  page_size=page_size)  # fmt: skip
     tensors, layout, static, expected = built[:4]
     held = None if recent is None else replace(built[4], rows=built[4].rows.to(DEVICE),
                                                requests=built[4].requests.to(DEVICE))  # fmt: skip
@@ -73,12 +74,13 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
     assert error < TOLERANCE[dtype], f"{name}: relative error {error}"
-    return launch.kwargs["ALIGNED"]
+    return launch.kwargs
 
 
 @pytest.mark.parametrize("dtype, case", [(torch.float32, case) for case in CASES] + DTYPE_CASES)
 def test_paged_attention_matches_reference(dtype, case):
-    assert not check(dtype, case)  # blocks of 8 padding bytes: byte-wise scale loads
+    told = check(dtype, case)  # blocks of 8 padding bytes: byte-wise scale loads
+    assert not told["ALIGNED"] and not told["PAGE_TILES"]  # 4-token pages: each token's slot read on its own
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,7 +95,41 @@ def test_recent_and_sink_tokens_are_read_in_full_precision(dtype, case, recent):
 def test_aligned_rows_take_the_vector_path(case):
     """Blocks of a multiple of 16 bytes: the kernel is told its rows are aligned (16-byte code loads, 4-byte
     scale loads) and still gives the reference's output."""
-    assert check(torch.float32, case, block_padding=16)
+    assert check(torch.float32, case, block_padding=16)["ALIGNED"]
+
+
+# (case, page size): pages of 16 and 64 tokens, read in tiles of consecutive slots (the tile shrinks to a 16-token
+# page, and to a divisor of a sliding window), decode and chunked prefill, every request's last page part-written
+PAGE_TILE_CASES = [
+    (("fp8_e4m3", True, [(40, 1), (7, 3), (100, 1)], 2, 16, None), 16),
+    (("fp8_e5m2", False, [(70, 2), (0, 9)], 4, 32, 32), 16),
+    (("fp8_e4m3", True, [(130, 1), (64, 1), (5, 40)], 2, 128, None), 64),
+    (("int8_per_token_head", True, [(90, 1), (33, 20)], 1, 16, 48), 64),
+    (("fp8_e4m3fnuz", False, [(75, 4)], 2, 24, 64), 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case, page_size", PAGE_TILE_CASES, ids=str)
+def test_page_tiles_read_whole_value_tiles(dtype, case, page_size):
+    """Pages of a multiple of 16 tokens: each tile's values are read whole from its page's transposed value plane
+    (the slots a request has not written, and those before the window, hold NaN codes and must reach no output)."""
+    told = check(dtype, case, block_padding=16, garbage=case[-1] is not None, page_size=page_size)
+    assert told["PAGE_TILES"] and told["ALIGNED"] and page_size % told["BLOCK_N"] == 0
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_page_tiles_with_recent_and_sink_tokens(page_size):
+    """Held recent and sink tokens beside page tiles: the codes' first tile starts at the sinks' end, mid-tile."""
+    told = check(torch.float32, PAGE_TILE_CASES[0][0], block_padding=16, recent=(16, 5, 0), page_size=page_size)
+    assert told["PAGE_TILES"]
+
+
+def test_page_tile_sizes():
+    assert page_tile_tokens(64, 256, None) == 64
+    assert page_tile_tokens(64, 16, None) == 16  # a page smaller than the tile
+    assert page_tile_tokens(64, 256, 4096) == 64 and page_tile_tokens(64, 256, 48) == 16
+    assert page_tile_tokens(64, 4, None) is None and page_tile_tokens(64, 256, 50) is None
 
 
 def test_rows_of_the_wrong_size_are_refused():
