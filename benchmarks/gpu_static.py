@@ -189,7 +189,7 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     fmt = FORMATS[case.fmt]
     dtype = getattr(torch, case.dtype)
     if case.kind == "paged":
-        return [plan_paged(case, fmt, dtype, device)]
+        return plan_paged(case, fmt, dtype, device)
     # a static cache's buffers have a spare slot; per-token scale rows are allocated on whole 4-byte words
     capacity = case.static_cache + 1 if case.static_cache else -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
     codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
@@ -231,9 +231,9 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
 LAYERS = 30
 
 
-def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
-    """The launch of `triton_paged.paged_attention` for `case.batch` requests of `case.q_len` new tokens after
-    `case.context` cached ones each."""
+def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> list[Launch]:
+    """The launches of `triton_paged.paged_attention` for `case.batch` requests of `case.q_len` new tokens after
+    `case.context` cached ones each, and of `write_rows` for those new tokens."""
     row_bytes = paged.row_size(case.kv_heads * case.head_dim, case.kv_heads if case.per_token else 0)
     tokens = case.batch * case.q_len
     query = torch.empty(tokens, case.kv_heads * case.group, case.head_dim, dtype=dtype, device=device)
@@ -249,14 +249,19 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> Launch:
                            device=device)  # fmt: skip
         requests = torch.empty(4, case.batch, dtype=torch.int32, device=device)
         recent = paged.RecentRows(rows, case.recent, case.sinks, requests, ([],) * 4)
-    _, launch = triton_paged.plan_paged_attention(
+    geometry = paged.PageGeometry(3 * 2 * case.page_size * row_bytes, bytes_per_block, LAYERS * 2 * case.page_size,
+                                  case.page_size)  # fmt: skip
+    _, attend = triton_paged.plan_paged_attention(
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
-        layer_offset=3 * 2 * case.page_size * row_bytes, bytes_per_block=bytes_per_block,
-        block_stride=LAYERS * 2 * case.page_size, page_size=case.page_size, scaling=case.head_dim**-0.5,
-        static_scales=static,
-        max_q_len=case.q_len, recent=recent, cuda=True,
+        layer_offset=geometry.layer_offset, bytes_per_block=bytes_per_block, block_stride=geometry.block_stride,
+        page_size=case.page_size, scaling=case.head_dim**-0.5, static_scales=static, max_q_len=case.q_len,
+        recent=recent, cuda=True,
     )  # fmt: skip
-    return launch
+    states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
+    stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
+    write_index = torch.empty(tokens, dtype=torch.int64, device=device)
+    _, write = triton_paged.plan_write_rows(states, fmt, stats, static, pages, geometry, write_index)
+    return [attend, write]
 
 
 # --- compiling --------------------------------------------------------------------------------------------------

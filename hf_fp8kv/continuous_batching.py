@@ -524,9 +524,11 @@ class FP8PagesMixin:
         if layout.key_channel is not None:
             key = key / layout.key_channel.to(key.device)[None, :, None, :]
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
-        rows, nonfinite = self.backend.encode_rows(states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx))
+        rows, nonfinite = self.backend.write_rows(
+            states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx), self.cache_tensor,
+            self.geometry[layer_idx], write_index,
+        )  # fmt: skip
         self.has_nan[layer_idx] |= nonfinite
-        self.geometry[layer_idx].write(self.cache_tensor, layout, write_index, rows)
         return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q, recent)
 
     def _write_recent(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> RecentRows:

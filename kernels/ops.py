@@ -8,7 +8,7 @@ CUDA, torch elsewhere); `None` reads the environment variable HF_FP8KV_BACKEND (
 A backend gives each layer a `LayerKernels` handle: `write` and `attend` over the layer's `KVView`, and the
 layer's kernel state (launch plans, the launch arguments derived from its buffers, split buffers, the split
 count of a compiled decode step), which no one resets by hand: plans are keyed by the view's layout, derived
-arguments by its buffers' identity. Continuous batching's pages go through the backend too (`encode_rows`,
+arguments by its buffers' identity. Continuous batching's pages go through the backend too (`write_rows`,
 `paged_attend`). Inside a `torch.compile` graph the Triton kernels run as custom ops (`triton_ops`).
 """
 
@@ -78,11 +78,15 @@ class TorchBackend:
         them; the torch path's attention is exact)."""
         return TorchLayerKernels()
 
-    def encode_rows(
-        self, states: torch.Tensor, layout: paged.RowLayout, stats: torch.Tensor | None, static_scales
-    ) -> tuple[torch.Tensor, bool]:
-        """Page rows of `states` and whether an input was non-finite (see `paged.encode_rows`)."""
-        return paged.encode_rows(states, layout, stats, static_scales)
+    def write_rows(
+        self, states: torch.Tensor, layout: paged.RowLayout, stats: torch.Tensor | None, static_scales,
+        pages: torch.Tensor, geometry: paged.PageGeometry, index: torch.Tensor,
+    ) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        """Page rows of `states`, also stored in `pages` at physical indices `index`, and whether an input was
+        non-finite (see `paged.encode_rows`)."""
+        rows, nonfinite = paged.encode_rows(states, layout, stats, static_scales)
+        geometry.write(pages, layout, index, rows)
+        return rows, nonfinite
 
     def paged_attend(self, query: torch.Tensor, *pages_args, max_q_len: int | None = None, **kwargs) -> torch.Tensor:
         """Attention over paged rows read in place (see `paged.attend` for the arguments; `max_q_len`, the longest
@@ -141,13 +145,14 @@ class TritonBackend(TorchBackend):
     def layer_kernels(self, fp8_prefill: bool = False) -> TritonLayerKernels:
         return TritonLayerKernels(fp8_prefill)
 
-    def encode_rows(self, states, layout, stats, static_scales) -> tuple[torch.Tensor, bool]:
+    def write_rows(self, states, layout, stats, static_scales, pages, geometry, index) -> tuple[torch.Tensor, bool]:
         if layout.fmt is None:
-            return super().encode_rows(states, layout, stats, static_scales)
-        from .triton_paged import encode_rows
+            return super().write_rows(states, layout, stats, static_scales, pages, geometry, index)
+        from .triton_paged import write_rows
 
         pair = None if static_scales is None else (static_scales[0], static_scales[1])
-        return encode_rows(states, layout.fmt, stats, pair), True  # (non-finite inputs: not known without a sync)
+        rows = write_rows(states, layout.fmt, stats, pair, pages, geometry, index)
+        return rows, True  # (non-finite inputs: not known without a sync)
 
     def paged_attend(
         self, query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, layout: paged.RowLayout,

@@ -30,7 +30,7 @@ import triton.language as tl
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, PREFILL_ROWS, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
     attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, load_token_scales,
-    to_e4m3, visibility, zero_columns,
+    tile_tokens, to_e4m3, visibility, zero_columns,
 )
 from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
 from .view import KVView, scale_dtypes
@@ -252,11 +252,7 @@ def _codes_tile(
     (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim, lo, hi, n, d, d_ok,
      value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi,
      softcap, q_row) = tile_args  # fmt: skip
-    t = tile + n
-    if ALL_IN:
-        t_ok = tl.full(t.shape, 1, tl.int1)
-    else:
-        t_ok = (t >= lo) & (t < hi)
+    t, t_ok = tile_tokens(tile, n, lo, hi, ALL_IN)
     if RING:
         slot = (t % slots).to(tl.int64)
     else:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import view
-from .formats import FORMATS, StorageFormat
+from .formats import FORMATS, TINY_SCALE, StorageFormat
 from .triton_launch import interpreting, next_power_of_2
 
 LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
@@ -22,6 +22,7 @@ FP16_MAX = tl.constexpr(65504.0)
 MIN_ROWS = 16  # tl.dot needs 16 rows
 PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
 FP32_ONE_BITS = 0x3F800000
+MIN_TOKEN_SCALE = tl.constexpr(TINY_SCALE)  # formats.TINY_SCALE, as the kernels read it
 P_SCALE = tl.constexpr(256.0)  # FP8 probabilities times this: [0, 256] in e4m3, down to 2^-17 (subnormals)
 VALUE_TILE = tl.constexpr(view.VALUE_TILE)
 
@@ -176,6 +177,18 @@ def as_e4m3(codes):
     if codes.dtype == tl.float8e4nv:
         return codes
     return codes.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def tile_tokens(first, n, lo, hi, ALL_IN: tl.constexpr):
+    """The tokens `first + n` of a tile and which of them lie in `[lo, hi)` (ALL_IN: all of them, a constant the
+    loads' masks fold away)."""
+    t = first + n
+    if ALL_IN:
+        t_ok = tl.full(t.shape, 1, tl.int1)
+    else:
+        t_ok = (t >= lo) & (t < hi)
+    return t, t_ok
 
 
 @triton.jit

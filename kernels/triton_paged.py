@@ -1,4 +1,4 @@
-"""Triton kernels over paged FP8 rows (continuous batching): the row encoder, and attention with varlen queries
+"""Triton kernels over paged FP8 rows (continuous batching): the row writer, and attention with varlen queries
 and keys read through read indices.
 
 The rows, their geometry in the pages and what each request sees are `paged.py`'s (the torch codec and
@@ -21,15 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import TINY_SCALE, StorageFormat
-from .paged import ROW_ALIGNMENT, RecentRows, row_size
+from .formats import StorageFormat
+from .paged import ROW_ALIGNMENT, PageGeometry, RecentRows, row_size
 from .triton_common import (
-    HW_CODE_TYPES, LOG2E, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings,
-    encode, encoding, round_up_to_bf16, zero_columns,
+    HW_CODE_TYPES, LOG2E, MIN_TOKEN_SCALE, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
+    decode_settings, encode, encoding, round_up_to_bf16, tile_tokens, zero_columns,
 )
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
 
-BLOCK_T = 16  # tokens per program of the row encoder
+BLOCK_T = 16  # tokens per program of the row writer
 # head_dim (its power of 2) from which the paged kernel loads the new rows' V tiles as columns, as K's: each
 # token's row is then worked out in one register layout, where two layouts each did it for their tokens
 # (gpu_static, sm_90, 64 decode requests, static / per-token scales, measured when every key was read from rows:
@@ -125,11 +125,7 @@ def _page_tile(
     16-byte vectors of each channel along the tokens); else each key's slot from its own."""
     (read_ptr, k_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block, row_bytes,
      page_size, value_bytes, value_boost, kv_head, q_pos, row_ok, window) = tile_args  # fmt: skip
-    t = n0 + n
-    if ALL_IN:
-        t_ok = tl.full(t.shape, 1, tl.int1)
-    else:
-        t_ok = (t >= k_lo) & (t < pages_end)
+    t, t_ok = tile_tokens(n0, n, k_lo, pages_end, ALL_IN)
     if PAGE_TILES:
         slot = tl.multiple_of(phys % BLOCK_STRIDE, n.shape[0]) + n
     else:
@@ -159,15 +155,17 @@ def _page_tile(
 
 
 @triton.jit
-def _encode_rows_kernel(
-    states_ptr, rows_ptr, stats_ptr, k_scale_ptr, v_scale_ptr, s_sp, s_sh, s_st, tokens, row_bytes, value_bytes,
+def _write_rows_kernel(
+    states_ptr, rows_ptr, stats_ptr, k_scale_ptr, v_scale_ptr, pages_ptr, write_ptr, s_sp, s_sh, s_st, tokens,
+    row_bytes, value_bytes, layer_offset, bytes_per_block, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
-    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
+    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr, BLOCK_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """One KV head of one plane (keys / values) of `BLOCK_T` tokens: codes (and per-token-head scale bytes)
-    into the rows; clipped and non-finite counts added to `stats_ptr` (int64 `[2, 2]`)."""
+    into the rows and into the pages at the physical indices `write_ptr` (`paged.PageGeometry`'s bytes: key rows,
+    transposed value planes); clipped and non-finite counts added to `stats_ptr` (int64 `[2, 2]`)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     plane = tl.program_id(2)
@@ -177,13 +175,24 @@ def _encode_rows_kernel(
     x = tl.load(states_ptr + plane * s_sp + head * s_sh + t.to(tl.int64)[:, None] * s_st + d[None, :], mask=valid,
                 other=0.0).to(tl.float32)  # fmt: skip
     row = rows_ptr + t.to(tl.int64) * 2 * row_bytes + plane * row_bytes
+    # where each token's codes and scale go in its page: element e at `code_at + e * element_stride`
+    phys = tl.load(write_ptr + t, mask=t_ok, other=0)
+    slot = phys % BLOCK_STRIDE
+    plane_at = pages_ptr + (phys // BLOCK_STRIDE) * bytes_per_block + layer_offset + plane * page_size * row_bytes
+    is_key = plane == 0  # key rows; values head_dim-major
+    code_at = plane_at + tl.where(is_key, slot * row_bytes, slot)
+    scale_at = plane_at + tl.where(is_key, slot * row_bytes + value_bytes + 4 * head,
+                                   value_bytes * page_size + 4 * (head * page_size + slot))  # fmt: skip
+    element_stride = tl.where(is_key, 1, page_size)
     if PER_TOKEN:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN and inf ignored
-        scale = round_up_to_bf16(tl.maximum(tl.math.div_rn(amax, ROW_MAX), TINY_SCALE))  # the dense cache's values
+        scale = round_up_to_bf16(tl.maximum(tl.math.div_rn(amax, ROW_MAX), MIN_TOKEN_SCALE))  # the dense cache's values
         bits = scale.to(tl.int32, bitcast=True)
         for byte in tl.static_range(4):
-            tl.store(row + value_bytes + 4 * head + byte, ((bits >> (8 * byte)) & 0xFF).to(tl.uint8), mask=t_ok)
+            scale_byte = ((bits >> (8 * byte)) & 0xFF).to(tl.uint8)
+            tl.store(row + value_bytes + 4 * head + byte, scale_byte, mask=t_ok)
+            tl.store(scale_at + byte, scale_byte, mask=t_ok)
         y = tl.math.div_rn(x, scale[:, None])
     else:
         scale = tl.where(plane == 0, tl.load(k_scale_ptr + head), tl.load(v_scale_ptr + head))
@@ -195,18 +204,31 @@ def _encode_rows_kernel(
     code = encode(y, IS_FLOAT, MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
                   SIGNED_ZERO)  # fmt: skip
     tl.store(row[:, None] + head * HEAD_DIM + d[None, :], code.to(tl.uint8), mask=valid)
+    tl.store(code_at[:, None] + (head * HEAD_DIM + d[None, :]) * element_stride, code.to(tl.uint8), mask=valid)
 
 
-def encode_rows(
+def write_rows(
     states: torch.Tensor,
     fmt: StorageFormat,
     stats: torch.Tensor,
-    static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    static_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    index: torch.Tensor,
 ) -> torch.Tensor:
     """Page rows `[tokens, 2, row_bytes]` (uint8) of `states` (`[2, kv_heads, tokens, head_dim]`, keys then
     values): codes of every KV head, then (per-token-head scales, `static_scales` None) one fp32 scale per head;
-    bit-identical to `paged.encode_rows`. Adds clipped and non-finite counts to `stats` (int64 `[2, 2]`,
-    on the states' device)."""
+    bit-identical to `paged.encode_rows`; also stored in `pages` at the int64 physical indices `index`, as
+    `geometry.write` stores them. Adds clipped and non-finite counts to `stats` (int64 `[2, 2]`, on the states'
+    device)."""
+    rows, launch = plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index)
+    if launch is not None:
+        launch_all([launch], states.device)
+    return rows
+
+
+def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index) -> tuple[torch.Tensor, Launch | None]:
+    """The rows of `write_rows` and the launch that fills them and the pages (None: no token)."""
     _, kv_heads, tokens, head_dim = states.shape
     if states.stride(-1) != 1:
         raise ValueError("states must be contiguous in its last dim (head_dim)")
@@ -215,17 +237,17 @@ def encode_rows(
     row_bytes = row_size(value_bytes, kv_heads if per_token else 0)
     rows = torch.zeros(tokens, 2, row_bytes, dtype=torch.uint8, device=states.device)
     if tokens == 0:
-        return rows
+        return rows, None
     k_scale, v_scale = static_scales if static_scales is not None else (stats, stats)
-    launch = Launch(_encode_rows_kernel, (cdiv(tokens, BLOCK_T), kv_heads, 2), (
-        states, rows, stats, k_scale, v_scale, states.stride(0), states.stride(1), states.stride(2), tokens,
-        row_bytes, value_bytes,
+    launch = Launch(_write_rows_kernel, (cdiv(tokens, BLOCK_T), kv_heads, 2), (
+        states, rows, stats, k_scale, v_scale, pages, index, states.stride(0), states.stride(1),
+        states.stride(2), tokens, row_bytes, value_bytes, geometry.layer_offset, geometry.bytes_per_block,
+        geometry.page_size,
     ), dict(
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, PER_TOKEN=per_token, CLIP=fmt.clip_bound,
-        **encoding(fmt),
+        BLOCK_STRIDE=geometry.block_stride, **encoding(fmt),
     ))  # fmt: skip
-    launch_all([launch], states.device)
-    return rows
+    return rows, launch
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import code_offsets, encode, encoding, round_up_to_bf16
+from .triton_common import MIN_TOKEN_SCALE, code_offsets, encode, encoding, round_up_to_bf16
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, coded_end, scale_dtypes
 
@@ -39,7 +39,7 @@ def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_s
     if PER_TOKEN:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
-        scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), 1.1754943508222875e-38)
+        scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), MIN_TOKEN_SCALE)
         if scale_ptr.dtype.element_ty == tl.bfloat16:
             scale = round_up_to_bf16(scale)
         tl.store(scale_ptr + slot * s_st, scale, mask=rows_ok)

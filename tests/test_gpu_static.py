@@ -92,7 +92,9 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     header = gpu_static().COLUMNS
     assert all(column in stdout for column in header)
     rows = {row["kernel"]: row for row in report["rows"]}
-    assert set(rows) == {"_attention_kernel", "_reduce_kernel", "_write_kernel", "_paged_attention_kernel"}
+    assert set(rows) == {
+        "_attention_kernel", "_reduce_kernel", "_write_kernel", "_paged_attention_kernel", "_write_rows_kernel",
+    }
     assert all(f"\n{kernel} " in stdout for kernel in rows)
     # exit status 1 exactly when a budget is missed, and every miss is printed
     assert known["exit_status"] == (1 if report["failures"] else 0)
@@ -111,6 +113,7 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     assert {"q_ptr", "k_ptr", "v_ptr", "out_ptr"} <= set(attention["aligned_args"])
     assert "length" not in attention["aligned_args"] + attention["constexpr_args"]
     assert rows["_write_kernel"]["loop"] is None and rows["_reduce_kernel"]["loop"] is None
+    assert rows["_write_rows_kernel"]["loop"] is None and rows["_write_rows_kernel"]["spill_stores"] == 0
     # GQA-packed rows: one program per request and KV head; pages read in tiles of slots, or token by token
     paged = {row["case"]["page_size"]: row for row in report["rows"] if row["kernel"] == "_paged_attention_kernel"}
     assert set(paged) == {256, 24}

@@ -1,4 +1,4 @@
-"""The Triton paged attention and row encoder (continuous batching) against the oracle and the torch codec:
+"""The Triton paged attention and row writer (continuous batching) against the oracle and the torch codec:
 requests with cached pages at scattered physical indices and new rows, mixed query lengths (decode and chunked
 prefill), GQA, sliding windows, every storage format, per-token and per-head scales, recent and sink tokens held
 in full precision beside the pages."""
@@ -11,7 +11,7 @@ import torch
 
 from hf_fp8kv.kernels import paged
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.triton_paged import encode_rows, page_tile_tokens, paged_attention, plan_paged_attention
+from hf_fp8kv.kernels.triton_paged import page_tile_tokens, paged_attention, plan_paged_attention, write_rows
 from pages import PAGE_SIZE, build, oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,8 +147,8 @@ EDGES = [0.0, -0.0, 1e-30, -1e-30, 447.0, 449.0, 1e30, -1e30, math.inf, -math.in
 @pytest.mark.parametrize("name, dynamic", [(name, dynamic) for name, fmt in FORMATS.items()
                                            for dynamic in (True, False) if dynamic or not fmt.per_token_only])
 def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic):
-    """The Triton row encoder against `paged.encode_rows` (the bits the CPU path stores): the same bytes, the same
-    clipped and non-finite counts, edge values included."""
+    """The Triton row writer against `paged.encode_rows` (the bits the CPU path stores): the same bytes, the same
+    clipped and non-finite counts, edge values included; the pages it writes are `PageGeometry.write`'s bytes."""
     fmt = FORMATS[name]
     generator = torch.Generator().manual_seed(3)
     kv_heads, tokens, head_dim = 3, 21, 24
@@ -160,8 +160,16 @@ def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic):
     layout = paged.RowLayout(fmt, dynamic, kv_heads, head_dim, torch.float32)
     want, _ = paged.encode_rows(states, layout, want_stats, None if dynamic else torch.stack(static))
     stats = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
-    rows = encode_rows(states.to(DEVICE), fmt, stats, tuple(s.to(DEVICE) for s in static) if static else None)
-    assert torch.equal(rows.cpu(), want)
+    # 16-token pages of 2 layers in blocks of 3 (the second layer's), the tokens scattered over them
+    geometry = paged.PageGeometry(2 * 16 * layout.nbytes, 4 * 16 * layout.nbytes + 16, 64, 16)
+    index = torch.randperm(3 * 16, generator=generator)[:tokens]
+    index = index // 16 * geometry.block_stride + index % 16
+    want_pages = torch.randint(0, 256, (3 * geometry.bytes_per_block,), generator=generator, dtype=torch.uint8)
+    pages = want_pages.to(DEVICE)
+    geometry.write(want_pages, layout, index, want)
+    rows = write_rows(states.to(DEVICE), fmt, stats, tuple(s.to(DEVICE) for s in static) if static else None,
+                      pages, geometry, index.to(DEVICE))  # fmt: skip
+    assert torch.equal(rows.cpu(), want) and torch.equal(pages.cpu(), want_pages)
     assert torch.equal(stats.cpu(), want_stats) and want_stats[0, 1] == 3  # inf, -inf, NaN
 
 
