@@ -1,8 +1,8 @@
 """Compiled-code report of the Triton kernels for sm_90 (H100/H200), no GPU needed.
 
-Each case below (decode, prefill, write, and continuous batching's paged attention) builds CPU tensors of a real
-call's shapes, dtypes and layouts and asks the kernel modules' `plan_*` functions for the `Launch` records the
-launcher would run. Every record is compiled for sm_90 with the specialization a real launch gets: Triton's own
+Each case below (decode, prefill, write, and continuous batching's paged attention and row writer) builds CPU
+tensors of a real call's shapes, dtypes and layouts and asks the kernel modules' `plan_*` functions for the `Launch`
+records the launcher would run. Every record is compiled for sm_90 with the specialization a real launch gets: Triton's own
 launcher binder is applied to the arguments
 (16-byte aligned pointers and ints divisible by 16 marked, ints equal to 1 as constexprs). From the result:
 registers and spills (the log of Triton's own `ptxas -v` run), shared memory, blocks per SM, and from the SASS
@@ -105,6 +105,7 @@ class Case:
     fp8_prefill: bool = False  # a prefill's dots on FP8 tensor cores (the cache's opt-in `fp8_prefill`)
     waves: bool = True  # decode: judge the last wave over the batch x context grid
     page_size: int = 256  # paged: tokens per page (transformers' default; not a multiple of 16: read token by token)
+    sliding: int = 0  # paged: a sliding layer's window (its ring of slots); 0: a full-attention layer
 
     @property
     def name(self) -> str:
@@ -116,6 +117,7 @@ class Case:
             shape = f"{self.batch} req q{self.q_len} ctx{self.context}"
             held = f" recent {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
             held += f" page{self.page_size}" if self.page_size != 256 else ""
+            held += f" sliding {self.sliding}" if self.sliding else ""
             return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{held} paged {shape}"
         rule = " mask" if self.mask else (" causal" if self.kind == "prefill" else "")
         rule += f" window {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
@@ -172,6 +174,7 @@ def cases(quick: bool = False) -> list[Case]:
         for p in (False, True)
     ]
     paged += PAGED_DECODE[1:] + [Case("paged", batch=64, per_token=True, context=4096, waves=False, page_size=24)]
+    paged += [Case("paged", batch=64, per_token=True, context=4095, waves=False, sliding=4096)]  # a sliding layer
     paged += [Case("paged", batch=4, q_len=256, per_token=True, head_dim=d, context=4096, waves=False) for d in (128, 256)]
     # with each request's recent and sink tokens in the model's dtype beside its pages
     paged += [
@@ -254,8 +257,8 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> list[Launch]
     _, attend = triton_paged.plan_paged_attention(
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
         layer_offset=geometry.layer_offset, bytes_per_block=bytes_per_block, block_stride=geometry.block_stride,
-        page_size=case.page_size, scaling=case.head_dim**-0.5, static_scales=static, max_q_len=case.q_len,
-        recent=recent, cuda=True,
+        page_size=case.page_size, scaling=case.head_dim**-0.5, window=case.sliding or None, static_scales=static,
+        max_q_len=case.q_len, recent=recent, cuda=True,
     )  # fmt: skip
     states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
