@@ -2,9 +2,9 @@
 
 Each case below (decode, prefill, write, and continuous batching's paged attention and row writer) builds CPU
 tensors of a real call's shapes, dtypes and layouts and asks the kernel modules' `plan_*` functions for the `Launch`
-records the launcher would run. Every record is compiled for sm_90 with the specialization a real launch gets: Triton's own
-launcher binder is applied to the arguments
-(16-byte aligned pointers and ints divisible by 16 marked, ints equal to 1 as constexprs). From the result:
+records the launcher would run. Every record is compiled for sm_90 with the specialization a real launch gets:
+Triton's own launcher binder is applied to the arguments (16-byte aligned pointers and ints divisible by 16
+marked, ints equal to 1 as constexprs). From the result:
 registers and spills (the log of Triton's own `ptxas -v` run), shared memory, blocks per SM, and from the SASS
 the main KV loop: instructions per KV byte, tiles in flight; for decode, the split-KV grid's last-wave efficiency
 over batch x context and the issue-bound bandwidth ceiling. Exits 1 when a budget is missed: any spill; a decode
