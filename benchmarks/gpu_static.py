@@ -258,7 +258,7 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> list[Launch]
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
         layer_offset=geometry.layer_offset, bytes_per_block=bytes_per_block, block_stride=geometry.block_stride,
         page_size=case.page_size, scaling=case.head_dim**-0.5, window=case.sliding or None, static_scales=static,
-        max_q_len=case.q_len, recent=recent, cuda=True,
+        max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, cuda=True,
     )  # fmt: skip
     states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=device)

@@ -589,6 +589,7 @@ class PagedKV(FP8KeyStates):
             scaling=scaling, window=allocator.window, softcap=softcap, sink_logits=sink_logits,
             static_scales=allocator.fixed_scales.get(self.layer_idx), has_nan=allocator.has_nan[self.layer_idx],
             max_q_len=self.max_length_q, recent=self.recent,
+            new_in_pages=allocator.window is None and bool(self.read_index.numel()),  # (a sliding ring reads first)
         )  # fmt: skip
         return out.transpose(0, 1)[None]
 

@@ -58,19 +58,35 @@ def _attend_codes(
     q, acc, m_i, l_i, k_codes, v_codes, k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN: tl.constexpr,
     IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ZERO_UNREAD: tl.constexpr, DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ONE_POSITION: tl.constexpr,
 ):  # fmt: skip
     """A tile of keys `t` (`k_codes` `[D, N]`, `v_codes` `[N, D]`, those of `t_ok` read) into the softmax;
-    ZERO_UNREAD: the values of the others are zeroed (loaded whole, they may hold anything)."""
+    ZERO_UNREAD: the values of the others are zeroed (loaded whole, they may hold anything). ONE_POSITION: `q_pos`
+    is the rows' one query position (a decode step), which no key passed here follows: one `[N]` rule for all
+    (d128 decode with static scales: 0.105 -> 0.099 instructions per KV byte; d64 130 -> 128 registers, 6 -> 8
+    blocks per SM, gpu_static)."""
     k = decode_codes(k_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
     v = decode_codes(v_codes, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, DOT)
     if ZERO_UNREAD:
         v = zero_columns(v, t_ok)
-    visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :] & row_ok[:, None]
-    if HAS_WINDOW:
-        visible = visible & (t[None, :] > q_pos[:, None] - window)
+    if ONE_POSITION:  # (rows past the last: never stored)
+        seen = t_ok & (t > q_pos - window) if HAS_WINDOW else t_ok
+        visible = tl.broadcast_to(seen[None, :], (row_ok.shape[0], t.shape[0]))
+    else:
+        visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :] & row_ok[:, None]
+        if HAS_WINDOW:
+            visible = visible & (t[None, :] > q_pos[:, None] - window)
     return attend_tile(q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, 1.0, PER_TOKEN, PER_TOKEN, False,
                        PRECISION, False)  # fmt: skip
+
+
+@triton.jit
+def _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+    """A program's rows, (query position, query head of the KV head's group) pairs: the position, the head, which
+    rows exist, and the token index of each."""
+    rows = first_row + tl.arange(0, BLOCK_M)
+    pos = rows // GROUP
+    return pos, kv_head * GROUP + rows % GROUP, rows < q_len * GROUP, (q_start + pos).to(tl.int64)
 
 
 @triton.jit
@@ -87,10 +103,10 @@ def _held_keys(meta_ptr, request, requests):
 def _attend_held(
     q, acc, m_i, l_i, rows_ptr, kv_head, recent_slots, sink_end, recent_lo, key_start, k_end, fp_weight, q_pos,
     row_ok, d, d_ok, n, window, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, ONE_POSITION: tl.constexpr,
 ):  # fmt: skip
     """A request's held recent and sink tokens (its slot's rows at `rows_ptr`) into the softmax, in values: their
-    scores times `fp_weight` (undoing the query's K scale and code factor)."""
+    scores times `fp_weight`. ONE_POSITION: `q_pos` is the rows' one query position (a decode step)."""
     row = 2 * KV_HEADS * HEAD_DIM
     k_rows = rows_ptr + kv_head * HEAD_DIM
     v_rows = k_rows + KV_HEADS * HEAD_DIM
@@ -101,14 +117,14 @@ def _attend_held(
         acc, m_i, l_i = attend_full_precision(
             q, acc, m_i, l_i, k_rows, v_rows, (key_start + t) % recent_slots, t, t < k_end, row, 1, d, d_ok, weight,
             q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, True, False,
-            False, False, PRECISION, DOT,
+            ONE_POSITION, False, PRECISION, DOT,
         )  # fmt: skip
     for n0 in tl.range(0, tl.minimum(sink_end, k_end), n.shape[0], num_stages=1):
         t = n0 + n
         acc, m_i, l_i = attend_full_precision(
             q, acc, m_i, l_i, k_rows, v_rows, recent_slots + t, t, t < tl.minimum(sink_end, k_end), row, 1, d, d_ok,
             weight, q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, False,
-            False, False, False, PRECISION, DOT,
+            False, ONE_POSITION, False, PRECISION, DOT,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -118,7 +134,7 @@ def _page_tile(
     q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    PAGE_TILES: tl.constexpr, ALL_IN: tl.constexpr,
+    PAGE_TILES: tl.constexpr, ALL_IN: tl.constexpr, ONE_POSITION: tl.constexpr,
 ):  # fmt: skip
     """Keys `[n0, n0 + BLOCK_N)` of the pages into the softmax, those in `[k_lo, pages_end)` (ALL_IN: all of them).
     PAGE_TILES: the tile is consecutive slots of one page, read whole from the first one's physical index (values:
@@ -151,6 +167,7 @@ def _page_tile(
     return _attend_codes(
         q, acc, m_i, l_i, k_codes, tl.trans(v_codes), k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN,
         IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, HAS_WINDOW, PAGE_TILES and not ALL_IN, DOT, PRECISION,
+        ONE_POSITION,
     )  # fmt: skip
 
 
@@ -261,7 +278,7 @@ def _paged_attention_kernel(
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
     HAS_RECENT: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr, PAGE_TILES: tl.constexpr,
+    STAGES: tl.constexpr, PAGE_TILES: tl.constexpr, NEW_IN_PAGES: tl.constexpr, ONE_POSITION: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile. With HAS_RECENT,
@@ -276,13 +293,9 @@ def _paged_attention_kernel(
     past = tl.load(past_ptr + request)
     k_first = tl.load(k_first_ptr + request).to(tl.int64)
 
-    rows = first_row + tl.arange(0, BLOCK_M)
-    pos = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = rows < q_len * GROUP
+    pos, head, row_ok, q_rows = _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M, GROUP)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_rows = (q_start + pos).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * q_st + head[:, None] * q_sh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
     q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
@@ -292,7 +305,7 @@ def _paged_attention_kernel(
     if DOT == tl.float16:
         q = clamp_fp16(q)
     q = q.to(DOT)
-    q_pos = past + pos  # each query's own key index
+    q_pos = past if ONE_POSITION else past + pos  # each query's own key index (a decode step: one for all)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -312,77 +325,85 @@ def _paged_attention_kernel(
     # the hardware conversion, else int8 bits
     codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
     channel = kv_head * HEAD_DIM + d[:, None]  # [D, 1]: a K row's codes; the V plane's rows of the tokens' values
-    pages_end = tl.minimum(codes_end, past)
+    # the keys read from the pages: the past ones, and (NEW_IN_PAGES) this step's, the others from the new rows
+    # (with NEW_IN_PAGES the new rows' loop is not compiled in: d128 decode with static scales 164 -> 128 registers,
+    # 3 -> 4 blocks per SM, the chunked prefill 224 -> 177 registers, gpu_static)
+    pages_end = tl.minimum(codes_end, past + q_len if NEW_IN_PAGES else past)
     n = tl.arange(0, BLOCK_N)
     # The keys in the pages, in tiles of BLOCK_N keys. PAGE_TILES: BLOCK_N consecutive slots of one page, from a
     # multiple of BLOCK_N (transformers' allocators fill a request's pages slot by slot), the tiles from the one
     # holding `k_lo`: the whole tiles in a loop reading every slot, the partial ones at either end (at most 2)
-    # masked and not pipelined (pipelined: d64 decode 149 -> 170 registers, 6 -> 4 blocks per SM, gpu_static);
-    # else every tile masked, each token's slot read on its own. A whole tile's physical index is loaded one tile
-    # ahead, into registers: loaded in the iteration that uses it, the codes' copies waited for it (gpu_static:
+    # masked and not pipelined (pipelined: d64 decode 128 -> 134 registers, 8 -> 6 blocks per SM, gpu_static);
+    # else every tile masked, each token's slot read on its own. A tile's physical indices are loaded one tile
+    # ahead, into registers: loaded in the iteration that uses them, the codes' copies waited for them (gpu_static:
     # `DEPBAR.LE SB0, 0`, one tile in flight), two this way
     read_ptr += k_first
-    tile_lo = k_lo
-    if PAGE_TILES:
-        tile_lo -= tl.load(read_ptr + k_lo, mask=k_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
-        whole_lo = tile_lo + tl.where(tile_lo < k_lo, BLOCK_N, 0)
-        whole_hi = tl.maximum(tile_lo + (pages_end - tile_lo) // BLOCK_N * BLOCK_N, whole_lo)
-    else:
-        whole_lo = tile_lo
-        whole_hi = tile_lo
-    before = (tile_lo < tl.minimum(whole_lo, pages_end)).to(tl.int32)  # a partial tile before the whole ones
     tile_args = (read_ptr, k_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block,
                  row_bytes, page_size, value_bytes, value_boost, kv_head, q_pos, row_ok, window)  # fmt: skip
     if PAGE_TILES:
+        tile_lo = k_lo - tl.load(read_ptr + k_lo, mask=k_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
+        whole_lo = tile_lo + tl.where(tile_lo < k_lo, BLOCK_N, 0)
+        whole_hi = tl.maximum(tile_lo + (pages_end - tile_lo) // BLOCK_N * BLOCK_N, whole_lo)
         phys_next = tl.load(read_ptr + whole_lo, mask=whole_lo < whole_hi, other=0)
         for n0 in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
             phys = phys_next.to(tl.int32)
             phys_next = tl.load(read_ptr + n0 + BLOCK_N, mask=n0 + BLOCK_N < whole_hi, other=0)
             acc, m_i, l_i = _page_tile(
                 q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
-                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, True,
+                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, True, ONE_POSITION,
             )  # fmt: skip
-    for i in tl.range(0, before + tl.cdiv(pages_end - whole_hi, BLOCK_N), num_stages=1 if PAGE_TILES else STAGES):
-        n0 = tl.where(i < before, tile_lo, whole_hi + (i - before) * BLOCK_N)
-        if PAGE_TILES:  # the tile's first slot, from its first key read
-            first = tl.maximum(n0, k_lo)
+        before = (tile_lo < tl.minimum(whole_lo, pages_end)).to(tl.int32)  # a partial tile before the whole ones
+        for i in tl.range(0, before + tl.cdiv(pages_end - whole_hi, BLOCK_N), num_stages=1):
+            n0 = tl.where(i < before, tile_lo, whole_hi + (i - before) * BLOCK_N)
+            first = tl.maximum(n0, k_lo)  # the tile's first slot, from its first key read
             phys = (tl.load(read_ptr + first) - (first - n0)).to(tl.int32)
-        else:
-            phys = tl.load(read_ptr + n0 + n, mask=(n0 + n >= k_lo) & (n0 + n < pages_end), other=0).to(tl.int32)
-        acc, m_i, l_i = _page_tile(
-            q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK,
-            NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, PAGE_TILES, False,
-        )  # fmt: skip
-    # this step's keys, from the new rows (token-major values)
-    for n0 in tl.range(tl.maximum(k_lo, past), codes_end, BLOCK_N, num_stages=STAGES):
-        t = n0 + n
-        t_ok = t < codes_end
-        k_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
-        v_row = k_row + row_bytes
-        if ALIGNED:
-            k_row = tl.multiple_of(k_row, 16)
-            v_row = tl.multiple_of(v_row, 16)
-        k_codes = tl.load(codes_ptr + k_row[None, :] + channel, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
-        if V_AS_COLUMNS:  # the V tile loaded as K's, [D, N]: the tokens' rows are computed in one layout only
-            v_codes = tl.trans(tl.load(codes_ptr + v_row[None, :] + channel, mask=t_ok[None, :] & d_ok[:, None],
-                                       other=0.0))  # fmt: skip
-        else:
-            v_codes = tl.load(codes_ptr + v_row[:, None] + kv_head * HEAD_DIM + d[None, :],
-                              mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if PER_TOKEN:
-            k_scale = _scale_at(pages_ptr + k_row + value_bytes + 4 * kv_head, t_ok, ALIGNED)
-            v_scale = _scale_at(pages_ptr + v_row + value_bytes + 4 * kv_head, t_ok, ALIGNED) * value_boost
-        else:
-            k_scale = 1.0
-            v_scale = 1.0
-        acc, m_i, l_i = _attend_codes(
-            q, acc, m_i, l_i, k_codes, v_codes, k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN,
-            IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, HAS_WINDOW, False, DOT, PRECISION,
-        )  # fmt: skip
+            acc, m_i, l_i = _page_tile(
+                q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
+                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, False, ONE_POSITION,
+            )  # fmt: skip
+    else:
+        phys_next = tl.load(read_ptr + k_lo + n, mask=k_lo + n < pages_end, other=0)
+        for n0 in tl.range(k_lo, pages_end, BLOCK_N, num_stages=STAGES):
+            phys = phys_next.to(tl.int32)
+            phys_next = tl.load(read_ptr + n0 + BLOCK_N + n, mask=n0 + BLOCK_N + n < pages_end, other=0)
+            acc, m_i, l_i = _page_tile(
+                q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
+                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, False, False, ONE_POSITION,
+            )  # fmt: skip
+    if not NEW_IN_PAGES:  # this step's keys, from the new rows (token-major values)
+        for n0 in tl.range(tl.maximum(k_lo, past), codes_end, BLOCK_N, num_stages=STAGES):
+            t = n0 + n
+            t_ok = t < codes_end
+            k_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
+            v_row = k_row + row_bytes
+            if ALIGNED:
+                k_row = tl.multiple_of(k_row, 16)
+                v_row = tl.multiple_of(v_row, 16)
+            k_codes = tl.load(codes_ptr + k_row[None, :] + channel, mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+            if V_AS_COLUMNS:  # the V tile loaded as K's, [D, N]: the tokens' rows are computed in one layout only
+                v_codes = tl.trans(tl.load(codes_ptr + v_row[None, :] + channel, mask=t_ok[None, :] & d_ok[:, None],
+                                           other=0.0))  # fmt: skip
+            else:
+                v_codes = tl.load(codes_ptr + v_row[:, None] + kv_head * HEAD_DIM + d[None, :],
+                                  mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+            if PER_TOKEN:
+                k_scale = _scale_at(pages_ptr + k_row + value_bytes + 4 * kv_head, t_ok, ALIGNED)
+                v_scale = _scale_at(pages_ptr + v_row + value_bytes + 4 * kv_head, t_ok, ALIGNED) * value_boost
+            else:
+                k_scale = 1.0
+                v_scale = 1.0
+            acc, m_i, l_i = _attend_codes(
+                q, acc, m_i, l_i, k_codes, v_codes, k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN,
+                IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, HAS_WINDOW, False, DOT, PRECISION, ONE_POSITION,
+            )  # fmt: skip
     out_scale = out_factor
     if not PER_TOKEN:
         out_scale *= tl.load(v_scale_ptr + kv_head)
     acc = acc * out_scale
+    # the rows worked out again after the codes' loops, from a fresh load (volatile: not merged with the first one;
+    # kept across the loops, their token indices spilled 8 B at head_dim 128 with per-token scales, gpu_static)
+    q_start = tl.load(cu_q_ptr + request, volatile=True)
+    pos, head, row_ok, q_rows = _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M, GROUP)
     if HAS_RECENT:  # the held tokens, in values: their scores times 1 / (the query's K scale and code factor)
         # (loaded again: kept across the codes' loop, they spilled at head_dim 128 with static scales, gpu_static)
         sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
@@ -390,7 +411,7 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_held(
             q, acc, m_i, l_i, recent_ptr + recent_slot * recent_rows_per_slot * 2 * KV_HEADS * HEAD_DIM, kv_head,
             recent_slots, sink_end, recent_lo, key_start, k_end, 1.0 / (k_head * code_factor), q_pos, row_ok, d,
-            d_ok, n, window, KV_HEADS, HEAD_DIM, HAS_WINDOW, PRECISION, DOT,
+            d_ok, n, window, KV_HEADS, HEAD_DIM, HAS_WINDOW, PRECISION, DOT, ONE_POSITION,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * o_st + head[:, None] * o_sh + d[None, :], out,
@@ -441,6 +462,7 @@ def paged_attention(
     static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_q_len: int | None = None,
     recent: RecentRows | None = None,
+    new_in_pages: bool = False,
 ) -> torch.Tensor:
     """fp32 attention output `[tokens, q_heads, head_dim]` of `query` `[tokens, q_heads, head_dim]` (every
     request's rows, `cu_seq_lens_q` int32 `[requests + 1]`) over paged rows (see the module docstring).
@@ -449,12 +471,15 @@ def paged_attention(
     each page's tokens in its consecutive slots (as transformers' allocators place them; with `window`, a sliding
     layer's ring of `window` slots); `k_first` / `past`: int32 `[requests]`; `static_scales`: fp32 `[kv_heads]` K and
     V scales (None: per-token-head scales stored in the rows); `recent`: the requests' recent and sink tokens in the
-    model's dtype (contiguous rows). Codes in the fp8 formats or int8.
+    model's dtype (contiguous rows); `new_in_pages`: each request's `read_index` entries go on after its past keys
+    with this step's, whose rows are in the pages already (a full-attention layer: transformers writes the new
+    tokens before reading), and those keys are read there. Codes in the fp8 formats or int8.
     """
     out, launch = plan_paged_attention(
         query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=fmt, kv_heads=kv_heads,
         layer_offset=layer_offset, bytes_per_block=bytes_per_block, block_stride=block_stride, page_size=page_size,
         scaling=scaling, window=window, static_scales=static_scales, max_q_len=max_q_len, recent=recent,
+        new_in_pages=new_in_pages,
     )  # fmt: skip
     if launch is not None:
         launch_all([launch], query.device)
@@ -465,7 +490,8 @@ def plan_paged_attention(
     query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, fmt: StorageFormat, kv_heads: int,
     layer_offset: int, bytes_per_block: int, block_stride: int, page_size: int, scaling: float,
     window: int | None = None, static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_q_len: int | None = None, recent: RecentRows | None = None, cuda: bool | None = None,
+    max_q_len: int | None = None, recent: RecentRows | None = None, new_in_pages: bool = False,
+    cuda: bool | None = None,
 ) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
     """The output of `paged_attention` and the launch that fills it (None: nothing to attend); `cuda=True` plans
     CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU (`benchmarks/gpu_static.py`)."""
@@ -525,6 +551,6 @@ def plan_paged_attention(
         CODE_TYPE=HW_CODE_TYPES.get(fmt.dtype, tl.int8), FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
         HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
-        PAGE_TILES=page_tile is not None, **options,
+        PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1, **options,
     )  # fmt: skip
     return out, Launch(_paged_attention_kernel, grid, args, constexprs)

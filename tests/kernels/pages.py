@@ -25,14 +25,15 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Ten
 
 
 def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None,
-          recent=None, dtype=torch.float32, page_size=PAGE_SIZE):  # fmt: skip
+          recent=None, dtype=torch.float32, page_size=PAGE_SIZE, new_in_pages=False):  # fmt: skip
     """Pages of `page_size` tokens and new rows of `requests` (`(past, q_len)` each), each request's tokens in its
     blocks' consecutive slots, as transformers' full-attention allocator places them; `garbage_before`: a window,
     whose cached rows before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed
     page's filler. `recent`: `(R, S, key_start)`, each request's newest R and first S tokens held in `dtype` rows
     (returned as the fifth item), every other request as if its prompt's first half came from another request (prefix
     sharing: neither those sinks nor those recent tokens held), its keys starting at position `key_start` (a sliding
-    layer's window; sinks then apply to none)."""
+    layer's window; sinks then apply to none). `new_in_pages`: each request's new tokens are in its pages too, their
+    read indices after its past ones (a full-attention layer's step)."""
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
@@ -43,7 +44,7 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
     block_stride = 2 * page_size * LAYERS
     geometry = PageGeometry(layer_offset, bytes_per_block, block_stride, page_size)
     row_layout = RowLayout(fmt, dynamic, kv_heads, head_dim, dtype)
-    total_pages = sum(-(-past // page_size) for past, _ in requests) + 2
+    total_pages = sum(-(-(past + q_len) // page_size) for past, q_len in requests) + 2
     pages = torch.full((total_pages * bytes_per_block,), 0xFF, dtype=torch.uint8)  # unwritten: NaN codes
     free_blocks = torch.randperm(total_pages, generator=generator).tolist()
     queries, new_rows, read_index, expected, held = [], [], [], [], []
@@ -54,9 +55,10 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
         k_rows, k_values = encode(keys, fmt, static[0] if static else None)
         v_rows, v_values = encode(values, fmt, static[1] if static else None)
         k_first.append(len(read_index))
-        blocks = [free_blocks.pop() for _ in range(-(-past // page_size))]
-        index = [blocks[t // page_size] * block_stride + t % page_size for t in range(past)]
-        cached = torch.stack((k_rows[:past], v_rows[:past]), dim=1)
+        stored = past + q_len if new_in_pages else past
+        blocks = [free_blocks.pop() for _ in range(-(-stored // page_size))]
+        index = [blocks[t // page_size] * block_stride + t % page_size for t in range(stored)]
+        cached = torch.stack((k_rows[:stored], v_rows[:stored]), dim=1)
         if garbage_before is not None:
             cached[: max(past - garbage_before + 1, 0)] = 0xFF
         geometry.write(pages, row_layout, torch.tensor(index, dtype=torch.int64), cached)

@@ -50,7 +50,8 @@ RECENT_CASES = [
 ]
 
 
-def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None, page_size=PAGE_SIZE) -> dict:
+def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None, page_size=PAGE_SIZE,
+          new_in_pages=False) -> dict:  # fmt: skip
     """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window;
     `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`); returns the launch's
     constexprs (what the kernel was told of its rows)."""
@@ -59,7 +60,7 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     kv_heads = 2
     built = build(requests, fmt, kv_heads, head_dim, group, dynamic, block_padding=block_padding,
                   garbage_before=window if garbage else None, recent=recent, dtype=dtype,
-                  page_size=page_size)  # fmt: skip
+                  page_size=page_size, new_in_pages=new_in_pages)  # fmt: skip
     tensors, layout, static, expected = built[:4]
     held = None if recent is None else replace(built[4], rows=built[4].rows.to(DEVICE),
                                                requests=built[4].requests.to(DEVICE))  # fmt: skip
@@ -68,8 +69,11 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     query = query.to(dtype)
     expected = [(q.to(dtype).float(), k, v) for q, k, v in expected]  # the oracle sees the same rounded query
     static = tuple(s.to(DEVICE) for s in static) if static else None
+    if new_in_pages:  # the new rows' bytes are in the pages: the kernel must not read them from `new_rows`
+        new_rows = torch.full_like(new_rows, 0xFF)
     out, launch = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
-                                       scaling=scaling, window=window, static_scales=static, recent=held, **layout)  # fmt: skip
+                                       scaling=scaling, window=window, static_scales=static, recent=held,
+                                       new_in_pages=new_in_pages, **layout)  # fmt: skip
     launch.run()
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
@@ -123,6 +127,15 @@ def test_page_tiles_with_recent_and_sink_tokens(page_size):
     """Held recent and sink tokens beside page tiles: the codes' first tile starts at the sinks' end, mid-tile."""
     told = check(torch.float32, PAGE_TILE_CASES[0][0], block_padding=16, recent=(16, 5, 0), page_size=page_size)
     assert told["PAGE_TILES"]
+
+
+@pytest.mark.parametrize("case, page_size", [*PAGE_TILE_CASES[:3], (CASES[1], PAGE_SIZE), (CASES[2], PAGE_SIZE)],
+                         ids=str)
+def test_this_steps_keys_read_from_the_pages(case, page_size):
+    """A full-attention layer's step: the new tokens are written before the attention and listed in the read
+    indices after the past ones; they are read from the pages (`new_rows` hold NaN codes here)."""
+    told = check(torch.float32, case, block_padding=16, page_size=page_size, new_in_pages=True)
+    assert told["NEW_IN_PAGES"]
 
 
 def test_page_tile_sizes():
