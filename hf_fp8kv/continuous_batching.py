@@ -529,7 +529,8 @@ class FP8PagesMixin:
             self.geometry[layer_idx], write_index,
         )  # fmt: skip
         self.has_nan[layer_idx] |= nonfinite
-        return PagedKV(self, layer_idx, rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q, recent)
+        return PagedKV(self, layer_idx, rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+                       recent)  # fmt: skip
 
     def _write_recent(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> RecentRows:
         """Copy this step's recent and sink tokens into the layer's rows; what the attention reads there."""
@@ -561,9 +562,11 @@ class PagedKV(FP8KeyStates):
     """One layer's pages for this step of a continuous batch: the FP8 attention function (`fp8kv`) calls
     `attend`, which reads each request's past rows through its read indices and its new rows."""
 
-    def __init__(self, allocator, layer_idx, new_rows, read_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q, recent):
+    def __init__(self, allocator, layer_idx, new_rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
+                 max_length_q, recent):  # fmt: skip
         self.allocator, self.layer_idx, self.new_rows = allocator, layer_idx, new_rows
-        self.read_index, self.cu_seq_lens_q, self.cu_seq_lens_k = read_index, cu_seq_lens_q, cu_seq_lens_k
+        self.read_index, self.write_index = read_index, write_index
+        self.cu_seq_lens_q, self.cu_seq_lens_k = cu_seq_lens_q, cu_seq_lens_k
         self.max_length_q, self.recent = max_length_q, recent
 
     @property
@@ -577,19 +580,24 @@ class PagedKV(FP8KeyStates):
         allocator keeps it (the model's `sliding_window` argument names the same one)."""
         cu_q = self.cu_seq_lens_q.to(torch.int32)
         q_lens = cu_q[1:] - cu_q[:-1]
-        if self.read_index.numel():
+        allocator, read_index = self.allocator, self.read_index
+        # a full-attention layer's new tokens are in the pages already (written above) and listed in its read
+        # indices after each request's past ones; with no past keys in the batch transformers lists none, and the
+        # write indices say where they are (a sliding layer's ring may have overwritten some: read from new_rows)
+        full = allocator.window is None
+        if read_index.numel():
             cu_k = self.cu_seq_lens_k.to(torch.int32)
             k_first, past = cu_k[:-1], cu_k[1:] - cu_k[:-1] - q_lens
         else:
-            k_first = past = torch.zeros_like(q_lens)
-        allocator = self.allocator
+            k_first, past = cu_q[:-1], torch.zeros_like(q_lens)
+            read_index = self.write_index if full else read_index
         out = allocator.backend.paged_attend(
-            query[0].transpose(0, 1), allocator.cache_tensor, self.new_rows, self.read_index, cu_q, k_first, past,
+            query[0].transpose(0, 1), allocator.cache_tensor, self.new_rows, read_index, cu_q, k_first, past,
             layout=allocator.settings.layouts[self.layer_idx], geometry=allocator.geometry[self.layer_idx],
             scaling=scaling, window=allocator.window, softcap=softcap, sink_logits=sink_logits,
             static_scales=allocator.fixed_scales.get(self.layer_idx), has_nan=allocator.has_nan[self.layer_idx],
             max_q_len=self.max_length_q, recent=self.recent,
-            new_in_pages=allocator.window is None and bool(self.read_index.numel()),  # (a sliding ring reads first)
+            new_in_pages=full,
         )  # fmt: skip
         return out.transpose(0, 1)[None]
 
