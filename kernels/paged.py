@@ -108,10 +108,11 @@ class PageGeometry:
         (None without them)."""
         blocks, size, row = pages.numel() // self.bytes_per_block, self.page_size, layout.nbytes
         keys = pages.as_strided((blocks, size, row), (self.bytes_per_block, row, 1), self.layer_offset)
-        item = layout.value_bytes // (layout.kv_heads * layout.head_dim)
+        elements = layout.kv_heads * layout.head_dim
+        item = layout.value_bytes // elements
         value_at = self.layer_offset + size * row
-        values = pages.as_strided((blocks, layout.value_bytes // item, size, item),
-                                  (self.bytes_per_block, size * item, item, 1), value_at)  # fmt: skip
+        values = pages.as_strided((blocks, elements, size, item), (self.bytes_per_block, size * item, item, 1),
+                                  value_at)  # fmt: skip
         if not layout.per_token:
             return keys, values, None
         scales = pages.as_strided((blocks, layout.kv_heads, size, 4), (self.bytes_per_block, size * 4, 4, 1),

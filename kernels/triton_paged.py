@@ -198,10 +198,10 @@ def _write_rows_kernel(
     plane_at = pages_ptr + (phys // BLOCK_STRIDE) * bytes_per_block + layer_offset + plane * page_size * row_bytes
     is_key = plane == 0  # key rows; values head_dim-major
     code_at = plane_at + tl.where(is_key, slot * row_bytes, slot)
-    scale_at = plane_at + tl.where(is_key, slot * row_bytes + value_bytes + 4 * head,
-                                   value_bytes * page_size + 4 * (head * page_size + slot))  # fmt: skip
     element_stride = tl.where(is_key, 1, page_size)
     if PER_TOKEN:
+        scale_at = plane_at + tl.where(is_key, slot * row_bytes + value_bytes + 4 * head,
+                                       value_bytes * page_size + 4 * (head * page_size + slot))  # fmt: skip
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN and inf ignored
         scale = round_up_to_bf16(tl.maximum(tl.math.div_rn(amax, ROW_MAX), MIN_TOKEN_SCALE))  # the dense cache's values
@@ -212,7 +212,7 @@ def _write_rows_kernel(
             tl.store(scale_at + byte, scale_byte, mask=t_ok)
         y = tl.math.div_rn(x, scale[:, None])
     else:
-        scale = tl.where(plane == 0, tl.load(k_scale_ptr + head), tl.load(v_scale_ptr + head))
+        scale = tl.where(is_key, tl.load(k_scale_ptr + head), tl.load(v_scale_ptr + head))
         y = tl.math.div_rn(x, scale)
     n_clipped = tl.sum(tl.where(valid & (tl.abs(y) > CLIP), 1, 0))
     tl.atomic_add(stats_ptr + plane * 2, n_clipped.to(tl.int64), mask=n_clipped > 0)
@@ -403,7 +403,7 @@ def _paged_attention_kernel(
     # the rows worked out again after the codes' loops, from a fresh load (volatile: not merged with the first one;
     # kept across the loops, their token indices spilled 8 B at head_dim 128 with per-token scales, gpu_static)
     q_start = tl.load(cu_q_ptr + request, volatile=True)
-    pos, head, row_ok, q_rows = _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M, GROUP)
+    _, head, row_ok, q_rows = _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M, GROUP)
     if HAS_RECENT:  # the held tokens, in values: their scores times 1 / (the query's K scale and code factor)
         # (loaded again: kept across the codes' loop, they spilled at head_dim 128 with static scales, gpu_static)
         sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
