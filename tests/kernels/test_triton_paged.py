@@ -113,7 +113,7 @@ PAGE_TILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case, page_size", PAGE_TILE_CASES, ids=str)
 def test_page_tiles_read_whole_value_tiles(dtype, case, page_size):
     """Pages of a multiple of 16 tokens: each tile's values are read whole from its page's transposed value plane
@@ -131,10 +131,11 @@ def test_page_tiles_with_recent_and_sink_tokens(page_size):
 
 @pytest.mark.parametrize("case, page_size", [*PAGE_TILE_CASES[:3], (CASES[1], PAGE_SIZE), (CASES[2], PAGE_SIZE)],
                          ids=str)
-def test_this_steps_keys_read_from_the_pages(case, page_size):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_this_steps_keys_read_from_the_pages(case, page_size, dtype):
     """A full-attention layer's step: the new tokens are written before the attention and listed in the read
     indices after the past ones; they are read from the pages (`new_rows` hold NaN codes here)."""
-    told = check(torch.float32, case, block_padding=16, page_size=page_size, new_in_pages=True)
+    told = check(dtype, case, block_padding=16, page_size=page_size, new_in_pages=True)
     assert told["NEW_IN_PAGES"]
 
 
