@@ -210,6 +210,8 @@ def page_state(manager) -> dict:
         "request_slots": 0 if cache.request_slots is None else cache.request_slots.slots,
         "blocks_in_use": len(owned),  # held by requests (blocks kept only by the prefix cache are not)
         "slots_in_use": 0 if cache.request_slots is None else len(cache.request_slots.held),
+        "free_slots": 0 if cache.request_slots is None else len(cache.request_slots.free),
+        "free_sectors": cache.pool.num_free_sectors,  # (a request waits when neither its blocks nor a slot fit)
         "active_requests": len(scheduler.active_requests),
         "waiting_requests": len(scheduler.waiting_requests) + cb.input_queue.qsize(),
         "stream_handlers": len(cb.output_router.result_handlers),

@@ -114,7 +114,8 @@ IDLE = dict(blocks_in_use=0, slots_in_use=0, active_requests=0, waiting_requests
 
 
 def is_idle(state: dict) -> bool:
-    return all(state[key] == value for key, value in IDLE.items()) and state["worker_alive"]
+    return (all(state[key] == value for key, value in IDLE.items()) and state["free_slots"] == state["request_slots"]
+            and state["worker_alive"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
