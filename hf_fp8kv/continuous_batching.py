@@ -54,6 +54,7 @@ except ImportError as error:  # an import that moved: the allocators are a packa
         f"{transformers.__version__} is installed. QuantizedFP8Cache with model.generate works with it."
     ) from error
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousMixin
+from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import find_num_key_value_heads
 
 from hf_fp8kv.attention import ATTENTION_NAME, FP8KeyStates, use_fp8_attention
@@ -280,7 +281,8 @@ class FP8ContinuousBatchingManager(ContinuousBatchingManager):
 
     The flash decode fast path (block tables), CUDA graphs and asynchronous batching are turned off: our attention
     reads pages through the read indices and takes its per-request lengths on the host, and the cache learns each
-    step's requests as the host prepares it, right before its forward.
+    step's requests as the host prepares it, right before its forward. A cancelled request is settled as an ended
+    one (`_settle_cancellations`).
     """
 
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
@@ -298,7 +300,31 @@ class FP8ContinuousBatchingManager(ContinuousBatchingManager):
         if settings is None:
             raise RuntimeError("FP8 continuous batching was disabled on this model: create a new manager")
         cache_class = functools.partial(FP8PagedAttentionCache, settings)
-        return _rebind(ContinuousBatchingManager._create_batch_processor, PagedAttentionCache=cache_class)(self)
+        existing = getattr(self, "batch_processor", None)  # (reset and returned again by transformers)
+        processor = _rebind(ContinuousBatchingManager._create_batch_processor, PagedAttentionCache=cache_class)(self)
+        if processor is not existing:
+            _settle_cancellations(processor.scheduler, processor.output_router)
+        return processor
+
+
+def _settle_cancellations(scheduler, router) -> None:
+    """Finish what transformers (5.20-5.24) leaves undone when the scheduler drops cancelled requests, as it does
+    for a request that ends: one that held pages lifts the block on new requests that a preemption sets (else,
+    once every running request is cancelled, no request is ever admitted again), and their result handlers are
+    removed (the step in flight when the cancel came has delivered its output by then: no output is left
+    without a handler)."""
+    clear = scheduler.clear_cancelled_requests
+
+    def clear_cancelled_requests() -> list:
+        cancelled = clear()
+        if any(state.status != RequestStatus.PENDING for state in cancelled):  # it was running
+            scheduler.block_new_requests = False
+        with router._lock:
+            for state in cancelled:
+                router.result_handlers.pop(state.request_id, None)
+        return cancelled
+
+    scheduler.clear_cancelled_requests = clear_cancelled_requests
 
 
 class FP8MemoryHandler(PagedAttentionMemoryHandler):

@@ -7,8 +7,7 @@ then fails and stops the continuous-batching worker for every later request (503
 - a chat needs a non-empty list of message objects;
 - a prompt must be shorter than the model's context and the pages; with an explicit `max_tokens`, the prompt
   plus it must fit both (vLLM's rule); without one, transformers' default is cut to what fits.
-A dropped stream also forgets its result handler (transformers removes one only when its request finishes,
-which a cancelled request never does).
+(A dropped stream's result handler is removed by the manager, `continuous_batching._settle_cancellations`.)
 """
 
 from __future__ import annotations
@@ -60,10 +59,9 @@ def checked_messages(validate):
 
 def check_lengths(manager, model, page_tokens: int) -> None:
     """Wrap `manager`'s `generate_streaming` / `generate_non_streaming` (instance attributes): lengths checked
-    against the model's context and the `page_tokens` the pages hold; a dropped stream forgets its handler."""
+    against the model's context and the `page_tokens` the pages hold."""
     context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     limits = {"the model's context": context, "the KV pages": page_tokens}
-    router = manager._cb.output_router
 
     def fit(inputs: dict, config) -> None:
         prompt = len(inputs["input_ids"])
@@ -78,24 +76,12 @@ def check_lengths(manager, model, page_tokens: int) -> None:
                                        f"exceeds {what}: {limit} tokens")  # fmt: skip
                 config.max_new_tokens = limit - prompt
 
-    def forget_when_cancelled(streamer) -> None:
-        cancel = streamer.cancel
-
-        def cancel_and_forget() -> None:
-            cancel()
-            with router._lock:
-                router.result_handlers.pop(streamer._request_id, None)
-
-        streamer.cancel = cancel_and_forget
-
     streaming, non_streaming = manager.generate_streaming, manager.generate_non_streaming
 
     @functools.wraps(streaming)
     def generate_streaming(model, processor, inputs, gen_config, *args, **kwargs):
         fit(inputs, gen_config)
-        queue, streamer = streaming(model, processor, inputs, gen_config, *args, **kwargs)
-        forget_when_cancelled(streamer)
-        return queue, streamer
+        return streaming(model, processor, inputs, gen_config, *args, **kwargs)
 
     @functools.wraps(non_streaming)
     async def generate_non_streaming(model, processor, inputs, gen_config, *args, **kwargs):

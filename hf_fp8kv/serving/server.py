@@ -195,7 +195,8 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
 
 
 def page_state(manager) -> dict:
-    """The page budget and what requests hold now; idle: no block, slot, request or stream handler held."""
+    """The page budget and what requests hold now; idle: no block, slot, request, stream handler or unclaimed
+    output held, and new requests admitted."""
     cb = manager._cb
     processor = cb.batch_processor
     cache, scheduler = processor.cache, processor.scheduler
@@ -215,6 +216,8 @@ def page_state(manager) -> dict:
         "active_requests": len(scheduler.active_requests),
         "waiting_requests": len(scheduler.waiting_requests) + cb.input_queue.qsize(),
         "stream_handlers": len(cb.output_router.result_handlers),
+        "unclaimed_outputs": cb.output_router.output_queue.qsize(),  # outputs no handler took (none in a server)
+        "block_new_requests": scheduler.block_new_requests,  # set by a preemption, lifted when a request ends
         "worker_alive": manager.is_alive(),
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -110,7 +111,8 @@ class Served:
         assert ok, f"{request_id}: the served token at {at} is not in generate's top 5"
 
 
-IDLE = dict(blocks_in_use=0, slots_in_use=0, active_requests=0, waiting_requests=0, stream_handlers=0)
+IDLE = dict(blocks_in_use=0, slots_in_use=0, active_requests=0, waiting_requests=0, stream_handlers=0,
+            unclaimed_outputs=0, block_new_requests=False)
 
 
 def is_idle(state: dict) -> bool:
@@ -244,6 +246,42 @@ def test_a_request_arriving_while_the_pages_are_full_waits_and_completes(served)
     assert [len(served.generated[r[0]]) for r in results] == [100, 100]
     served.check_top5(request_id)
     served.wait_until(is_idle, "idle after the full pages")
+
+
+def test_dropping_the_running_stream_after_a_preemption_admits_the_others(served):
+    """Two long requests outgrow the pages: transformers preempts one and blocks new requests until a request
+    ends. The client of the one still running then drops its stream: the preempted one resumes and completes,
+    and so does a request sent after."""
+    served.wait_until(is_idle, "idle")
+    drop = {}  # request id -> set to make its client drop the stream at its next chunk
+
+    def chat_until_told(n: int) -> tuple[str, str | None]:
+        """A long streamed chat: (request id, finish reason), None if its client dropped the stream."""
+        stream = served.client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": f"{n} " + long_prompt(350)}], max_tokens=100,
+            stream=True,
+        )  # fmt: skip
+        finish = None
+        for chunk in stream:
+            told = drop.setdefault(chunk.id, threading.Event())
+            if told.is_set():
+                stream.close()
+                return chunk.id, None
+            finish = chunk.choices[0].finish_reason if chunk.choices else finish
+        return chunk.id, finish
+
+    with ThreadPoolExecutor(2) as pool:
+        long_ones = [pool.submit(chat_until_told, n) for n in (1, 2)]
+        served.wait_until(lambda s: s["block_new_requests"], "a preemption")
+        (running,) = served.server.manager._cb.batch_processor.scheduler.active_requests
+        drop.setdefault(running, threading.Event()).set()
+        results = dict(future.result(timeout=60) for future in long_ones)
+    (preempted,) = set(results) - {running}
+    assert results == {running: None, preempted: "length"}
+    assert len(served.generated[preempted]) == 100
+    request_id, text, finish = served.chat(PROMPTS[2], 5)
+    assert finish == "length" and text
+    served.wait_until(is_idle, "idle after the preemption and the drop")
 
 
 def test_non_streamed_chat_and_completion(served):
