@@ -57,8 +57,8 @@ def check_transformers_serve() -> None:
         model_manager.ModelManager: ("load_model_and_processor", "process_model_name", "list_models"),
         utils.GenerationState: ("get_manager",),
         utils.CBGenerateManager: ("init_cb", "generate_streaming", "generate_non_streaming", "is_alive"),
-        utils.BaseHandler: ("_build_generation_config", "_validate_request"),
-        utils.CBStreamer: ("cancel",),
+        utils.BaseHandler: ("_build_generation_config", "_validate_request", "_valid_params_class", "_unused_fields"),
+        utils.CBStreamer: ("cancel", "put"),
     }
     attributes = {  # set in __init__
         Serve: ("_model_manager", "_generation_state", "_chat_handler", "_completion_handler", "_response_handler",
@@ -66,8 +66,8 @@ def check_transformers_serve() -> None:
         model_manager.ModelManager: ("loaded_models", "force_model"),
         utils.GenerationState: ("_cb_config",),
         utils.CBGenerateManager: ("_cb",),
-        utils.CBStreamer: ("_request_id",),
-        OutputRouter: ("_lock", "result_handlers"),
+        utils.CBStreamer: ("_queue",),
+        OutputRouter: ("_lock", "result_handlers", "output_queue"),
     }  # fmt: skip
     missing = [f"{owner.__name__}.{name}" for owner, names in methods.items() for name in names
                if not hasattr(owner, name)]  # fmt: skip
@@ -106,8 +106,10 @@ class FP8Serve(Serve):
             max_requests=self.options.max_requests,
         )  # fmt: skip
         self._set_page_budget(model, settings)
-        for handler in (self._chat_handler, self._completion_handler, self._response_handler):
-            handler._build_generation_config = requests.checked_max_tokens(handler._build_generation_config)
+        for endpoint, handler in self.handlers().items():
+            handler._build_generation_config = requests.checked_generation_config(handler._build_generation_config)
+            handler._validate_request = requests.logging_ignored(handler._validate_request, endpoint,
+                                                                 requests.ignored_fields(handler, endpoint))  # fmt: skip
         self._chat_handler._validate_request = requests.checked_messages(self._chat_handler._validate_request)
         # the manager now, with the server's default generation config (transformers makes it at the first
         # request, with that request's: continuous batching has one generation config per manager)
@@ -115,9 +117,14 @@ class FP8Serve(Serve):
         self.manager = self._generation_state.get_manager(model_id, use_cb=True)
         self.manager.init_cb(model, generation)
         self.pages = _wait_for_pages(self.manager)
-        requests.check_lengths(self.manager, model, self.pages.num_blocks * self.pages.page_size)
+        requests.wrap_generation(self.manager, model, self.pages.num_blocks * self.pages.page_size)
         self.server.config.app.get("/fp8kv/pages")(self.page_state)
         logger.info(f"[hf-fp8kv] {describe(self.pages, settings)}")
+
+    def handlers(self) -> dict:
+        """transformers' handlers of the OpenAI endpoints, by path."""
+        return {"/v1/chat/completions": self._chat_handler, "/v1/completions": self._completion_handler,
+                "/v1/responses": self._response_handler}  # fmt: skip
 
     def _pinned_model(self) -> tuple[str, torch.nn.Module]:
         """The model this server is pinned to, and the id its handlers know it by."""

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,6 +220,8 @@ def long_prompt(tokens: int) -> str:
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "model": "no/such-model"}, 400,
          "no/such-model"),
         ({"max_tokens": 4}, 400, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": 5}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": [".", ""]}, 400, "stop"),
         ("{not json", 422, "json"),
     ],
 )  # fmt: skip
@@ -282,6 +286,69 @@ def test_dropping_the_running_stream_after_a_preemption_admits_the_others(served
     request_id, text, finish = served.chat(PROMPTS[2], 5)
     assert finish == "length" and text
     served.wait_until(is_idle, "idle after the preemption and the drop")
+
+
+def test_stop_ends_the_answer_before_the_first_stop_string(served):
+    """OpenAI's `stop`: the answer ends before the first stop string (not returned), streamed or not, chat or
+    completion, with finish_reason "stop"; the generation ends there too (fewer tokens than max_tokens)."""
+    served.wait_until(is_idle, "idle")
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    # the first run leaves the prompt's whole pages in the prefix cache, where the later ones read them from:
+    # the same greedy tokens from the second run on
+    _, full, _ = [served.chat(PROMPTS[4], 12) for _ in range(2)][-1]
+    stop = full[len(full) // 3 :][:2]  # two characters a third of the way in
+    stops = ["no such text in the answer", stop]
+    assert len(full) >= 6 and stop.strip()
+    expected = full[: full.find(stop)]
+
+    streamed, finish, used = [], None, None
+    for chunk in served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, stop=stops,
+                                                       stream=True):  # fmt: skip
+        for choice in chunk.choices:
+            streamed.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+        used = chunk.usage or used
+    assert ("".join(streamed), finish) == (expected, "stop")
+    assert used.completion_tokens < 12
+    chat = served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, stop=stops)
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (expected, "stop")
+    assert chat.usage.completion_tokens == used.completion_tokens
+
+    prompt = "The keeper wrote the weather down"  # (less than a page: none of it in the prefix cache)
+    whole = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=12).choices[0].text
+    stop = whole[len(whole) // 3 :][:2]
+    cut = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, stop=stop)
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (whole[: whole.find(stop)], "stop")
+    served.wait_until(is_idle, "idle after the stopped requests")
+
+
+def test_ignored_fields_are_logged_once_per_endpoint(served):
+    """Fields the server accepts but ignores (per-request sampling settings) are logged, each once per
+    endpoint, and listed in docs/serving.md; `stop` is not among them."""
+    from hf_fp8kv.serving import requests
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        for extra in ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.5, "seed": 3, "stop": "."}):
+            served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=1, **extra)
+        served.client.completions.create(model=NAME, prompt="hi", max_tokens=1, temperature=0.7)
+    finally:
+        log.removeHandler(handler)
+    ignored = [line.split(":")[0] for line in lines if " ignores " in line]
+    assert ignored == ["[hf-fp8kv] /v1/chat/completions ignores temperature, top_p",
+                       "[hf-fp8kv] /v1/chat/completions ignores seed",
+                       "[hf-fp8kv] /v1/completions ignores temperature"]  # fmt: skip
+    docs = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    for endpoint, handler in served.server.handlers().items():
+        (row,) = [line for line in docs.splitlines() if line.startswith(f"| `{endpoint}` |")]
+        fields = requests.ignored_fields(handler, endpoint)
+        assert "temperature" in fields and "stop" not in fields
+        assert [f for f in sorted(fields) if f"`{f}`" not in row] == [], endpoint
 
 
 def test_non_streamed_chat_and_completion(served):
