@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -17,11 +19,34 @@ from hf_fp8kv.retrieval import PasskeyProbe
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _int_list(text: str) -> list[int]:
+def _count(text: str, minimum: int = 1) -> int:
+    """An integer option of at least `minimum` (argparse names the option in its error)."""
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+    return value
+
+
+def _counts(text: str, minimum: int = 1) -> list[int]:
+    """A comma-separated list of integers of at least `minimum` (an empty string: an empty list)."""
+    try:
+        return [_count(part, minimum) for part in text.split(",") if part.strip()]
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+
+
+def _positive_number(text: str) -> float:
+    """A positive finite number (float() also reads nan and inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,19 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode-mode evaluation text; repeat for several (default: built-in)")
     cmp.add_argument("--variants", default=",".join(BUILTIN_VARIANTS),
                      help="comma-separated variant names; 'native' (the reference) is always included")
-    cmp.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
-    cmp.add_argument("--prefill", type=int, default=64, help="text tokens prefilled before decode-mode scoring")
-    cmp.add_argument("--eval-tokens", type=int, default=256, help="text tokens scored one at a time after the prefill")
-    cmp.add_argument("--contexts", type=_int_list, default=[128, 256, 512, 1024],
+    cmp.add_argument("--max-new-tokens", type=_count, default=32, help="greedy tokens generated per prompt")
+    cmp.add_argument("--prefill", type=_count, default=64, help="text tokens prefilled before decode-mode scoring")
+    cmp.add_argument("--eval-tokens", type=_count, default=256, help="text tokens scored one at a time after the prefill")
+    cmp.add_argument("--contexts", type=_counts, default=[128, 256, 512, 1024],
                      help="comma-separated context lengths for memory and decode speed (empty string: skip)")
-    cmp.add_argument("--decode-steps", type=int, default=8, help="timed decode steps at each context")
-    cmp.add_argument("--retrieval-lengths", type=_int_list, default=[],
+    cmp.add_argument("--decode-steps", type=_count, default=8, help="timed decode steps at each context")
+    cmp.add_argument("--retrieval-lengths", type=_counts, default=[],
                      help="comma-separated context lengths of a passkey-retrieval probe (default: no probe; it "
                      "prefills a prompt of each length per trial and variant)")
-    cmp.add_argument("--retrieval-depths", type=_int_list, default=[0, 50, 100],
+    cmp.add_argument("--retrieval-depths", type=functools.partial(_counts, minimum=0), default=[0, 50, 100],
                      help="comma-separated depths of the key in the filler, in percent (0: first, 100: last)")
-    cmp.add_argument("--retrieval-trials", type=int, default=2, help="keys per (length, depth) cell")
-    cmp.add_argument("--memory-budget-gib", type=float, help="budget for the largest-batch column "
+    cmp.add_argument("--retrieval-trials", type=_count, default=2, help="keys per (length, depth) cell")
+    cmp.add_argument("--memory-budget-gib", type=_positive_number, help="budget for the largest-batch column "
                      "(default: the GPU's memory, else the machine's RAM)")
     cmp.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                      help="model dtype; auto: bfloat16 on a GPU, float32 on the CPU")

@@ -1,15 +1,17 @@
 """The `hf-fp8kv compare` command: a small run on the bundled SmolLM2 and on a local model directory, and its errors."""
 
+import argparse
 import re
 import runpy
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from hf_fp8kv.bundled import smollm2_dir
-from hf_fp8kv.cli import main
+from hf_fp8kv.cli import build_parser, main
 from hf_fp8kv.compat import HAS_FP8_QUANTIZED_CACHE
 from tests.models import tiny_model
 
@@ -97,3 +99,27 @@ def test_python_m_and_console_script_entry_points(capsys, monkeypatch):
     assert "about 3 minutes on 2 CPU cores" in out and "--gguf-file" in out and "--contexts" in out
     scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
     assert scripts["hf-fp8kv"] == "hf_fp8kv.cli:main"
+
+
+BAD_NUMBERS = [("--max-new-tokens", "0"), ("--prefill", "-1"), ("--eval-tokens", "0"), ("--decode-steps", "x"),
+               ("--contexts", "128,0"), ("--retrieval-lengths", "0"), ("--retrieval-depths", "50,-5"),
+               ("--retrieval-trials", "0"), ("--memory-budget-gib", "nan"), ("--memory-budget-gib", "inf"),
+               ("--memory-budget-gib", "0")]  # fmt: skip
+
+
+@pytest.mark.parametrize("option,value", BAD_NUMBERS)
+def test_a_bad_number_is_a_usage_error_naming_its_option(capsys, option, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", option, value])
+    assert exit_info.value.code == 2
+    assert f"hf-fp8kv compare: error: argument {option}: " in capsys.readouterr().err
+
+
+def test_every_numeric_option_is_checked():
+    """Each option of compare that takes a number has a case above (a plain int or float type takes nan, inf
+    and numbers below 1 to the run, where they fail unnamed or after the model loads)."""
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = commands.choices["compare"]._actions
+    assert all(action.type not in (int, float) for action in actions)
+    numeric = {action.option_strings[0] for action in actions if action.type not in (None, str, Path)}
+    assert numeric == {option for option, _ in BAD_NUMBERS}

@@ -9,6 +9,7 @@ internals are not public API: `check_transformers_serve` checks the names relied
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from hf_fp8kv.serving import requests
 TESTED_SERVE = "5.24"  # the transformers whose server this module was tested with
 CPU_KV_MEMORY_MIB = 256  # on the CPU transformers sizes the pages from the host's RAM: a default budget instead
 STARTUP_TIMEOUT_S = 300  # for the manager's thread to build the pages
+MAX_KV_MEMORY_MIB = 2**40  # 1 EiB: a bound that keeps `kv_memory_mib * 2**20` a finite count of bytes
 logger = logging.getLogger("uvicorn.error")  # configured by the time the server is set up: lines in uvicorn's format
 
 __all__ = ["FP8Options", "FP8Serve", "dense_default", "serve_model"]
@@ -39,6 +41,13 @@ class FP8Options:
     sink_tokens: int | None = None
     max_requests: int | None = None
     kv_memory_mib: float | None = None  # pages and recent/sink tokens; None: transformers' sizing (CPU: 256)
+
+    def __post_init__(self) -> None:
+        """The KV memory refused by name (the other options are checked by `continuous_batching.enable`)."""
+        mib = self.kv_memory_mib
+        if mib is not None and (isinstance(mib, bool) or not isinstance(mib, numbers.Real)
+                                or not 0 < mib <= MAX_KV_MEMORY_MIB):  # fmt: skip
+            raise ValueError(f"kv_memory_mib={mib!r} must be a number of MiB above 0 and at most {MAX_KV_MEMORY_MIB}")
 
 
 def check_transformers_serve() -> None:

@@ -1,13 +1,14 @@
 """The `hf-fp8kv serve` command line: transformers' `serve` options and ours in one command, our defaults, and
 what reaches the server (no server is started: `FP8Serve` is replaced by a recorder)."""
 
+import click
 import pytest
 
 pytest.importorskip("fastapi", reason="the serving extra: pip install hf-fp8kv[serve]")
 pytest.importorskip("transformers.cli.serve", reason="this transformers has no `transformers serve`")
 
 from hf_fp8kv import cli  # noqa: E402
-from hf_fp8kv.serving import command  # noqa: E402
+from hf_fp8kv.serving import FP8Options, command  # noqa: E402
 
 
 @pytest.fixture
@@ -57,3 +58,44 @@ def test_turning_continuous_batching_off_is_a_usage_error(started, capsys):
         command.main(["--no-continuous-batching"])
     assert exit_.value.code == 2 and "drop --no-continuous-batching" in capsys.readouterr().err
     assert started == []
+
+
+def bad_values(param) -> list[str]:
+    """Values out of a numeric option's range: nan and inf for floats, one past each bound for integers."""
+    if isinstance(param.type, click.FloatRange):
+        return ["nan", "inf", "-inf"]
+    low, high = param.type.min, param.type.max
+    return [str(bound) for bound in (None if low is None else low - 1, None if high is None else high + 1)
+            if bound is not None]  # fmt: skip
+
+
+def test_every_numeric_option_refuses_bad_numbers_by_name(started, capsys):
+    """Ours and transformers serve's: each numeric option is ranged, and a value outside (nan and inf for a
+    float) is a usage error naming the option, before any server starts."""
+    numeric = (click.types.IntParamType, click.types.FloatParamType)
+    params = [p for p in command.serve_command().params if isinstance(p.type, numeric)]
+    assert {p.name for p in params} >= {"kv_memory_mib", "recent_tokens", "max_requests", "cb_num_blocks", "port",
+                                        "cb_max_memory_percent"}  # fmt: skip
+    for param in params:
+        assert isinstance(param.type, (click.IntRange, click.FloatRange)), f"{param.opts[0]} is not ranged"
+        values = bad_values(param)
+        assert values, param.opts[0]
+        for value in values:
+            with pytest.raises(SystemExit) as exit_:
+                command.main([f"{param.opts[0]}={value}"])
+            assert exit_.value.code == 2 and f"Invalid value for '{param.opts[0]}'" in capsys.readouterr().err
+    assert started == []
+
+
+@pytest.mark.parametrize("scales", ["nan", "inf", "0", "-0.5"])
+def test_a_scale_that_is_not_positive_and_finite_is_refused(started, capsys, scales):
+    with pytest.raises(SystemExit) as exit_:
+        command.main(["--scales", scales])
+    assert exit_.value.code == 2 and "Invalid value for '--scales'" in capsys.readouterr().err
+    assert started == []
+
+
+@pytest.mark.parametrize("mib", [float("nan"), float("inf"), 0, -1, True])
+def test_the_kv_memory_option_is_checked_in_python_too(mib):
+    with pytest.raises(ValueError, match="kv_memory_mib="):
+        FP8Options(kv_memory_mib=mib)
