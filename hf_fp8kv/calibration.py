@@ -8,6 +8,7 @@ the whole data set (min-max over every token, not the last batch); padding token
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from transformers import DynamicCache
 from hf_fp8kv import compat
 from hf_fp8kv.checkpoint import KVScales
 from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.settings import check_count
 
 OCP_MAX = get_format("fp8_e4m3").max  # scales are stored in the OCP e4m3 convention: amax / 448
 MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its head's scale
@@ -26,6 +28,7 @@ MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its 
 # normal range, so 4x headroom costs only the bottom of the subnormals (docs/scales.md).
 CHANNEL_HEADROOM = 4.0
 STRATEGIES = ("tensor", "attn_head")
+NAMED_SKIPS = 10  # the skipped samples a warning names
 
 
 def calibrate(
@@ -49,24 +52,36 @@ def calibrate(
             `CHANNEL_HEADROOM` x the channel's max over the head's (or layer's) max, at most 1.
         percentile: clip the scales to this percentile (0-100] of the per-token maxima of |x| (the token's head
             vector, or all its heads for "tensor"), so the rarest outlier tokens saturate; None = min-max.
-        max_length: truncate each sample to this many tokens.
+        max_length: truncate each sample to this many tokens (at least 1).
+
+    A sample of zero tokens (an empty text, say a blank line of a data set) is skipped with a warning naming it.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
     if percentile is not None and not 0 < percentile <= 100:
         raise ValueError(f"percentile={percentile} must be in (0, 100]")
+    if max_length is not None:
+        check_count("max_length", max_length, minimum=1)
     observer = _Observer(keep_tokens=percentile is not None)
     total = len(data) if isinstance(data, (list, tuple)) else None
     # only the cache's inputs matter: skip the LM head for all but one position where the model allows it
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    empty = []  # the indices of samples of zero tokens: the model's forward fails on them
     with torch.inference_mode():
-        for inputs in tqdm(model_inputs(data, tokenizer, max_length, model.device), total=total,
-                           desc="calibrate", disable=not progress):  # fmt: skip
+        for index, inputs in enumerate(tqdm(model_inputs(data, tokenizer, max_length, model.device), total=total,
+                                            desc="calibrate", disable=not progress)):  # fmt: skip
+            if not inputs["input_ids"].numel():
+                empty.append(index)
+                continue
             mask = inputs.get("attention_mask")
             compat.forward(model, _RecordingCache(model.config, observer, mask), **inputs, **extra)
             observer.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+    if empty:
+        named = ", ".join(f"data[{i}]" for i in empty[:NAMED_SKIPS]) + (", ..." if len(empty) > NAMED_SKIPS else "")
+        warnings.warn(f"calibrate skipped {len(empty)} sample(s) of zero tokens: {named}", stacklevel=2)
     if not observer.channel_amax:
-        raise ValueError("calibration saw no keys: data was empty or the model never called the cache")
+        raise ValueError("calibration saw no keys: data was empty (or every sample had zero tokens) or the model "
+                         "never called the cache")  # fmt: skip
     return observer.scales(strategy, key_channels, percentile)
 
 

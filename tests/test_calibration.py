@@ -8,9 +8,10 @@ from importlib.resources import files
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import DynamicCache
+from transformers import AutoTokenizer, DynamicCache
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache, UncalibratedScalesWarning, calibrate
+from hf_fp8kv.bundled import smollm2_dir
 from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.evaluate import decode_mode_logits, quality
 from tests.models import PURE_FP8, smollm2, tiny_model
@@ -173,8 +174,25 @@ def test_strategies_and_percentile_clipping():
         ([], {}, ValueError, "calibration saw no keys"),
         ([torch.tensor([1, 2])], {"strategy": "channel"}, ValueError, "strategy='channel'"),
         ([torch.tensor([1, 2])], {"percentile": 0}, ValueError, r"percentile=0 must be in \(0, 100\]"),
+        ([torch.tensor([1, 2])], {"max_length": 0}, ValueError, r"max_length=0 must be an int >= 1"),
     ],
 )
 def test_bad_calibration_input(data, kwargs, error, match):
     with pytest.raises(error, match=match):
         calibrate(tiny_model(), data, progress=False, **kwargs)
+
+
+def test_a_sample_of_zero_tokens_is_skipped_with_a_warning_naming_it():
+    """An empty text (a blank line of a data set) has no tokens to observe (the forward fails on it): skipped,
+    named in a warning; the scales are those of the other samples. Nothing but empty samples is an error."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    model = tiny_model(vocab_size=len(tokenizer))
+    texts = ["The keeper wrote the weather down.", "", "Six every morning and six every evening."]
+    with pytest.warns(UserWarning, match=r"calibrate skipped 1 sample\(s\) of zero tokens: data\[1\]$"):
+        skipping = calibrate(model, texts, tokenizer, progress=False)
+    kept = calibrate(model, texts[::2], tokenizer, progress=False)
+    assert skipping.sources == kept.sources
+    for i in (0, 1):
+        assert torch.equal(skipping.key[i], kept.key[i]) and torch.equal(skipping.value[i], kept.value[i])
+    with pytest.warns(UserWarning, match=r"data\[0\], data\[1\]$"), pytest.raises(ValueError, match="zero tokens"):
+        calibrate(model, ["", ""], tokenizer, progress=False)
