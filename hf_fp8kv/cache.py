@@ -13,6 +13,7 @@ from hf_fp8kv import compat
 from hf_fp8kv.attention import ATTENTION_NAME, attention_implementation, is_fp8_attention, use_fp8_attention
 from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
+from hf_fp8kv.kernels import ops
 from hf_fp8kv.layer import FP8Layer
 from hf_fp8kv.scales import ScalesArg
 from hf_fp8kv.settings import CacheSettings, resolve_settings
@@ -94,6 +95,9 @@ class QuantizedFP8Cache(Cache):
             max_batch_size=max_batch_size, offloading=offloading, fp8_prefill=fp8_prefill,
         )  # fmt: skip
         self.fmt = settings.fmt
+        if settings.fp8_prefill and model is not None:
+            for device in {parameter.device for parameter in model.parameters()}:
+                ops.check_fp8_prefill(settings.backend, device, settings.fmt)
         text_config = config.get_text_config(decoder=True)
         layers = [self._layer(settings, i) for i in range(len(settings.layer_types))]
         super().__init__(layers=layers, offloading=offloading)

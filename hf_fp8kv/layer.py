@@ -137,6 +137,8 @@ class FP8Layer(CacheLayerMixin):
             )
         self.device = key_states.device
         self.dtype = key_states.dtype
+        if self.fp8_prefill:  # (a cache built from the model checked its devices already)
+            ops.check_fp8_prefill(self.requested_backend, self.device, self.fmt)
         self.backend = ops.backend_for(self.requested_backend, self.device)
         self.kernels = self.backend.layer_kernels(fp8_prefill=self.fp8_prefill)
         if self.kernels.value_tiled:  # codes held in whole blocks of tiled values, which the attention reads whole

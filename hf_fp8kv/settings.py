@@ -15,6 +15,7 @@ import torch
 from hf_fp8kv import compat
 from hf_fp8kv.kernels.formats import StorageFormat, get_format
 from hf_fp8kv.kernels.ops import check_backend
+from hf_fp8kv.kernels.targets import device_target
 from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, UncalibratedScalesWarning, resolve_scales
 
 # Layer types (from `get_layer_types_and_kwargs`) we store; chunked attention caches like a sliding window of the
@@ -81,6 +82,8 @@ def resolve_settings(
     fmt = get_format(platform_dtype(kv_cache_dtype))
     if not isinstance(fp8_prefill, bool):
         raise ValueError(f"fp8_prefill={fp8_prefill!r} must be True or False")
+    if fp8_prefill and fmt.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_prefill=True runs its dots on e4m3fn codes (kv_cache_dtype='fp8_e4m3'), not {fmt.name!r}")
     layer_types, layer_kwargs = compat.layer_types_and_kwargs(text_config)
     check_supported(text_config, layer_types)
     skip = skip_layer_indices(skip_layers, layer_types)
@@ -98,8 +101,11 @@ def resolve_settings(
 
 
 def platform_dtype(kv_cache_dtype: str) -> str:
-    """On ROCm, "fp8" means the e4m3fnuz format of the MI300 generation (as in vLLM); else the name itself."""
-    return "fp8_e4m3fnuz" if kv_cache_dtype == "fp8" and torch.version.hip else kv_cache_dtype
+    """On ROCm, "fp8" means the format of the current GPU's FP8 hardware, as in vLLM: e4m3fnuz on MI300 (gfx94x,
+    also assumed where no GPU is visible), e4m3fn on MI355 (gfx950) and others; else the name itself."""
+    if kv_cache_dtype != "fp8" or not torch.version.hip:
+        return kv_cache_dtype
+    return device_target(torch.device("cuda")).default_fp8 if torch.cuda.is_available() else "fp8_e4m3fnuz"
 
 
 def check_count(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:

@@ -3,7 +3,10 @@
 `backend_for(requested, device)` gives the torch backend (`cpu.py`, `paged.py`) or the Triton one
 (`triton_*.py`; on CPU only under TRITON_INTERPRET=1, where bf16 models run right too: the kernels' dots take
 fp16 operands, never the interpreter's broken bf16 dot). `requested`: "torch", "triton" or "auto" (Triton on
-CUDA, torch elsewhere); `None` reads the environment variable HF_FP8KV_BACKEND (default "auto").
+CUDA, torch elsewhere); `None` reads the environment variable HF_FP8KV_BACKEND (default "auto"). A GPU the
+Triton kernels cannot run on (an architecture they are not compiled for, no Triton, a Triton without a driver
+for it) gets the torch path with one warning naming the device and the reason, whatever was requested; the
+kernels' code path on each GPU (hardware or bit decode of the codes, FP8 dots) is `targets.GpuTarget`'s.
 
 A backend gives each layer a `LayerKernels` handle: `write` and `attend` over the layer's `KVView`, and the
 layer's kernel state (launch plans, the launch arguments derived from its buffers, split buffers, the split
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
 from . import cpu, paged
-from .formats import get_format
+from .formats import StorageFormat, get_format
+from .targets import GpuTarget, device_target
 from .view import KVView
 
 BACKENDS = ("auto", "triton", "torch")
@@ -37,19 +42,59 @@ def check_backend(requested: str | None) -> str:
 def backend_for(requested: str | None, device: torch.device) -> "TorchBackend":
     """The backend that serves tensors on `device`."""
     name = check_backend(requested)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cuda" and name != "torch":
+        return TORCH if gpu_problem(device) else TRITON
+    if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"backend='triton' on {device.type} needs TRITON_INTERPRET=1 (the Triton interpreter)")
     return TRITON if name == "triton" else TORCH
 
 
-def _triton_available() -> bool:
+class UnsupportedGPUWarning(UserWarning):
+    """A GPU the Triton kernels cannot run on: the cache runs on the torch path there."""
+
+
+def gpu_problem(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on CUDA (or ROCm) `device`, warned once per device; None where they can."""
+    return _gpu_problem(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _gpu_problem(index: int) -> str | None:
+    target = device_target(torch.device("cuda", index))
+    problem = target.unsupported() or triton_problem(target)
+    if problem:
+        warnings.warn(
+            f"{target.name} ({target.arch}, cuda:{index}): {problem}; the FP8 cache runs on the torch path there "
+            "(the same results, slower: past tokens are decoded every step)", UnsupportedGPUWarning, stacklevel=4,
+        )  # fmt: skip
+    return problem
+
+
+def triton_problem(target: GpuTarget) -> str | None:
+    """Why the installed Triton cannot compile for `target`'s kind of GPU; None where it can."""
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        from triton.runtime import driver
+
+        active = driver.active.get_current_target().backend
+    except Exception as error:  # no Triton, or none of its drivers finds this GPU
+        return f"Triton cannot run here ({type(error).__name__}: {error})"
+    wanted = "hip" if target.is_amd else "cuda"
+    return None if active == wanted else f"Triton's active driver is {active!r}, not {wanted!r}"
+
+
+def check_fp8_prefill(requested: str | None, device: torch.device, fmt: StorageFormat) -> None:
+    """Refuse `fp8_prefill=True` for `fmt`'s codes on `device` where its FP8 tensor-core dots cannot run, naming
+    the GPU."""
+    if device.type != "cuda":
+        return  # (the torch path's attention is exact; the Triton interpreter runs the FP8 dots)
+    target = device_target(device)
+    if backend_for(requested, device) is not TRITON:
+        raise ValueError(f"fp8_prefill=True needs the Triton backend: {target.name} ({target.arch}) runs the torch path")
+    if not target.fp8_dots(fmt.dtype):
+        raise ValueError(
+            f"fp8_prefill=True needs e4m3fn FP8 tensor cores (NVIDIA sm_89 and newer: L4, RTX 4090, H100, B200; AMD "
+            f"gfx950): {target.name} ({target.arch}) has none; leave fp8_prefill off there"
+        )
 
 
 # --- torch ---------------------------------------------------------------------------------------------------------

@@ -28,11 +28,12 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, PREFILL_ROWS, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
+    E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
     attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, load_token_scales,
-    tile_tokens, to_e4m3, visibility, zero_columns,
+    query_target, tile_tokens, to_e4m3, visibility, zero_columns,
 )
-from .triton_launch import Launch, cdiv, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes, sm_count
+from .targets import GpuTarget
+from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, scale_dtypes
 
 # tokens per tile of the full-precision (recent, sink) tokens: 64 took a default-window decode kernel at head_dim
@@ -97,8 +98,10 @@ def _attention_kernel(
     row_ok = rows < GROUP * q_len
     if ONE_POSITION:  # a decode step: every row's query is the last token
         q_pos = end - 1
+        row_pos = tl.zeros([BLOCK_M], tl.int64)  # (the rows past the last are never read or stored)
     else:
         q_pos = end - q_len + pos  # the queries are the last q_len tokens
+        row_pos = pos.to(tl.int64)  # its row offsets pass 2^31 in a long prefill (262k tokens x 64 heads x 128)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
 
@@ -107,7 +110,7 @@ def _attention_kernel(
     if not PER_TOKEN_K:
         q_scale *= tl.load(k_scale_ptr)
     channel_ptr += kv_head * head_dim
-    query_args = (q_ptr, q_sh, q_sl, q_sd, head, pos, row_ok, d, d_ok, q_scale, channel_ptr)
+    query_args = (q_ptr, q_sh, q_sl, q_sd, head, row_pos, row_ok, d, d_ok, q_scale, channel_ptr)
     q = _scaled_query(query_args, HAS_CHANNEL_SCALE)
     if FP8_QK:  # the codes' scores on FP8 tensor cores: the query in e4m3, one scale per row (its amax to the max)
         q_row = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / E4M3_MAX
@@ -225,7 +228,7 @@ def _attention_kernel(
     else:
         out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
         tl.store(
-            out_ptr + head[:, None] * o_sh + pos[:, None] * o_sl + d[None, :] * o_sd,
+            out_ptr + head[:, None] * o_sh + row_pos[:, None] * o_sl + d[None, :] * o_sd,
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
@@ -297,9 +300,9 @@ def _codes_tile(
 @triton.jit
 def _scaled_query(query_args, HAS_CHANNEL_SCALE: tl.constexpr):
     """The program's query rows in fp32 times `q_scale` (and the per-channel K scales, `channel_ptr`)."""
-    q_ptr, q_sh, q_sl, q_sd, head, pos, row_ok, d, d_ok, q_scale, channel_ptr = query_args
+    q_ptr, q_sh, q_sl, q_sd, head, row_pos, row_ok, d, d_ok, q_scale, channel_ptr = query_args
     q = tl.load(
-        q_ptr + head[:, None] * q_sh + pos[:, None] * q_sl + d[None, :] * q_sd,
+        q_ptr + head[:, None] * q_sh + row_pos[:, None] * q_sl + d[None, :] * q_sd,
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     ).to(tl.float32)
@@ -454,7 +457,9 @@ def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int 
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
     for as much again of its own); the smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles
     of codes' bytes, shared as `held_splits` says."""
-    most = max(1, min(tiles + held_tiles, 4 * resident_slots // max(programs, 1)))
+    # up to 8 splits even where the programs fill the GPU: 512 programs on an A100's 324 slots took 2 waves of 65
+    # tile-times at 1 or 2 splits (the former cap), 8 of 14 at 5 (gpu_static)
+    most = max(1, min(tiles + held_tiles, max(4 * resident_slots // max(programs, 1), 8)))
     best, best_cost = 1, None
     for splits in range(1, most + 1):
         held = held_splits(splits, tiles, held_tiles)
@@ -488,14 +493,14 @@ def plan_attention(
     num_splits: int | None = None,
     stages: int | None = None,
     resident_slots: int | None = None,
-    cuda: bool | None = None,
+    target: GpuTarget | None = None,
     fp8_prefill: bool = False,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches (attention, then the split reduce if any) that fill it.
-    For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `cuda=True`
-    plans CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU."""
+    For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `target`
+    plans that GPU's code path for tensors that are not on it."""
     plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, stages, resident_slots,
-                         cuda, fp8_prefill=fp8_prefill)  # fmt: skip
+                         target, fp8_prefill=fp8_prefill)  # fmt: skip
     return plan.launches(query, view, mask, sink_logits)
 
 
@@ -528,7 +533,7 @@ class AttentionPlan:
         num_splits: int | None = None,
         stages: int | None = None,
         resident_slots: int | None = None,
-        cuda: bool | None = None,
+        target: GpuTarget | None = None,
         *,
         fp8_prefill: bool = False,
     ):
@@ -537,16 +542,19 @@ class AttentionPlan:
         fmt = view.fmt
         self.kv_heads = view.codes.shape[2]
         group = q_heads // self.kv_heads
-        self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim, mask is not None)
+        target = target or query_target(query)
+        self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim, mask is not None, target)
         if stages is not None:
             options["STAGES"] = stages
         self.row_blocks = cdiv(group * q_len, self.block_m)
-        decode = decode_settings(fmt, query, view.per_token, cuda)
-        self.hw_convert, code_factor, dot, value_boost = decode
+        check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
+        decode = decode_settings(fmt, query, view.per_token, target)
+        self.hw_convert = decode.hw_convert
+        _, code_factor, dot, value_boost = decode
         # the fp16 decode of float codes is value / code_factor: the factor joins the score scale
         score_scale = scaling * code_factor * (1.0 if softcap is not None else LOG2E.value)
         self.scalars = (window or 0, score_scale, code_factor, value_boost, code_factor / value_boost, softcap or 1.0)
-        fp8_qk = fp8_dots(fp8_prefill, self.block_m, fmt, dot)
+        fp8_qk = fp8_dots(fp8_prefill, group * q_len > 64, fmt, dot, target)
         constexprs = dict(
             GROUP=group, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=self.block_d, IS_FLOAT=fmt.is_float,
             HW_CONVERT=self.hw_convert, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
@@ -580,14 +588,14 @@ class AttentionPlan:
         self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
         self.num_splits = num_splits
         self.resident_slots = resident_slots
-        if num_splits is None and self.row_blocks == 1 and query.is_cuda and not resident_slots:
+        if num_splits is None and self.row_blocks == 1 and target is not None and not resident_slots:
             # blocks per SM of the kernel as compiled (registers, shared memory), times the SMs
             # (the buffers' launch arguments built here are not kept in the view's memo: an entry keyed by a plan
             # that is not the layer's would hold its buffers after the layer replaced them)
             stored, buffers = self._stored(view), self._buffers(query, 2)
             held = int(stored.fp_tokens > 0)
             attention = self._attention(query, view, mask, sink_logits, 2, held, stored, *buffers)[0]
-            self.resident_slots = sm_count(query.device) * compiled_occupancy(attention, query.device)
+            self.resident_slots = target.sms * compiled_occupancy(attention, target, query.device)
 
     def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The output, and the splits' partial results (kept from call to call: one allocation per step, the
@@ -674,13 +682,17 @@ class AttentionPlan:
         return launches
 
 
-def fp8_dots(fp8_prefill: bool, block_m: int, fmt, dot) -> bool:
+def fp8_dots(fp8_prefill: bool, prefill: bool, fmt, dot, target: GpuTarget | None) -> bool:
     """Whether a kernel's dots over codes run on FP8 tensor cores (QK; PV too with per-head V scales, which keep
-    the probabilities within e4m3's range): asked for, a prefill's 128-row tiles (a decode step is bound by
-    memory), e4m3fn codes (the format's own), fp16 or bf16 queries (fp32 ones keep fp32 dots). Off by default:
+    the probabilities within e4m3's range): asked for, a prefill's tiles of more than 64 rows (a decode step is
+    bound by memory), e4m3fn codes (the format's own), fp16 or bf16 queries (fp32 ones keep fp32 dots), a GPU with e4m3fn
+    tensor cores (or the interpreter; a cache asking for them elsewhere is refused when built). Off by default:
     the query's and probabilities' 3 mantissa bits cost SmolLM2's prefill a mean KL of 3e-3 (the cache's own
     target is 6e-4), and the compiled loop is no leaner (docs/benchmarks.md, issue 21 round 3)."""
-    return fp8_prefill and block_m == PREFILL_ROWS and fmt.dtype == torch.float8_e4m3fn and dot == tl.float16
+    return (
+        fp8_prefill and prefill and fmt.dtype == torch.float8_e4m3fn and dot == tl.float16
+        and (target is None or target.fp8_dots(fmt.dtype))
+    )  # fmt: skip
 
 
 def reduce_blocks(out_rows: int, block_d: int) -> tuple[int, int, int]:

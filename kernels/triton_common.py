@@ -14,10 +14,10 @@ import triton.language as tl
 
 from . import view
 from .formats import FORMATS, TINY_SCALE, StorageFormat
+from .targets import GpuTarget, device_target
 from .triton_launch import interpreting, next_power_of_2
 
 LOG2E = tl.constexpr(math.log2(math.e))  # softmax runs on exp2
-HW_CODE_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}  # converted by the hardware
 FP16_MAX = tl.constexpr(65504.0)
 MIN_ROWS = 16  # tl.dot needs 16 rows
 PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgmma per warpgroup of 8 warps
@@ -334,36 +334,64 @@ def attend_full_precision(
                         True, False, HAS_SOFTCAP, PRECISION, not alike)  # fmt: skip
 
 
-def block_sizes(rows: int, head_dim: int, masked: bool = False) -> tuple[int, int, int, dict]:
-    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head."""
+def block_sizes(rows: int, head_dim: int, masked: bool = False, target: GpuTarget | None = None) -> tuple[int, int, int, dict]:
+    """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head on `target` (None: the
+    interpreter, sm_90's sizes)."""
     block_d = next_power_of_2(head_dim)
-    if rows > 64:  # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
+    stages = 3 if target is None else target.pipeline_stages
+    if target is not None and target.is_amd:  # one wave per SIMD (4 warps) may hold 512 VGPRs, two 256 each: 8
+        # warps spilled 28-104 B in a 64-row prefill and 84 B in the head_dim 256 decode on gfx90a (gpu_static)
+        block_m = 64 if rows > 64 else max(MIN_ROWS, next_power_of_2(rows))
+        return block_m, 32 if rows > 64 or block_d > 128 else 64, block_d, dict(num_warps=2 if block_d == 64 else 4, STAGES=1)
+    if rows > 64 and (target is None or target.warpgroup_dots):
+        # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
         block_n = 32 if masked or block_d > 128 else 64  # a [128, 64] mask tile spilled (gpu_static)
-        return PREFILL_ROWS, block_n, block_d, dict(num_warps=8, STAGES=3)
+        return PREFILL_ROWS, block_n, block_d, dict(num_warps=8, STAGES=stages)
+    if rows > 64:  # with mma.sync's operands in registers, 128-row tiles spilled 956-5648 B on sm_80 / sm_86; 64
+        # rows of 8 warps at 2 stages: none on sm_80, sm_86, sm_89, sm_120, 1 block per SM (gpu_static)
+        return 64, 32 if block_d > 128 else 64, block_d, dict(num_warps=8, STAGES=min(stages, 2))
     block_m = max(MIN_ROWS, next_power_of_2(rows))
     # warps by head_dim, from gpu_static: 4 warps at head_dim 64 ran 0.198-0.210 instructions per KV byte (2 warps:
     # 0.168-0.177); at 256, 4 warps spilled and 8 warps x 32 tokens ran 0.221-0.229 (8 x 64 tokens: 0.157-0.164)
-    return block_m, 64, block_d, dict(num_warps={64: 2, 256: 8}.get(block_d, 4), STAGES=3)
+    return block_m, 64, block_d, register_room(dict(num_warps={64: 2, 256: 8}.get(block_d, 4), STAGES=stages), target)
+
+
+def register_room(options: dict, target: GpuTarget | None) -> dict:
+    """`options` with Triton's `maxnreg` at 255 for 4-warp decode blocks on 100 KB SMs (sm_86, sm_89, sm_120): their
+    shared memory holds 2 such blocks whatever the registers, and ptxas' own caps of 128 or 168 spilled 4 B in
+    sm_89's head_dim 128 decode and sm_120's paged head_dim 256 one (gpu_static: 189 and 182 registers under 255,
+    still 2 blocks per SM)."""
+    if target is not None and not target.is_amd and target.limits.shared <= 100 * 1024 and options["num_warps"] == 4:
+        return dict(options, maxnreg=255)
+    return options
 
 
 class DecodeSettings(NamedTuple):
-    hw_convert: bool  # codes converted by the hardware (CUDA, e4m3fn / e5m2), else by exact bit operations
+    code_type: object  # Triton's type of codes the hardware converts (`GpuTarget.hardware_code_type`); None: bits
     code_factor: float  # the bit decode gives value / code_factor (1.0 for the hardware and int8)
     dot: object  # the dots' operand type: fp32 for fp32 queries, else fp16
     value_boost: float  # per-token V scales times this before the probabilities go to fp16
 
     @property
+    def hw_convert(self) -> bool:
+        return self.code_type is not None
+
+    @property
     def precision(self) -> str:
-        return "ieee" if self.dot == tl.float32 else "tf32"
+        return "ieee"
 
 
-def decode_settings(fmt: StorageFormat, query: torch.Tensor, per_token: bool, cuda: bool | None = None) -> DecodeSettings:
-    """How an attention kernel decodes `fmt`'s codes and runs its dots for `query` (`cuda`: plan CUDA's path for
-    tensors not on a GPU). Per-token V scales (~amax / max) are boosted by a power of two near max before the
-    probabilities go to fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out."""
-    on_cuda = query.is_cuda if cuda is None else cuda
-    hw_convert = on_cuda and not interpreting() and fmt.dtype in HW_CODE_TYPES
-    code_factor = 1.0 if hw_convert or not fmt.is_float else fmt.fp16_factor
+def query_target(query: torch.Tensor) -> GpuTarget | None:
+    """The GPU the kernels compile for on `query`'s device; None on the CPU (the Triton interpreter)."""
+    return device_target(query.device) if query.is_cuda and not interpreting() else None
+
+
+def decode_settings(fmt: StorageFormat, query: torch.Tensor, per_token: bool, target: GpuTarget | None) -> DecodeSettings:
+    """How an attention kernel on `target` (None: the interpreter) decodes `fmt`'s codes and runs its dots for
+    `query`. Per-token V scales (~amax / max) are boosted by a power of two near max before the probabilities go
+    to fp16, or e5m2's (max 57344) would leave them subnormal; the output divides it out."""
+    code_type = target.hardware_code_type(fmt.dtype) if target is not None else None
+    code_factor = 1.0 if code_type is not None or not fmt.is_float else fmt.fp16_factor
     dot = tl.float32 if query.dtype == torch.float32 else tl.float16
     value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token else 1.0
-    return DecodeSettings(hw_convert, code_factor, dot, value_boost)
+    return DecodeSettings(code_type, code_factor, dot, value_boost)

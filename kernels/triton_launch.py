@@ -1,17 +1,15 @@
-"""Prepared Triton launches: what the launchers run and what `benchmarks/gpu_static.py` compiles for sm_90."""
+"""Prepared Triton launches: what the launchers run and what `benchmarks/gpu_static.py` compiles for GPU targets."""
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 from torch.library import wrap_triton
 
-# sm_90 (H100 / H200) per-SM limits, for occupancy: registers are allocated per warp in units of 256 from 4
-# sub-partitions; shared memory in 128-byte units, 1 KB reserved per block by CUDA
-SM90 = dict(registers=65536, shared=233472, reserved=1024, shared_unit=128, register_unit=256, warps=64, blocks=32)
+from .targets import GpuTarget
+
 
 
 @dataclass
@@ -55,6 +53,17 @@ def plane_strides(buffer: torch.Tensor | None) -> tuple[int, ...]:
     return buffer.stride()[1:] if buffer is not None else (0, 0, 0, 0)
 
 
+# CUDA's grid limits (x, y, z); ROCm's are larger
+MAX_GRID = (2**31 - 1, 65535, 65535)
+
+
+def check_grid(grid: tuple[int, ...], what: str) -> None:
+    """Refuse, naming the launch and its sizes, a grid past CUDA's limits (a launch would fail with an opaque
+    "invalid argument")."""
+    if any(n > limit for n, limit in zip(grid, MAX_GRID)):
+        raise ValueError(f"{what}: grid {grid} exceeds the GPU's limits {MAX_GRID}; split the batch into smaller ones")
+
+
 def cdiv(a: int, b: int) -> int:
     """`triton.cdiv` without its constexpr-function wrapper (a few microseconds per call on the host)."""
     return -(-a // b)
@@ -68,24 +77,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def blocks_per_sm(registers: int, warps: int, shared: int, limits: dict = SM90) -> int:
-    """Blocks of `warps` warps resident on one SM for a kernel using `registers` per thread and `shared` bytes of
-    shared memory per block (CUDA's occupancy rules; 0 if none fits)."""
-    unit = limits["register_unit"]
-    warp_registers = -(-registers * 32 // unit) * unit
-    by_registers = 4 * (limits["registers"] // 4 // warp_registers) // warps
-    block_shared = -(-(shared + limits["reserved"]) // limits["shared_unit"]) * limits["shared_unit"]
-    return min(by_registers, limits["shared"] // block_shared, limits["warps"] // warps, limits["blocks"])
-
-
-def compiled_occupancy(launch: Launch, device: torch.device) -> int:
+def compiled_occupancy(launch: Launch, target: GpuTarget, device: torch.device) -> int:
     """Resident blocks per SM of `launch`'s kernel as compiled for `device` (registers and shared memory read
     off the compiled kernel; compiling it now if needed)."""
     with torch.cuda.device(device):
         compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
-    return max(1, blocks_per_sm(compiled.n_regs, launch.kwargs["num_warps"], compiled.metadata.shared))
+    return max(1, target.blocks_per_sm(compiled.n_regs, launch.kwargs["num_warps"], compiled.metadata.shared))

@@ -24,10 +24,11 @@ import triton.language as tl
 from .formats import StorageFormat
 from .paged import ROW_ALIGNMENT, PageGeometry, RecentRows, row_size
 from .triton_common import (
-    HW_CODE_TYPES, LOG2E, MIN_TOKEN_SCALE, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
-    decode_settings, encode, encoding, round_up_to_bf16, tile_tokens, zero_columns,
+    LOG2E, MIN_TOKEN_SCALE, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
+    decode_settings, encode, encoding, query_target, register_room, round_up_to_bf16, tile_tokens, zero_columns,
 )
-from .triton_launch import Launch, cdiv, launch_all, next_power_of_2
+from .targets import GpuTarget
+from .triton_launch import Launch, cdiv, check_grid, launch_all, next_power_of_2
 
 BLOCK_T = 16  # tokens per program of the row writer
 # head_dim (its power of 2) from which the paged kernel loads the new rows' V tiles as columns, as K's: each
@@ -81,12 +82,12 @@ def _attend_codes(
 
 
 @triton.jit
-def _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
-    """A program's rows, (query position, query head of the KV head's group) pairs: the position, the head, which
-    rows exist, and the token index of each."""
+def _program_rows(q_start, q_len, first_row, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+    """A program's rows, (query position, query head of the KV head's group) pairs: the position, the head within
+    the group, which rows exist, and the token index of each."""
     rows = first_row + tl.arange(0, BLOCK_M)
     pos = rows // GROUP
-    return pos, kv_head * GROUP + rows % GROUP, rows < q_len * GROUP, (q_start + pos).to(tl.int64)
+    return pos, rows % GROUP, rows < q_len * GROUP, (q_start + pos).to(tl.int64)
 
 
 @triton.jit
@@ -174,8 +175,9 @@ def _page_tile(
 @triton.jit
 def _write_rows_kernel(
     states_ptr, rows_ptr, stats_ptr, k_scale_ptr, v_scale_ptr, pages_ptr, write_ptr, s_sp, s_sh, s_st, tokens,
-    row_bytes, value_bytes, layer_offset, bytes_per_block, page_size,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr,
+    layer_offset, bytes_per_block,
+    ROW_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr, BLOCK_STRIDE: tl.constexpr,
@@ -189,26 +191,26 @@ def _write_rows_kernel(
     d = tl.arange(0, BLOCK_D)
     t_ok = t < tokens
     valid = t_ok[:, None] & (d < HEAD_DIM)[None, :]
-    x = tl.load(states_ptr + plane * s_sp + head * s_sh + t.to(tl.int64)[:, None] * s_st + d[None, :], mask=valid,
+    x = tl.load(states_ptr + plane.to(tl.int64) * s_sp + head.to(tl.int64) * s_sh + t.to(tl.int64)[:, None] * s_st + d[None, :], mask=valid,
                 other=0.0).to(tl.float32)  # fmt: skip
-    row = rows_ptr + t.to(tl.int64) * 2 * row_bytes + plane * row_bytes
+    row = rows_ptr + t.to(tl.int64) * 2 * ROW_BYTES + plane * ROW_BYTES
     # where each token's codes and scale go in its page: element e at `code_at + e * element_stride`
     phys = tl.load(write_ptr + t, mask=t_ok, other=0)
     slot = phys % BLOCK_STRIDE
-    plane_at = pages_ptr + (phys // BLOCK_STRIDE) * bytes_per_block + layer_offset + plane * page_size * row_bytes
+    plane_at = pages_ptr + (phys // BLOCK_STRIDE) * bytes_per_block + layer_offset + plane * PAGE_SIZE * ROW_BYTES
     is_key = plane == 0  # key rows; values head_dim-major
-    code_at = plane_at + tl.where(is_key, slot * row_bytes, slot)
-    element_stride = tl.where(is_key, 1, page_size)
+    code_at = plane_at + tl.where(is_key, slot * ROW_BYTES, slot)
+    element_stride = tl.where(is_key, 1, PAGE_SIZE)
     if PER_TOKEN:
-        scale_at = plane_at + tl.where(is_key, slot * row_bytes + value_bytes + 4 * head,
-                                       value_bytes * page_size + 4 * (head * page_size + slot))  # fmt: skip
+        scale_at = plane_at + tl.where(is_key, slot * ROW_BYTES + VALUE_BYTES + 4 * head,
+                                       VALUE_BYTES * PAGE_SIZE + 4 * (head * PAGE_SIZE + slot))  # fmt: skip
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN and inf ignored
         scale = round_up_to_bf16(tl.maximum(tl.math.div_rn(amax, ROW_MAX), MIN_TOKEN_SCALE))  # the dense cache's values
         bits = scale.to(tl.int32, bitcast=True)
         for byte in tl.static_range(4):
             scale_byte = ((bits >> (8 * byte)) & 0xFF).to(tl.uint8)
-            tl.store(row + value_bytes + 4 * head + byte, scale_byte, mask=t_ok)
+            tl.store(row + VALUE_BYTES + 4 * head + byte, scale_byte, mask=t_ok)
             tl.store(scale_at + byte, scale_byte, mask=t_ok)
         y = tl.math.div_rn(x, scale[:, None])
     else:
@@ -258,10 +260,9 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index) -
     k_scale, v_scale = static_scales if static_scales is not None else (stats, stats)
     launch = Launch(_write_rows_kernel, (cdiv(tokens, BLOCK_T), kv_heads, 2), (
         states, rows, stats, k_scale, v_scale, pages, index, states.stride(0), states.stride(1),
-        states.stride(2), tokens, row_bytes, value_bytes, geometry.layer_offset, geometry.bytes_per_block,
-        geometry.page_size,
+        states.stride(2), tokens, geometry.layer_offset, geometry.bytes_per_block,
     ), dict(
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, PER_TOKEN=per_token, CLIP=fmt.clip_bound,
+        ROW_BYTES=row_bytes, VALUE_BYTES=value_bytes, PAGE_SIZE=geometry.page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, PER_TOKEN=per_token, CLIP=fmt.clip_bound,
         BLOCK_STRIDE=geometry.block_stride, **encoding(fmt),
     ))  # fmt: skip
     return rows, launch
@@ -271,9 +272,9 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index) -
 def _paged_attention_kernel(
     q_ptr, out_ptr, pages_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
     recent_ptr, recent_meta_ptr,
-    q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, page_size, row_bytes,
-    value_bytes, value_boost, out_factor, code_factor, new_offset, requests, recent_slots, recent_rows_per_slot,
-    BLOCK_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, value_boost, out_factor,
+    code_factor, new_offset, requests, recent_slots, recent_rows_per_slot,
+    BLOCK_STRIDE: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_BYTES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
@@ -293,10 +294,12 @@ def _paged_attention_kernel(
     past = tl.load(past_ptr + request)
     k_first = tl.load(k_first_ptr + request).to(tl.int64)
 
-    pos, head, row_ok, q_rows = _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M, GROUP)
+    # the group's first query head in an int64 base (query heads x their stride can pass 2^31), the rest from there
+    q_ptr += (kv_head * GROUP).to(tl.int64) * q_sh
+    pos, member, row_ok, q_rows = _program_rows(q_start, q_len, first_row, BLOCK_M, GROUP)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + q_rows[:, None] * q_st + head[:, None] * q_sh + d[None, :],
+    q = tl.load(q_ptr + q_rows[:, None] * q_st + member[:, None] * q_sh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
     q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
     if not PER_TOKEN:
@@ -339,7 +342,7 @@ def _paged_attention_kernel(
     # `DEPBAR.LE SB0, 0`, one tile in flight), two this way
     read_ptr += k_first
     tile_args = (read_ptr, k_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block,
-                 row_bytes, page_size, value_bytes, value_boost, kv_head, q_pos, row_ok, window)  # fmt: skip
+                 ROW_BYTES, PAGE_SIZE, KV_HEADS * HEAD_DIM, value_boost, kv_head, q_pos, row_ok, window)  # fmt: skip
     if PAGE_TILES:
         tile_lo = k_lo - tl.load(read_ptr + k_lo, mask=k_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
         whole_lo = tile_lo + tl.where(tile_lo < k_lo, BLOCK_N, 0)
@@ -374,8 +377,8 @@ def _paged_attention_kernel(
         for n0 in tl.range(tl.maximum(k_lo, past), codes_end, BLOCK_N, num_stages=STAGES):
             t = n0 + n
             t_ok = t < codes_end
-            k_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * row_bytes
-            v_row = k_row + row_bytes
+            k_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * ROW_BYTES
+            v_row = k_row + ROW_BYTES
             if ALIGNED:
                 k_row = tl.multiple_of(k_row, 16)
                 v_row = tl.multiple_of(v_row, 16)
@@ -387,8 +390,8 @@ def _paged_attention_kernel(
                 v_codes = tl.load(codes_ptr + v_row[:, None] + kv_head * HEAD_DIM + d[None, :],
                                   mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
             if PER_TOKEN:
-                k_scale = _scale_at(pages_ptr + k_row + value_bytes + 4 * kv_head, t_ok, ALIGNED)
-                v_scale = _scale_at(pages_ptr + v_row + value_bytes + 4 * kv_head, t_ok, ALIGNED) * value_boost
+                k_scale = _scale_at(pages_ptr + k_row + KV_HEADS * HEAD_DIM + 4 * kv_head, t_ok, ALIGNED)
+                v_scale = _scale_at(pages_ptr + v_row + KV_HEADS * HEAD_DIM + 4 * kv_head, t_ok, ALIGNED) * value_boost
             else:
                 k_scale = 1.0
                 v_scale = 1.0
@@ -403,7 +406,7 @@ def _paged_attention_kernel(
     # the rows worked out again after the codes' loops, from a fresh load (volatile: not merged with the first one;
     # kept across the loops, their token indices spilled 8 B at head_dim 128 with per-token scales, gpu_static)
     q_start = tl.load(cu_q_ptr + request, volatile=True)
-    _, head, row_ok, q_rows = _program_rows(q_start, q_len, first_row, kv_head, BLOCK_M, GROUP)
+    _, member, row_ok, q_rows = _program_rows(q_start, q_len, first_row, BLOCK_M, GROUP)
     if HAS_RECENT:  # the held tokens, in values: their scores times 1 / (the query's K scale and code factor)
         # (loaded again: kept across the codes' loop, they spilled at head_dim 128 with static scales, gpu_static)
         sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
@@ -414,11 +417,12 @@ def _paged_attention_kernel(
             d_ok, n, window, KV_HEADS, HEAD_DIM, HAS_WINDOW, PRECISION, DOT, ONE_POSITION,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * o_st + head[:, None] * o_sh + d[None, :], out,
+    out_ptr += (kv_head * GROUP).to(tl.int64) * o_sh  # (here: a base kept across the loops costs registers)
+    tl.store(out_ptr + q_rows[:, None] * o_st + member[:, None] * o_sh + d[None, :], out,
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
-def paged_attention_tiles(rows: int, head_dim: int) -> tuple[int, int, int, dict]:
+def paged_attention_tiles(rows: int, head_dim: int, target: GpuTarget | None = None) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` of the paged kernel for `rows` rows per KV head: those of
     `_attention_kernel` for decode, but 32-token tiles of 4 warps at head_dim 256, and 32-row prefill programs. The
     paged loop carries each token's page arithmetic and the next tile's page indices besides the codes.
@@ -426,11 +430,13 @@ def paged_attention_tiles(rows: int, head_dim: int) -> tuple[int, int, int, dict
     one block per SM (32 tokens, 4 warps: 2 blocks, 0.24-0.27 instructions per KV byte); in prefill, 128 rows of 8
     warps spilled 68-308 B, 64 rows of 4 warps 208-308 B (32 rows of 4 warps: no spill, 2 blocks per SM, 0.37 at
     head_dim 128; at 256 with 32-token tiles, 0.32-0.35, where 64-token ones spilled 364 B)."""
-    block_m, block_n, block_d, options = block_sizes(min(rows, 64), head_dim)
+    block_m, block_n, block_d, options = block_sizes(min(rows, 64), head_dim, target=target)
     if rows > 64:
         block_m, options = 32, dict(options, num_warps=4)
+        if target is not None and not target.is_amd:  # ptxas capped sm_100's at 168 registers and spilled 12 B;
+            options["maxnreg"] = 255  # 188 under 255, 2 blocks per SM (sm_90's: 186 without a cap; gpu_static)
     if block_d > 128:
-        block_n, options = 32, dict(options, num_warps=4)
+        block_n, options = 32, register_room(dict(options, num_warps=4), target)
     return block_m, block_n, block_d, options
 
 
@@ -491,10 +497,10 @@ def plan_paged_attention(
     layer_offset: int, bytes_per_block: int, block_stride: int, page_size: int, scaling: float,
     window: int | None = None, static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_q_len: int | None = None, recent: RecentRows | None = None, new_in_pages: bool = False,
-    cuda: bool | None = None,
+    target: GpuTarget | None = None,
 ) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
-    """The output of `paged_attention` and the launch that fills it (None: nothing to attend); `cuda=True` plans
-    CUDA's code path (hardware FP8 conversion) for tensors that are not on a GPU (`benchmarks/gpu_static.py`)."""
+    """The output of `paged_attention` and the launch that fills it (None: nothing to attend); `target` plans that
+    GPU's code path for tensors that are not on it (`benchmarks/gpu_static.py`)."""
     tokens, q_heads, head_dim = query.shape
     row_bytes = new_rows.shape[-1]
     value_bytes = kv_heads * head_dim
@@ -523,15 +529,18 @@ def plan_paged_attention(
     if requests == 0 or max_q_len == 0:
         return out, None
     group = q_heads // kv_heads
-    block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim)
+    target = target or query_target(query)
+    block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim, target)
     page_tile = page_tile_tokens(block_n, page_size, window)
     block_n = page_tile or block_n
-    decode = decode_settings(fmt, query, per_token, cuda)
-    hw_convert, code_factor, dot, value_boost = decode
+    decode = decode_settings(fmt, query, per_token, target)
+    _, code_factor, dot, value_boost = decode
     k_scale, v_scale = static_scales if static_scales is not None else (out, out)
     if not read_index.numel():  # no cached tokens this step: a placeholder the kernel never reads
         read_index = past.new_zeros(1, dtype=torch.int64)
+    # (row blocks last: on the x axis, the d64 decode kernel with per-token scales held 150 registers, not 122)
     grid = (requests, kv_heads, cdiv(group * max_q_len, block_m))
+    check_grid(grid, "paged attention (requests, KV heads, row blocks of the longest request's queries)")
     # the new rows are read through `pages`' pointer, at their byte distance from it (one base for both)
     new_offset = new_rows.data_ptr() - pages.data_ptr()
     offsets = (row_bytes, layer_offset, bytes_per_block, new_offset)
@@ -542,13 +551,13 @@ def plan_paged_attention(
     args = (
         query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E.value * code_factor,
-        window or 0, layer_offset, bytes_per_block, page_size, row_bytes, value_bytes, value_boost,
-        code_factor / value_boost, code_factor, new_offset, requests, *recent_args[2:],
+        window or 0, layer_offset, bytes_per_block, value_boost, code_factor / value_boost, code_factor, new_offset,
+        requests, *recent_args[2:],
     )  # fmt: skip
     constexprs = dict(
-        BLOCK_STRIDE=block_stride, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m,
-        BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=hw_convert,
-        CODE_TYPE=HW_CODE_TYPES.get(fmt.dtype, tl.int8), FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
+        BLOCK_STRIDE=block_stride, PAGE_SIZE=page_size, ROW_BYTES=row_bytes, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m,
+        BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=decode.hw_convert,
+        CODE_TYPE=decode.code_type or tl.int8, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
         HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
         PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1, **options,

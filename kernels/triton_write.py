@@ -122,7 +122,7 @@ def _write_kernel(
                                stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP,
                                IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC,
                                SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
-        x_raw = tl.load(src + b * sb + h * sh + i[:, None] * st + d[None, :] * sd,
+        x_raw = tl.load(src + b * sb + h * sh + i.to(tl.int64)[:, None] * st + d[None, :] * sd,
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         direct = row_ok & (t < new_recent_start)
         slot = (t % slots if RING else t - offset).to(tl.int64)
@@ -176,7 +176,11 @@ class WritePlan:
         self.kinds = []  # (grid, constexprs) of each launch
         for mode, tokens in modes if new_tokens else ():
             block_t = min(next_power_of_2(tokens), max(1, MAX_TILE // block_d))
-            self.kinds.append(((cdiv(tokens, block_t), batch * heads, 2), dict(MODE=mode, BLOCK_T=block_t, **common)))
+            # 8 warps for a whole tile: with 4, the 500-token write over a recent buffer held 192 registers on sm_90
+            # and spilled 24-32 B at 255 on sm_80 / sm_86 / sm_89; with 8, 106-158 (gpu_static)
+            warps = 8 if block_t * block_d >= MAX_TILE else 4
+            self.kinds.append(((cdiv(tokens, block_t), batch * heads, 2),
+                               dict(MODE=mode, BLOCK_T=block_t, num_warps=warps, **common)))  # fmt: skip
 
     def launches(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> list[Launch]:
         tensors, strides, slots = view.derived(self, self._stored)

@@ -1,10 +1,13 @@
 """Scale schemes in the cache: KVScales and paths as `scales=`, e4m3fnuz, ROCm, static per-channel key scales."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from hf_fp8kv.kernels.formats import get_format
 
 from hf_fp8kv import KVScales, QuantizedFP8Cache
+from hf_fp8kv.kernels import targets
+from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.compat import cache_kwargs
 from tests.models import PURE_FP8, tiny_model
 
@@ -60,10 +63,19 @@ def test_fnuz_checks_the_doubled_scales():
     QuantizedFP8Cache(tiny_model(), kv_cache_dtype="fp8_e4m3", scales=2e38)  # fine where nothing is doubled
 
 
-def test_rocm_picks_fnuz_for_fp8(monkeypatch):
+def test_rocm_picks_the_gpus_fp8_for_fp8(monkeypatch):
+    """"fp8" on ROCm: e4m3fnuz on MI300 (gfx942) and where no GPU is visible, e4m3fn on MI355 (gfx950), as vLLM."""
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
     assert QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt is get_format("fp8_e4m3fnuz")
     assert QuantizedFP8Cache(tiny_model(), kv_cache_dtype="fp8_e4m3", scales="dynamic").fmt.name == "fp8_e4m3"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for arch, fmt in (("gfx942", "fp8_e4m3fnuz"), ("gfx950", "fp8_e4m3")):
+        props = SimpleNamespace(name=f"AMD {arch}", gcnArchName=f"{arch}:sramecc+:xnack-", multi_processor_count=256)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
+        targets._read_target.cache_clear()
+        assert QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt.name == fmt, arch
+    targets._read_target.cache_clear()
     monkeypatch.setattr(torch.version, "hip", None)
     assert QuantizedFP8Cache(tiny_model(), scales="dynamic").fmt.name == "fp8_e4m3"
 

@@ -11,6 +11,7 @@ import torch
 
 from hf_fp8kv.kernels import paged
 from hf_fp8kv.kernels.formats import FORMATS
+from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
 from hf_fp8kv.kernels.triton_paged import page_tile_tokens, paged_attention, plan_paged_attention, write_rows
 from pages import PAGE_SIZE, build, oracle
 
@@ -192,3 +193,25 @@ def test_rows_before_the_window_are_never_read(case):
     """NaN filler in the cached rows no query's window reaches (what a freed or recycled page holds) reaches no
     output: the first key tile starts before the window, its earlier rows are masked out of the loads."""
     check(torch.float32, case, garbage=True)
+
+
+def test_a_grid_past_the_limits_is_refused_naming_the_launch():
+    """A 131k-token chunk at GQA 8 has 32,768 row blocks of 32 rows on the grid's z axis; a 262k-token one would
+    need 65,536, past its 65,535: refused naming the launch (planned on meta tensors)."""
+
+    def grid(requests: int, q_len: int, kv_heads: int = 8, group: int = 8, head_dim: int = 128) -> tuple:
+        tokens, row_bytes = requests * q_len, paged.row_size(kv_heads * head_dim, kv_heads)
+        meta = dict(device="meta")
+        query = torch.empty(tokens, kv_heads * group, head_dim, dtype=torch.bfloat16, **meta)
+        rows = torch.empty(tokens, 2, row_bytes, dtype=torch.uint8, **meta)
+        lengths = [torch.empty(requests + n, dtype=torch.int32, **meta) for n in (1, 0, 0)]
+        _, launch = plan_paged_attention(
+            query, torch.empty(4096, dtype=torch.uint8, **meta), rows, torch.empty(1, dtype=torch.int64, **meta),
+            *lengths, fmt=FORMATS["fp8_e4m3"], kv_heads=kv_heads, layer_offset=0, bytes_per_block=4096,
+            block_stride=512, page_size=256, scaling=0.1, max_q_len=q_len, target=EXAMPLE_GPUS["sm_90"],
+        )  # fmt: skip
+        return launch.grid
+
+    assert grid(1, 131072) == (1, 8, 32768)
+    with pytest.raises(ValueError, match=r"paged attention \(requests, KV heads, row blocks.*\): grid \(1, 8, 65536\)"):
+        grid(1, 262144)

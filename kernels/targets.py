@@ -1,0 +1,182 @@
+"""What a GPU can run: its target (Triton's name for it), the code path each storage format takes there, and its
+occupancy limits. Read once per device (`device_target`); `benchmarks/gpu_static.py` builds the same records
+for GPUs it does not have (`EXAMPLE_GPUS`).
+
+The code paths, by target:
+- FP8 codes are converted to fp16 by the hardware where Triton supports that dtype on that target (NVIDIA
+  sm_89+: e4m3fn, e5m2; AMD gfx942: e4m3fnuz; gfx950: e4m3fn, e5m2). Everywhere else they are decoded by exact
+  bit operations, the decode the Triton interpreter runs (Triton refuses e4m3fn below sm_89, and converts the
+  formats a target lacks in software: slower than the bit decode, which needs no conversion table).
+- `fp8_prefill`'s dots run on FP8 tensor cores over e4m3fn operands: NVIDIA sm_89+ and gfx950. Elsewhere (A100,
+  T4, MI250, MI300, whose FP8 MMA takes e4m3fnuz) a cache asking for it is refused when it is built.
+- The kernels' dots take fp16 or fp32 operands, never bf16: every target with tensor cores has those.
+- Triton runs where the kernels were compiled for the target's family (`gpu_static --arch all`): NVIDIA sm_80 to
+  sm_12x, AMD CDNA 2-4 (gfx90a, gfx942, gfx950). Any other GPU gets the torch path, with a warning
+  (`kernels.ops.backend_for`): older NVIDIA ones, T4 (sm_75: Triton gives it no tensor-core dots), AMD's RDNA.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Triton's types (`triton.language` names: this module is read without Triton) for the codes the hardware converts
+OCP_FP8 = {torch.float8_e4m3fn: "float8e4nv", torch.float8_e5m2: "float8e5"}
+FNUZ_FP8 = {torch.float8_e4m3fnuz: "float8e4b8", torch.float8_e5m2fnuz: "float8e5b16"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-multiprocessor limits for occupancy (NVIDIA: the CUDA programming guide's per-capability table)."""
+
+    shared: int  # shared memory (LDS on AMD) bytes per SM / CU
+    warps: int  # resident warps (waves) per SM / CU
+    blocks: int  # resident blocks per SM / CU
+    reserved: int = 0  # shared memory bytes CUDA reserves per block (sm_80+: 1 KB)
+    registers: int = 65536  # 32-bit registers per SM (NVIDIA)
+
+
+# NVIDIA by compute capability (major * 10 + minor); sm_88 and sm_121 share a neighbour's limits
+NVIDIA_LIMITS = {
+    75: Limits(64 * 1024, 32, 16),
+    80: Limits(164 * 1024, 64, 32, 1024),
+    86: Limits(100 * 1024, 48, 16, 1024),
+    87: Limits(164 * 1024, 48, 16, 1024),
+    88: Limits(100 * 1024, 48, 16, 1024),
+    89: Limits(100 * 1024, 48, 24, 1024),
+    90: Limits(228 * 1024, 64, 32, 1024),
+    100: Limits(228 * 1024, 64, 32, 1024),
+    103: Limits(228 * 1024, 64, 32, 1024),
+    110: Limits(228 * 1024, 48, 24, 1024),
+    120: Limits(100 * 1024, 48, 24, 1024),
+    121: Limits(100 * 1024, 48, 24, 1024),
+}
+# AMD CDNA by gfx name: 4 SIMDs per CU, 8 waves of 64 lanes per SIMD, 512 VGPRs per lane (arch + accumulation)
+AMD_LIMITS = {"gfx90a": Limits(64 * 1024, 32, 32), "gfx942": Limits(64 * 1024, 32, 32), "gfx950": Limits(160 * 1024, 32, 32)}
+AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """A GPU as the kernels see it. `arch`: "sm_80" (NVIDIA, compute capability 8.0) or "gfx942" (AMD)."""
+
+    arch: str
+    name: str  # the device's own name, for messages ("NVIDIA A100-SXM4-80GB")
+    sms: int  # multiprocessors (AMD: compute units)
+
+    @property
+    def is_amd(self) -> bool:
+        return self.arch.startswith("gfx")
+
+    @property
+    def capability(self) -> int:
+        """NVIDIA's compute capability as major * 10 + minor (0 on AMD)."""
+        return 0 if self.is_amd else int(self.arch.removeprefix("sm_"))
+
+    @property
+    def warp_size(self) -> int:
+        return 64 if self.is_amd else 32
+
+    @property
+    def async_copies(self) -> bool:
+        """Whether loads can go to shared memory asynchronously (cp.async: NVIDIA sm_80+), which the kernels'
+        pipelined loops need: without, Triton keeps the stages' tiles in registers."""
+        return not self.is_amd and self.capability >= 80
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Tiles a pipelined loop keeps in flight: 3 with cp.async; 1 elsewhere (without it, Triton holds the next
+        tiles in registers: 2 stages spilled 20 B of scratch in gfx942's head_dim 128 decode, gpu_static)."""
+        return 3 if self.async_copies else 1
+
+    @property
+    def warpgroup_dots(self) -> bool:
+        """Whether dots take 128-row tiles with operands in shared memory (wgmma: sm_90; tcgen05: sm_100 to sm_11x);
+        elsewhere (mma.sync, MFMA) a dot's operands are in registers and prefill tiles are smaller."""
+        return not self.is_amd and 90 <= self.capability < 120
+
+    @property
+    def default_fp8(self) -> str:
+        """The format "fp8" names here: e4m3fnuz on MI300 (gfx94x), as in vLLM; e4m3fn elsewhere."""
+        return "fp8_e4m3fnuz" if self.arch.startswith("gfx94") else "fp8_e4m3"
+
+    @property
+    def limits(self) -> Limits | None:
+        """The occupancy limits of the target; None for a target the kernels were not compiled for."""
+        return AMD_LIMITS.get(self.arch) if self.is_amd else NVIDIA_LIMITS.get(self.capability)
+
+    def unsupported(self) -> str | None:
+        """Why the Triton kernels do not run here; None where they do."""
+        if self.limits is None:
+            known = "gfx90a, gfx942, gfx950 (CDNA 2-4)" if self.is_amd else "sm_80 to sm_121"
+            return f"the Triton kernels are compiled for {known}, not {self.arch}"
+        if not self.is_amd and self.capability < 80:
+            return (
+                "Triton compiles dots to FMA instructions on sm_75, not to its tensor cores: the prefill tiles "
+                "spilled 25-46 KB per thread (gpu_static), where the torch path's attention uses them"
+            )
+        return None
+
+    def hardware_code_type(self, dtype: torch.dtype):
+        """Triton's type for codes of `dtype` where the hardware converts them to fp16, else None (bit decode)."""
+        if self.is_amd:
+            native = FNUZ_FP8 if self.arch == "gfx942" else OCP_FP8 if self.arch == "gfx950" else {}
+        else:
+            native = OCP_FP8 if self.capability >= 89 else {}
+        if dtype not in native:
+            return None
+        import triton.language as tl
+
+        return getattr(tl, native[dtype])
+
+    def fp8_dots(self, dtype: torch.dtype) -> bool:
+        """Whether `fp8_prefill`'s FP8 tensor-core dots run here over codes of `dtype` (e4m3fn operands)."""
+        return dtype == torch.float8_e4m3fn and self.hardware_code_type(dtype) is not None
+
+    def blocks_per_sm(self, registers: int, warps: int, shared: int) -> int:
+        """Blocks of `warps` warps (waves) resident on one SM (CU) for a kernel using `registers` per thread
+        (AMD: VGPRs per lane) and `shared` bytes of shared memory per block; 0 if none fits."""
+        limits = self.limits
+        if limits is None:
+            raise ValueError(f"{self.name}: {self.unsupported()}")
+        if self.is_amd:  # a block's waves spread over the SIMDs, each holding 512 / VGPRs waves (8 at most)
+            per_simd = min(limits.warps // AMD_SIMDS, AMD_VGPRS // max(-(-registers // AMD_VGPR_UNIT) * AMD_VGPR_UNIT, 1))
+            by_registers = AMD_SIMDS * per_simd // warps
+        else:  # registers allocated per warp in units of 256, from 4 sub-partitions
+            warp_registers = -(-registers * 32 // 256) * 256
+            by_registers = 4 * (limits.registers // 4 // warp_registers) // warps
+        block_shared = -(-(shared + limits.reserved) // 128) * 128
+        by_shared = limits.shared // block_shared if block_shared else limits.blocks
+        return min(by_registers, by_shared, limits.warps // warps, limits.blocks)
+
+
+# a real GPU of each kind (its SM count: what `torch.cuda.get_device_properties` reports), for planning without it
+EXAMPLE_GPUS = {
+    target.arch: target
+    for target in (
+        GpuTarget("sm_75", "Tesla T4", 40),
+        GpuTarget("sm_80", "NVIDIA A100-SXM4-80GB", 108),
+        GpuTarget("sm_86", "NVIDIA A10G", 80),
+        GpuTarget("sm_89", "NVIDIA L4", 58),
+        GpuTarget("sm_90", "NVIDIA H200", 132),
+        GpuTarget("sm_100", "NVIDIA B200", 148),
+        GpuTarget("sm_120", "NVIDIA GeForce RTX 5090", 170),
+        GpuTarget("gfx90a", "AMD Instinct MI250X (one GCD)", 110),
+        GpuTarget("gfx942", "AMD Instinct MI300X", 304),
+        GpuTarget("gfx950", "AMD Instinct MI355X", 256),
+    )
+}
+
+
+def device_target(device: torch.device) -> GpuTarget:
+    """The target of CUDA (or ROCm) `device`, read once per device."""
+    return _read_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _read_target(index: int) -> GpuTarget:
+    props = torch.cuda.get_device_properties(index)
+    arch = props.gcnArchName.split(":")[0] if torch.version.hip else f"sm_{props.major}{props.minor}"
+    return GpuTarget(arch, props.name, props.multi_processor_count)
