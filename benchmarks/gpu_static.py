@@ -1,21 +1,26 @@
-"""Compiled-code report of the Triton kernels for sm_90 (H100/H200), no GPU needed.
+"""Compiled-code report of the Triton kernels for GPU targets (sm_90 by default; `--arch`), no GPU needed.
 
 Each case below (decode, prefill, write, and continuous batching's paged attention and row writer) builds CPU
 tensors of a real call's shapes, dtypes and layouts and asks the kernel modules' `plan_*` functions for the `Launch`
-records the launcher would run. Every record is compiled for sm_90 with the specialization a real launch gets:
-Triton's own launcher binder is applied to the arguments (16-byte aligned pointers and ints divisible by 16
-marked, ints equal to 1 as constexprs). From the result:
-registers and spills (the log of Triton's own `ptxas -v` run), shared memory, blocks per SM, and from the SASS
-the main KV loop: instructions per KV byte, tiles in flight; for decode, the split-KV grid's last-wave efficiency
-over batch x context and the issue-bound bandwidth ceiling. Exits 1 when a budget is missed: any spill; a decode
-loop above 0.18 SASS instructions per KV byte, with fewer than 2 tiles in flight, or a last wave below 85% full
-where another split count would take fewer tile-times (with whole KV tiles, batch 1 at 4k on 8 KV heads has 512
-tiles for 396 slots: 2 tile-times is the floor, so its 65%-full single wave is not a miss). The paged cases carry
-the spill budget only.
+records the launcher would run on a real GPU of each target (`kernels/targets.py`: its code path, its SMs and
+occupancy limits). Every record is compiled for that target with the specialization a real launch gets: Triton's
+own launcher binder is applied to the arguments (16-byte aligned pointers and ints divisible by 16 marked, ints
+equal to 1 as constexprs).
 
-    python benchmarks/gpu_static.py                 # every case (a few minutes on 2 cores)
+NVIDIA: registers and spills (the log of Triton's own `ptxas -v` run), shared memory, blocks per SM, and from the
+SASS the main KV loop: instructions per KV byte, tiles in flight; for decode, the split-KV grid's last-wave
+efficiency over batch x context and the issue-bound bandwidth ceiling. Exits 1 when a budget is missed: any
+spill; a decode loop above 0.18 SASS instructions per KV byte where the hardware converts the codes (0.30 where
+they are decoded in bit operations: sm_75, sm_80, sm_86, and e4m3fnuz anywhere), with fewer than 2 tiles in flight
+(targets with cp.async: sm_80 and newer), or a last wave below 85% full where another split count would take fewer
+tile-times (with whole KV tiles, batch 1 at 4k on 8 KV heads has 512 tiles for 396 slots: 2 tile-times is the
+floor, so its 65%-full single wave is not a miss). The paged cases carry the spill budget only. AMD: VGPRs, scratch
+and spills, LDS, and occupancy (LLVM's waves per SIMD, blocks per CU), from the AMDGCN assembly; the spill budget.
+A target Triton itself cannot compile for gets one row saying why (not a miss).
+
+    python benchmarks/gpu_static.py                 # every case for sm_90 (a few minutes on 2 cores)
     python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce), one write, two paged
-    python benchmarks/gpu_static.py --no-budget --json report.json
+    python benchmarks/gpu_static.py --arch all --quick --json report.json   # every target (--arch sm_80,gfx942)
 
 How the loop is read (see `main_loop`, `unroll_factor`, `tiles_in_flight`): the loops are the backward branches of
 the SASS; the main one holds the most tensor-core instructions (HMMA/HGMMA/...), the innermost on a tie. Its
@@ -29,6 +34,7 @@ prologue issues before the loop; with plain loads only, 1.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import io
@@ -42,13 +48,13 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 if __name__ == "__main__" and os.environ.pop("TRITON_INTERPRET", None):  # before the kernels are decorated
     print("gpu_static: ignoring TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -57,28 +63,31 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from hf_fp8kv.kernels import ops, paged, triton_attention, triton_paged, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS, PER_TOKEN_SCALE_DTYPE  # noqa: E402
-from hf_fp8kv.kernels.triton_launch import Launch, blocks_per_sm  # noqa: E402
+from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget  # noqa: E402
+from hf_fp8kv.kernels.triton_launch import Launch  # noqa: E402
 from hf_fp8kv.kernels.view import KVView  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
-# What the launcher's split rule reads off the device (torch.cuda.get_device_properties of an H200 SXM)
-H200 = SimpleNamespace(
-    name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, warp_size=32, regs_per_multiprocessor=65536,
-    max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=233472, shared_memory_per_block=49152,
-    shared_memory_per_block_optin=232448, L2_cache_size=50 * 2**20, total_memory=143771877376,
-)  # fmt: skip
-SMS = H200.multi_processor_count
-ISSUE_RATE = 4 * 1.98e9 * SMS  # warp-instructions per second: 4 per clock per SM at 1.98 GHz boost
-H200_TBPS = 4.8  # HBM3e, datasheet
+ARCHES = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950")
+# boost clock (GHz) and memory bandwidth (TB/s, datasheet) of each target's example GPU (`targets.EXAMPLE_GPUS`):
+# the decode loop's issue-bound ceiling, 4 warp-instructions per clock per SM, against the memory's
+CLOCKS_AND_BANDWIDTH = {
+    "sm_75": (1.59, 0.32), "sm_80": (1.41, 2.04), "sm_86": (1.71, 0.60), "sm_89": (2.04, 0.30), "sm_90": (1.98, 4.8),
+    "sm_100": (1.97, 8.0), "sm_120": (2.41, 1.79),
+}  # fmt: skip
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 MAX_INSTR_PER_BYTE, MIN_TILES_IN_FLIGHT, MIN_LAST_WAVE = 0.18, 2, 0.85  # decode budgets
-# head_dim 128 decode (pure, default recent + sinks, padded, static cache), issue 21's targets
+# head_dim 128 decode (pure, default recent + sinks, padded, static cache), issue 21's targets (sm_90's blocks)
 D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
+# the codes decoded in bit operations (no hardware FP8 conversion): 0.32-0.34 on sm_80, 0.37-0.38 on sm_86, of which
+# the NaN codes' select is about 0.12 (0.323 -> 0.202 on sm_80 without it, head_dim 128, static scales)
+BIT_DECODE_MAX_INSTR_PER_BYTE = 0.40
 MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce spread over at least this many programs
-PREFILL_MMA = "QGMMA"  # head_dim 128 prefill with fp8_prefill: FP8 tensor-core dots (each dot's sum promoted)
+# head_dim 128 prefill with fp8_prefill: FP8 tensor-core dots (each dot's sum promoted): wgmma, mma.sync, tcgen05
+FP8_DOTS = ("QGMMA", "QMMA", "UTCQMMA")
 CACHE_BLOCK = 64  # QuantizedFP8Cache's default block_size: code buffers grow 64 tokens at a time
-DOTS = ("HMMA", "HGMMA", "QGMMA", "IMMA", "IGMMA", "DMMA")  # tensor-core instructions
+# tensor-core instructions (a tie in counts goes to the first listed)
+DOTS = (*FP8_DOTS, "HGMMA", "UTCHMMA", "HMMA", "IGMMA", "UTCIMMA", "IMMA", "DMMA")
 FP8_UNPACK = re.compile(r"F2FP\.\w+\.E[45]M[23]\.UNPACK")  # the hardware's FP8 -> fp16 conversion of the codes
 ASYNC_COPIES = ("LDGSTS", "UTMALDG", "UBLKCP")  # cp.async, TMA tensor and bulk copies into shared memory
 
@@ -111,6 +120,7 @@ class Case:
     def name(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]
         scales = "per-token" if self.per_token else "static"
+        scales += "" if self.fmt == "fp8_e4m3" else f" {self.fmt.removeprefix('fp8_')}"
         if self.kind == "write":
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
         if self.kind == "paged":
@@ -133,8 +143,15 @@ PAGED_DECODE = [Case("paged", batch=64, context=4096, waves=False),
                 Case("paged", batch=64, context=4096, waves=False, page_size=24)]  # fmt: skip
 
 
-def cases(quick: bool = False) -> list[Case]:
-    """The report's cases: every decode variant, hundreds of splits (few KV heads), prefill, writes."""
+def cases(quick: bool = False, gpu: GpuTarget = EXAMPLE_GPUS["sm_90"]) -> list[Case]:
+    """The report's cases for `gpu`: in the format "fp8" names there (e4m3fnuz on MI300), without the FP8-dot
+    prefill where the cache refuses it."""
+    fmt = FORMATS[gpu.default_fp8]
+    return [dataclasses.replace(case, fmt=fmt.name) for case in every_case(quick) if not case.fp8_prefill or gpu.fp8_dots(fmt.dtype)]
+
+
+def every_case(quick: bool = False) -> list[Case]:
+    """Every decode variant, hundreds of splits (few KV heads), prefill, writes."""
     if quick:
         return [Case("decode"), Case("write"), *PAGED_DECODE]
     decode = [
@@ -186,13 +203,14 @@ def cases(quick: bool = False) -> list[Case]:
     return decode + no_split + few_heads + prefill + window + write + paged
 
 
-def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
-    """The launches the kernel modules plan for `case` (tensors on `device`: "cpu" to compile, "meta" to count),
-    the split count from the launcher's own rule for `slots` resident blocks (SMs x blocks per SM)."""
+def plan(case: Case, gpu: GpuTarget, device: str = "cpu", slots: int | None = None) -> list[Launch]:
+    """The launches the kernel modules plan for `case` on `gpu` (tensors on `device`: "cpu" to compile, "meta" to
+    count), the split count from the launcher's own rule for `slots` resident blocks (SMs x blocks per SM;
+    default 2 per SM)."""
     fmt = FORMATS[case.fmt]
     dtype = getattr(torch, case.dtype)
     if case.kind == "paged":
-        return plan_paged(case, fmt, dtype, device)
+        return plan_paged(case, gpu, fmt, dtype, device)
     # a static cache's buffers have a spare slot; per-token scale rows are allocated on whole 4-byte words
     capacity = case.static_cache + 1 if case.static_cache else -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
     codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
@@ -224,7 +242,7 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
     _, launches = triton_attention.plan_attention(
-        query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots, cuda=True,
+        query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots or gpu.sms * 2, target=gpu,
         fp8_prefill=case.fp8_prefill,
     )
     return launches
@@ -234,7 +252,7 @@ def plan(case: Case, device: str = "cpu", slots: int = SMS * 2) -> list[Launch]:
 LAYERS = 30
 
 
-def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> list[Launch]:
+def plan_paged(case: Case, gpu: GpuTarget, fmt, dtype: torch.dtype, device: str) -> list[Launch]:
     """The launches of `triton_paged.paged_attention` for `case.batch` requests of `case.q_len` new tokens after
     `case.context` cached ones each, and of `write_rows` for those new tokens."""
     row_bytes = paged.row_size(case.kv_heads * case.head_dim, case.kv_heads if case.per_token else 0)
@@ -258,7 +276,7 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> list[Launch]
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
         layer_offset=geometry.layer_offset, bytes_per_block=bytes_per_block, block_stride=geometry.block_stride,
         page_size=case.page_size, scaling=case.head_dim**-0.5, window=case.sliding or None, static_scales=static,
-        max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, cuda=True,
+        max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, target=gpu,
     )  # fmt: skip
     states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
@@ -270,27 +288,33 @@ def plan_paged(case: Case, fmt, dtype: torch.dtype, device: str) -> list[Launch]
 # --- compiling --------------------------------------------------------------------------------------------------
 @dataclass
 class Compiled:
-    """What one launch compiles to for sm_90."""
+    """What one launch compiles to for a target."""
 
     name: str
-    registers: int
-    spill_stores: int  # bytes per thread
+    registers: int  # per thread (AMD: VGPRs per lane, accumulation registers included)
+    spill_stores: int  # bytes per thread (AMD: scratch bytes per lane)
     spill_loads: int
     stack: int  # stack frame bytes per thread
     shared: int  # dynamic shared memory bytes per block (Triton's request)
     warps: int
-    sass: str
+    sass: str  # NVIDIA's SASS, "" on AMD
     ptx: str
+    ttir: str  # Triton's IR of the kernel as specialized (`int64_offsets` reads it)
     constexpr_args: list[str]  # runtime arguments the launch turned into constexprs (ints equal to 1)
     aligned_args: list[str]  # arguments marked divisible by 16 (pointers and ints)
+    amd: dict | None = None  # AMD: the AMDGCN figures (VGPRs, AGPRs, SGPRs, spills, LLVM's waves per SIMD)
 
 
-def compile_launch(launch: Launch) -> Compiled:
-    """Compile `launch` for sm_90 as `JITFunction.run` would on an H100/H200: the same binder (argument
-    specialization), option parsing and `triton.compile` call, with the target fixed instead of read off a
-    driver."""
+def triton_target(gpu: GpuTarget) -> GPUTarget:
+    return GPUTarget("hip", gpu.arch, 64) if gpu.is_amd else GPUTarget("cuda", gpu.capability, 32)
+
+
+def compile_launch(launch: Launch, gpu: GpuTarget = EXAMPLE_GPUS["sm_90"]) -> Compiled:
+    """Compile `launch` for `gpu` as `JITFunction.run` would on it: the same binder (argument specialization),
+    option parsing and `triton.compile` call, with the target fixed instead of read off a driver."""
     kernel = launch.kernel
-    backend = make_backend(TARGET)
+    target = triton_target(gpu)
+    backend = make_backend(target)
     kwargs = dict(launch.kwargs)  # the three options `JITFunction.run` adds before binding
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
@@ -303,26 +327,59 @@ def compile_launch(launch: Launch) -> Compiled:
         knobs.nvidia.dump_ptxas_log = True  # prints the log of the `ptxas -v` run Triton makes anyway
         knobs.compilation.always_compile = True  # a cache hit would skip ptxas, and its log
         source = ASTSource(kernel, signature, constexprs, attrs)
-        compiled = triton.compile(source, target=TARGET, options=options.__dict__)
+        compiled = triton.compile(source, target=target, options=options.__dict__)
+    names = kernel.arg_names
+    params = [p for p in kernel.params if not p.is_constexpr]
+    common = dict(
+        name=kernel.__name__, shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
+        ttir=compiled.asm["ttir"], constexpr_args=[p.name for p in params if signature[p.name] == "constexpr"],
+        aligned_args=[names[i] for (i,), a in attrs.items() if ["tt.divisibility", 16] in a],
+    )  # fmt: skip
+    if gpu.is_amd:
+        amd = amdgcn_figures(compiled.asm["amdgcn"])
+        return Compiled(registers=amd["vgprs"], spill_stores=amd["scratch"], spill_loads=amd["scratch"], stack=0,
+                        sass="", ptx="", amd=amd, **common)  # fmt: skip
     used = re.search(r"Used (\d+) registers", log.getvalue())
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
     if not used or not frame:
         raise RuntimeError(f"{kernel.__name__}: no `ptxas -v` figures in Triton's ptxas log:\n{log.getvalue()}")
-    names = kernel.arg_names
-    params = [p for p in kernel.params if not p.is_constexpr]
     return Compiled(
-        name=kernel.__name__,
-        registers=int(used[1]),
-        stack=int(frame[1]),
-        spill_stores=int(frame[2]),
-        spill_loads=int(frame[3]),
-        shared=compiled.metadata.shared,
-        warps=compiled.metadata.num_warps,
-        sass=disassemble(compiled.asm["cubin"]),
-        ptx=compiled.asm["ptx"],
-        constexpr_args=[p.name for p in params if signature[p.name] == "constexpr"],
-        aligned_args=[names[i] for (i,), a in attrs.items() if ["tt.divisibility", 16] in a],
-    )
+        registers=int(used[1]), stack=int(frame[1]), spill_stores=int(frame[2]), spill_loads=int(frame[3]),
+        sass=disassemble(compiled.asm["cubin"]), ptx=compiled.asm["ptx"], **common,
+    )  # fmt: skip
+
+
+AMDGCN_FIGURES = {  # LLVM's comments and metadata in the AMDGCN assembly
+    "vgprs": r"; TotalNumVgprs: (\d+)", "agprs": r"; NumAgprs: (\d+)", "sgprs": r"\.sgpr_count:\s+(\d+)",
+    "scratch": r"; ScratchSize: (\d+)", "vgpr_spills": r"\.vgpr_spill_count:\s+(\d+)",
+    "sgpr_spills": r"\.sgpr_spill_count:\s+(\d+)", "waves_per_simd": r"; Occupancy: (\d+)",
+}  # fmt: skip
+
+
+def amdgcn_figures(asm: str) -> dict:
+    """Registers, scratch (bytes per lane), spilled registers and occupancy of one kernel's AMDGCN assembly."""
+    figures = {}
+    for name, pattern in AMDGCN_FIGURES.items():
+        found = re.search(pattern, asm)
+        if not found:
+            raise RuntimeError(f"no {name} ({pattern!r}) in the AMDGCN assembly")
+        figures[name] = int(found[1])
+    return figures
+
+
+@triton.jit
+def _probe_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) * 2.0, mask=offsets < n)
+
+
+def triton_refusal(gpu: GpuTarget) -> str | None:
+    """Why this Triton cannot compile for `gpu`'s target at all (a trivial kernel fails); None where it can."""
+    try:
+        compile_launch(Launch(_probe_kernel, (1,), (torch.empty(64), 64), dict(BLOCK=64)), gpu)
+    except Exception as error:  # the target itself refused: whatever Triton raises
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
+    return None
 
 
 def disassemble(cubin: bytes) -> str:
@@ -333,6 +390,90 @@ def disassemble(cubin: bytes) -> str:
         return subprocess.run(
             [knobs.nvidia.cuobjdump.path, "-sass", f.name], check=True, capture_output=True, text=True
         ).stdout
+
+
+# --- reading Triton's IR: 32-bit offsets ----------------------------------------------------------------------------
+TTIR_OP = re.compile(r"^\s*(%[\w.]+)(?::\d+)? = ([\w.]+)(.*?)(?: loc\((#loc\d*)\))?$")
+TTIR_LOC = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
+# ops whose result carries its operands' kind of value (an offset's arithmetic); a widening (extsi) stops the walk:
+# what is computed before it is a position or index in 32 bits by design (contexts below 2^31 tokens)
+# kernel arguments whose products are bounded by construction: the token strides of the recent and sink buffers,
+# whose slots number at most the window (slot x stride < recent_tokens x head_dim); widening those slots cost the
+# batch-64 default-window decode 25 registers and a block per SM
+BOUNDED_ARGUMENTS = ("%r_st", "%x_st")
+OFFSET_ARITHMETIC = ("arith.addi", "arith.subi", "arith.muli", "tt.splat", "tt.broadcast", "tt.expand_dims",
+                     "tt.reshape", "arith.select", "arith.maxsi", "arith.minsi")  # fmt: skip
+
+
+def int32_offset_products(ttir: str) -> list[str]:
+    """The 32-bit products of two run-time values (arguments, program ids, loads, loop variables; not constants or
+    tile ranges) that reach a pointer offset: each wraps once the product passes 2^31 (a 262k-token prefill's row
+    offset at Llama-3-70B's 64 query heads x 128 channels), where an int64 one would not. One line each, with its
+    source location."""
+    # a name may be defined again in another region: an operand is its closest definition above its use
+    ops, definitions = {}, {}
+    for number, line in enumerate(ttir.splitlines()):
+        m = TTIR_OP.match(line)
+        if m:
+            operands = re.findall(r"%[\w.]+", m[3].split(" : ")[0])
+            ops[(m[1], number)] = (m[2], operands, m[3], m[4], number)
+            definitions.setdefault(m[1], []).append(number)
+    locations = dict(TTIR_LOC.findall(ttir))
+
+    def resolve(name: str, use: int) -> tuple[str, int]:
+        above = [n for n in definitions.get(name, ()) if n < use]
+        return (name, max(above)) if above else (name, -1)
+
+    def source(loc: str | None, depth: int = 0) -> str:
+        text = locations.get(loc or "", "")
+        found = re.search(r'"([^"]+\.py)":(\d+)', text)
+        if found:
+            return f"{os.path.basename(found[1])}:{found[2]}"
+        inner = re.search(r"#loc\d*", text)
+        return source(inner[0], depth + 1) if inner and depth < 8 else "?"
+
+    kinds: dict[tuple[str, int], str] = {}
+
+    def kind(value: tuple[str, int]) -> str:  # "const", "range" (a tile's indices), "bounded" or "runtime"
+        if value not in kinds:
+            op = ops.get(value)
+            operands = [resolve(name, value[1]) for name in op[1]] if op else []
+            if op is None:  # a block argument: a kernel argument or a loop's variable
+                kinds[value] = "bounded" if value[0] in BOUNDED_ARGUMENTS else "runtime"
+            elif op[0] == "arith.constant":
+                kinds[value] = "const"
+            elif op[0] == "tt.make_range" or op[0] == "arith.remsi" and kind(operands[1]) == "const":
+                kinds[value] = "range"  # (a remainder by a constant is below it)
+            elif op[0] in ("tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape") and kind(operands[0]) == "bounded":
+                kinds[value] = "bounded"
+            elif op[0] in OFFSET_ARITHMETIC or op[0] == "arith.extsi":
+                found = {kind(operand) for operand in (operands[1:] if op[0] == "arith.select" else operands)}
+                kinds[value] = "runtime" if "runtime" in found else "range" if "range" in found else "const"
+            else:
+                kinds[value] = "runtime"
+        return kinds[value]
+
+    flagged, seen = [], set()
+
+    def walk(value: tuple[str, int]) -> None:
+        if value in seen or value not in ops:
+            return
+        seen.add(value)
+        op, names, rest, loc, number = ops[value]
+        if op not in OFFSET_ARITHMETIC:
+            return
+        operands = [resolve(name, number) for name in names]
+        if op == "arith.muli" and re.search(r"\bi32\b|xi32>", rest.split(" : ")[-1]) and all(
+            kind(operand) == "runtime" for operand in operands
+        ):
+            flagged.append(f"{source(loc)}: {value[0]} = {op} {', '.join(names)} (i32)")
+        for operand in operands[1:] if op == "arith.select" else operands:  # (not a select's condition)
+            walk(operand)
+
+    for op, names, _, _, number in list(ops.values()):
+        if op == "tt.addptr":
+            walk(resolve(names[1], number))
+    return sorted(set(flagged))
 
 
 # --- reading the SASS -------------------------------------------------------------------------------------------
@@ -422,12 +563,12 @@ def wave_efficiency(blocks: int, slots: int) -> float:
     return blocks / (-(-blocks // slots) * slots)
 
 
-def last_waves(case: Case, kernel, slots: int) -> list[dict]:
+def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
     """Blocks of `kernel`'s launches and their wave efficiency over the batch x context grid of `case`."""
     grid = []
     for batch in BATCHES:
         for context in CONTEXTS:
-            launches = plan(dataclasses.replace(case, batch=batch, context=context), device="meta", slots=slots)
+            launches = plan(dataclasses.replace(case, batch=batch, context=context), gpu, device="meta", slots=slots)
             (launch,) = [launch for launch in launches if launch.kernel is kernel]
             blocks = math.prod(launch.grid)
             # whole KV tiles: no plan beats ceil(all tiles / slots) tile-times, whatever its waves' fullness
@@ -453,13 +594,17 @@ def last_waves(case: Case, kernel, slots: int) -> list[dict]:
 
 
 def mma(compiled: Compiled) -> dict | None:
-    """The kernel's tensor-core instructions: the most frequent kind (HMMA: mma.sync; HGMMA / QGMMA: fp16 / FP8
-    wgmma) and how many there are in the whole kernel; None without any."""
-    kinds = [i.opcode.split(".")[0] for i in parse_sass(compiled.sass) if i.is_(*DOTS)]
-    return dict(kind=max(set(kinds), key=kinds.count), count=len(kinds)) if kinds else None
+    """The kernel's tensor-core instructions: the most frequent kind (HMMA / QMMA: fp16 / FP8 mma.sync; HGMMA /
+    QGMMA: wgmma; UTCHMMA / UTCQMMA: tcgen05; a tie to the first in DOTS), how many there are in the whole kernel,
+    and the count of each kind; None without any."""
+    kinds = collections.Counter(i.opcode.split(".")[0] for i in parse_sass(compiled.sass) if i.is_(*DOTS))
+    if not kinds:
+        return None
+    kind = min(kinds, key=lambda k: (-kinds[k], DOTS.index(k)))
+    return dict(kind=kind, count=sum(kinds.values()), kinds=dict(sorted(kinds.items())))
 
 
-def loop_report(compiled: Compiled, tile_bytes: int) -> dict | None:
+def loop_report(compiled: Compiled, tile_bytes: int, gpu: GpuTarget) -> dict | None:
     """The main loop's figures, for a loop that loads `tile_bytes` of KV per tile; None without such a loop."""
     instrs = parse_sass(compiled.sass)
     loop = main_loop(instrs)
@@ -471,37 +616,45 @@ def loop_report(compiled: Compiled, tile_bytes: int) -> dict | None:
     return dict(
         start=loop[0].address, end=loop[-1].address, instructions=len(loop), unroll=unroll,
         dots=sum(i.is_(*DOTS) for i in loop), tile_bytes=tile_bytes, instr_per_byte=per_byte,
-        tiles_in_flight=in_flight, evidence=evidence, ceiling_tbps=ISSUE_RATE / per_byte / 1e12,
+        tiles_in_flight=in_flight, evidence=evidence, ceiling_tbps=issue_rate(gpu) / per_byte / 1e12,
     )  # fmt: skip
 
 
+def issue_rate(gpu: GpuTarget) -> float:
+    """Warp-instructions per second: 4 per clock per SM at the example GPU's boost clock."""
+    return 4 * CLOCKS_AND_BANDWIDTH[gpu.arch][0] * 1e9 * gpu.sms
+
+
 # --- the report ----------------------------------------------------------------------------------------------------
-def analyze_case(case: Case) -> list[dict]:
-    """One row per launch of `case`: the compiled figures and the budgets it misses."""
-    launches = plan(case)
+def analyze_case(job: tuple[Case, str]) -> list[dict]:
+    """One row per launch of a case on a target (`(case, arch)`): the compiled figures and the budgets it misses."""
+    case, arch = job
+    gpu = EXAMPLE_GPUS[arch]
     code_bytes = FORMATS[case.fmt].dtype.itemsize
     rows = []
-    for launch in launches:
-        compiled = compile_launch(launch)
-        fits = blocks_per_sm(compiled.registers, compiled.warps, compiled.shared)
+    for launch in plan(case, gpu):
+        compiled = compile_launch(launch, gpu)
+        fits = gpu.blocks_per_sm(compiled.registers, compiled.warps, compiled.shared)
         tile_tokens = launch.kwargs.get("BLOCK_N")  # tokens of K and V one iteration of the KV loop loads
         # a K and a V scale per token: 2 bytes each in the dense cache, 4 in pages
         scale_bytes = (8 if case.kind == "paged" else 2 * PER_TOKEN_SCALE_DTYPE.itemsize) if case.per_token else 0
         tile_bytes = tile_tokens and tile_tokens * (2 * case.head_dim * code_bytes + scale_bytes)
         row = dict(
-            kind=case.kind, case=dataclasses.asdict(case), kernel=compiled.name, grid=list(launch.grid),
+            arch=arch, kind=case.kind, case=dataclasses.asdict(case), kernel=compiled.name, grid=list(launch.grid),
             variant=f"{case.name} grid {'x'.join(map(str, launch.grid))}",
             registers=compiled.registers, spill_stores=compiled.spill_stores, spill_loads=compiled.spill_loads,
             stack=compiled.stack, shared=compiled.shared, warps=compiled.warps, blocks_per_sm=fits,
-            constexpr_args=compiled.constexpr_args, aligned_args=compiled.aligned_args, mma=mma(compiled),
-            loop=loop_report(compiled, tile_bytes) if tile_bytes else None, failures=[],
+            hardware_decode=launch.kwargs.get("HW_CONVERT"), constexpr_args=compiled.constexpr_args,
+            aligned_args=compiled.aligned_args, mma=mma(compiled), amd=compiled.amd,
+            int32_offsets=int32_offset_products(compiled.ttir),
+            loop=loop_report(compiled, tile_bytes, gpu) if tile_bytes and not gpu.is_amd else None, failures=[],
         )  # fmt: skip
         if row["loop"] is not None and case.kind == "decode" and case.waves and fits:
-            grid = last_waves(case, launch.kernel, SMS * fits)  # the split rule fed this kernel's occupancy
-            row["waves"] = dict(slots=SMS * fits, worst=min(grid, key=lambda g: g["efficiency"]), grid=grid)
+            grid = last_waves(case, gpu, launch.kernel, gpu.sms * fits)  # the split rule fed this kernel's occupancy
+            row["waves"] = dict(slots=gpu.sms * fits, worst=min(grid, key=lambda g: g["efficiency"]), grid=grid)
         row["failures"] = budget_failures(row)
         rows.append(row)
-    if case.kind == "decode" and not any(row["loop"] for row in rows):
+    if case.kind == "decode" and not gpu.is_amd and not any(row["loop"] for row in rows):
         rows[0]["failures"].append(
             "no KV loop found: no launch has both a BLOCK_N constexpr (tokens per KV tile) and a SASS loop with "
             "tensor-core instructions"
@@ -516,10 +669,16 @@ def budget_failures(row: dict) -> list[str]:
         failures.append(f"no block fits: {row['registers']} registers x {row['warps']} warps, {row['shared']} B shared")
     if row["spill_stores"] or row["spill_loads"]:
         failures.append(f"spills {row['spill_stores']} B stores / {row['spill_loads']} B loads per thread")
+    if row["int32_offsets"]:
+        failures.append(f"32-bit products of run-time sizes in pointer offsets: {'; '.join(row['int32_offsets'])}")
+    if row["amd"] is not None:  # (SGPRs spill into VGPR lanes, not memory: reported, no miss)
+        if row["amd"]["vgpr_spills"]:
+            failures.append(f"spills {row['amd']['vgpr_spills']} VGPRs to scratch")
+        return failures
     case, loop = row["case"], row["loop"]
     fp8_dots = case["head_dim"] == 128 and case.get("fp8_prefill")  # (the default prefill keeps fp16 dots: quality)
-    if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") != PREFILL_MMA:
-        failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({PREFILL_MMA})")
+    if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") not in FP8_DOTS:
+        failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
     if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
         programs = math.prod(row["grid"])
         if programs < MIN_REDUCE_PROGRAMS:
@@ -527,18 +686,19 @@ def budget_failures(row: dict) -> list[str]:
     if row["kind"] != "decode" or loop is None:
         return failures
     d128 = case["head_dim"] == 128
-    if d128 and row["blocks_per_sm"] < D128_MIN_BLOCKS_PER_SM:
+    if d128 and row["arch"] == "sm_90" and row["blocks_per_sm"] < D128_MIN_BLOCKS_PER_SM:
         failures.append(f"head_dim 128 decode at {row['blocks_per_sm']} blocks per SM < {D128_MIN_BLOCKS_PER_SM}")
-    limit = D128_MAX_INSTR_PER_BYTE if d128 else MAX_INSTR_PER_BYTE
+    limit = (D128_MAX_INSTR_PER_BYTE if d128 else MAX_INSTR_PER_BYTE) if row["hardware_decode"] else BIT_DECODE_MAX_INSTR_PER_BYTE
     if loop["instr_per_byte"] > limit:
         failures.append(
             f"decode loop {loop['instr_per_byte']:.3f} SASS instructions per KV byte > {limit} "
             f"({loop['instructions']} instructions x {row['warps']} warps / {loop['unroll']} x {loop['tile_bytes']} B)"
         )
-    if loop["tiles_in_flight"] < MIN_TILES_IN_FLIGHT:
+    if loop["tiles_in_flight"] < MIN_TILES_IN_FLIGHT and EXAMPLE_GPUS[row["arch"]].async_copies:
         failures.append(f"decode not pipelined, {loop['tiles_in_flight']} tile in flight: {loop['evidence']}")
-    # a grid point misses when its last wave is under-full and another split count would have been faster
-    low = [
+    # a grid point misses when its last wave is under-full and another split count would have been faster (judged
+    # on sm_90, where the split rule was tuned; other targets report their worst wave)
+    low = row["arch"] == "sm_90" and [
         g for g in row.get("waves", {}).get("grid", [])
         if g["efficiency"] < MIN_LAST_WAVE and g["tile_times"] > g["fewest_tile_times"]
     ]  # fmt: skip
@@ -555,9 +715,16 @@ def budget_failures(row: dict) -> list[str]:
 
 COLUMNS = ("kernel", "variant", "regs", "spill B", "smem KB", "blk/SM", "instr/KV B", "in flight", "last wave",
            "ceiling TB/s")  # fmt: skip
+AMD_COLUMNS = ("kernel", "variant", "VGPRs", "AGPRs", "SGPRs", "scratch B", "LDS KB", "waves/SIMD", "blk/CU")
 
 
 def table_row(row: dict) -> tuple[str, ...]:
+    if row["amd"] is not None:
+        amd = row["amd"]
+        return (
+            row["kernel"], row["variant"], str(amd["vgprs"]), str(amd["agprs"]), str(amd["sgprs"]), str(amd["scratch"]),
+            f"{row['shared'] / 1024:.1f}", str(amd["waves_per_simd"]), str(row["blocks_per_sm"]),
+        )  # fmt: skip
     loop, waves = row["loop"], row.get("waves")
     worst = waves["worst"] if waves else None
     return (
@@ -574,20 +741,44 @@ def table_row(row: dict) -> tuple[str, ...]:
     )
 
 
-def format_table(rows: list[dict]) -> str:
-    cells = [COLUMNS] + [table_row(row) for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+def format_table(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> str:
+    cells = [columns] + [table_row(row) for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def run(selected: list[Case], jobs: int) -> list[dict]:
-    """The rows of every case, compiled `jobs` cases at a time."""
-    if jobs <= 1 or len(selected) == 1:
-        return [row for case in selected for row in analyze_case(case)]
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return [row for rows in pool.map(analyze_case, selected) for row in rows]
+def target_header(gpu: GpuTarget) -> str:
+    """The line above a target's table: the GPU its figures are for, and how its codes are decoded."""
+    fmt = FORMATS[gpu.default_fp8]
+    decode = "hardware" if gpu.hardware_code_type(fmt.dtype) is not None else "bit operations"
+    line = f"{gpu.arch} ({gpu.name}: {gpu.sms} {'CUs' if gpu.is_amd else 'SMs'}), {fmt.name} codes decoded by {decode}"
+    if gpu.is_amd:
+        return line + "; blk/CU from the VGPRs (512 per SIMD lane, 8 waves per SIMD, 4 SIMDs) and the LDS"
+    clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
+    return line + (
+        f"; ceiling = issue-bound decode bandwidth (4 warp-instructions/clock/SM at {clock} GHz) against "
+        f"{bandwidth} TB/s; last wave = worst over batch {'/'.join(map(str, BATCHES))} x context "
+        f"{'/'.join(f'{c // 1024}k' for c in CONTEXTS)}"
+    )
+
+
+def run(jobs: list[tuple[Case, str]], processes: int) -> list[dict]:
+    """The rows of every `(case, arch)`, compiled `processes` at a time."""
+    if processes <= 1 or len(jobs) == 1:
+        return [row for job in jobs for row in analyze_case(job)]
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [row for rows in pool.map(analyze_case, jobs) for row in rows]
+
+
+def parse_arches(text: str) -> list[str]:
+    """`--arch`'s targets: a comma list of ARCHES, or "all"."""
+    arches = list(ARCHES) if text == "all" else [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arches if a not in ARCHES]
+    if unknown or not arches:
+        raise argparse.ArgumentTypeError(f"unknown targets {unknown}: choose among {', '.join(ARCHES)}, or 'all'")
+    return arches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,24 +786,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="one decode case (attention + reduce), one write, two paged"
     )
+    parser.add_argument("--arch", type=parse_arches, default=["sm_90"], help=f"{','.join(ARCHES)}, a list, or 'all'")
     parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")
     parser.add_argument("--json", metavar="PATH", help="also write every figure (and the loop evidence) as JSON")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compiles")
     parser.add_argument("--match", metavar="TEXT", help="only the cases whose name contains TEXT")
     args = parser.parse_args(argv)
 
-    rows = run([case for case in cases(args.quick) if not args.match or args.match in case.name], args.jobs)
-    print(f"sm_90 (H100/H200: {SMS} SMs), Triton {triton.__version__}; ceiling = issue-bound decode bandwidth "
-          f"(4 warp-instructions/clock/SM at 1.98 GHz) against the H200's {H200_TBPS} TB/s; last wave = worst over "
-          f"batch {'/'.join(map(str, BATCHES))} x context {'/'.join(f'{c // 1024}k' for c in CONTEXTS)}")  # fmt: skip
-    print(format_table(rows))
-    failures = [f"{row['kernel']} [{row['variant']}]: {why}" for row in rows for why in row["failures"]]
+    # a target the cache gives the torch path (T4), or one this Triton cannot compile for, gets a line saying why
+    refused = {arch: EXAMPLE_GPUS[arch].unsupported() or triton_refusal(EXAMPLE_GPUS[arch]) for arch in args.arch}
+    jobs = [
+        (case, arch) for arch in args.arch if not refused[arch]
+        for case in cases(args.quick, EXAMPLE_GPUS[arch]) if not args.match or args.match in case.name
+    ]  # fmt: skip
+    rows = run(jobs, args.jobs)
+    print(f"Triton {triton.__version__}")
+    for arch in args.arch:
+        gpu = EXAMPLE_GPUS[arch]
+        print(f"\n{target_header(gpu)}")
+        if refused[arch]:
+            print(f"not compiled: {refused[arch]}")
+            continue
+        print(format_table([row for row in rows if row["arch"] == arch], AMD_COLUMNS if gpu.is_amd else COLUMNS))
+    failures = [f"{row['arch']} {row['kernel']} [{row['variant']}]: {why}" for row in rows for why in row["failures"]]
     print(f"\nbudgets missed: {len(failures)}" if failures else "\nbudgets: all met")
     for failure in failures:
         print(f"  FAIL {failure}")
     if args.json:
+        targets = {arch: dict(name=EXAMPLE_GPUS[arch].name, sms=EXAMPLE_GPUS[arch].sms, refused=refused[arch])
+                   for arch in args.arch}  # fmt: skip
+        rows += [dict(arch=arch, refused=why) for arch, why in refused.items() if why]
         with open(args.json, "w") as f:
-            json.dump(dict(target="sm_90", sms=SMS, triton=triton.__version__, rows=rows, failures=failures), f)
+            json.dump(dict(triton=triton.__version__, targets=targets, rows=rows, failures=failures), f)
     return 1 if failures and not args.no_budget else 0
 
 

@@ -1,6 +1,8 @@
-"""benchmarks/gpu_static.py: the compiled-code report at reduced scope, and its SASS reading checked on small loop
-kernels whose loops are known. The compiles run in a subprocess without the interpreter (run as a script, this
-file writes the report and the known loops' readings to the folder it is given)."""
+"""benchmarks/gpu_static.py: the compiled-code report at reduced scope for sm_80, sm_90 and gfx942 (a change that
+breaks the kernels' compile for A100, H100/H200 or MI300 fails here), its SASS reading checked on small loop
+kernels whose loops are known, and its IR check of 32-bit offsets on kernels with and without them. The compiles
+run in a subprocess without the interpreter (run as a script, this file writes the report and the known kernels'
+readings to the folder it is given)."""
 
 import importlib
 import json
@@ -8,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +30,19 @@ def pointer_loop(a_ptr, b_ptr, out_ptr, n, col_stride, BLOCK: tl.constexpr):
     for start in range(0, n, BLOCK):
         acc += tl.dot(a, tl.load(b_ptr + (start + r)[:, None] * BLOCK + r[None, :] * col_stride))
     tl.store(out_ptr + r[:, None] * BLOCK + r[None, :], acc)
+
+
+@triton.jit
+def offsets(x_ptr, out_ptr, row_stride, WIDE: tl.constexpr):
+    """A row offset `row * row_stride` (two run-time values), 32-bit unless WIDE; the other offsets are safe: a
+    tile's range times a stride, a constant product, a select between constants."""
+    row = tl.program_id(0) * 16 + tl.arange(0, 16)
+    if WIDE:
+        row = row.to(tl.int64)
+    column = tl.arange(0, 16)
+    x = tl.load(x_ptr + row[:, None] * row_stride + column[None, :] * row_stride)
+    pick = tl.where(tl.program_id(1) == 0, 1, 16)
+    tl.store(out_ptr + tl.program_id(1) * 16 * 16 + column[:, None] * pick + column[None, :], x)
 
 
 @triton.jit
@@ -66,8 +82,21 @@ def known_loops() -> dict:
     readings = {}
     for name, launch in launches.items():
         compiled = report.compile_launch(launch)
-        loop = report.loop_report(compiled, BLOCK * BLOCK * 2)
+        loop = report.loop_report(compiled, BLOCK * BLOCK * 2, report.EXAMPLE_GPUS["sm_90"])
         readings[name] = dict(loop=loop, constexpr_args=compiled.constexpr_args, aligned_args=compiled.aligned_args)
+    return readings
+
+
+def offset_readings() -> dict:
+    """The IR check's reading of `offsets`, with and without its int64 row."""
+    report = gpu_static()
+    from hf_fp8kv.kernels.triton_launch import Launch
+
+    x = torch.empty(4096, 16)
+    readings = {}
+    for wide in (False, True):
+        compiled = report.compile_launch(Launch(offsets, (4, 2), (x, x, 16), dict(WIDE=wide)))
+        readings[f"wide={wide}"] = report.int32_offset_products(compiled.ttir)
     return readings
 
 
@@ -87,21 +116,27 @@ def compiled(tmp_path_factory):
     return result.stdout, json.loads((out / "report.json").read_text()), known
 
 
+KERNELS = {"_attention_kernel", "_reduce_kernel", "_write_kernel", "_paged_attention_kernel", "_write_rows_kernel"}
+
+
 def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     stdout, report, known = compiled
-    header = gpu_static().COLUMNS
-    assert all(column in stdout for column in header)
-    rows = {row["kernel"]: row for row in report["rows"]}
-    assert set(rows) == {
-        "_attention_kernel", "_reduce_kernel", "_write_kernel", "_paged_attention_kernel", "_write_rows_kernel",
-    }
-    assert all(f"\n{kernel} " in stdout for kernel in rows)
+    assert all(column in stdout for column in gpu_static().COLUMNS + gpu_static().AMD_COLUMNS)
+    assert set(report["targets"]) == {"sm_80", "sm_90", "gfx942"} and not any(t["refused"] for t in report["targets"].values())
+    by_arch = {arch: [row for row in report["rows"] if row["arch"] == arch] for arch in report["targets"]}
+    for arch, rows in by_arch.items():
+        assert {row["kernel"] for row in rows} == KERNELS, arch
+        assert all(row["spill_stores"] == 0 and row["int32_offsets"] == [] for row in rows), arch
+        assert f"\n{arch} (" in stdout
+    assert all(f"\n{kernel} " in stdout for kernel in KERNELS)
     # exit status 1 exactly when a budget is missed, and every miss is printed
     assert known["exit_status"] == (1 if report["failures"] else 0)
     assert all(f"FAIL {failure}" in stdout for failure in report["failures"])
 
+    rows = {row["kernel"]: row for row in by_arch["sm_90"]}
     attention = rows["_attention_kernel"]
     loop = attention["loop"]
+    assert attention["hardware_decode"] and known["sm_90 fp8 conversions"] > 0
     assert loop["instructions"] == (loop["end"] - loop["start"]) // 16 + 1  # every SASS line of the loop parsed
     assert loop["dots"] > 0 and loop["tiles_in_flight"] >= 1 and 0 < loop["instr_per_byte"] < 10
     assert 1 <= attention["blocks_per_sm"] <= 32 and attention["registers"] > 0
@@ -113,12 +148,29 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     assert {"q_ptr", "k_ptr", "v_ptr", "out_ptr"} <= set(attention["aligned_args"])
     assert "length" not in attention["aligned_args"] + attention["constexpr_args"]
     assert rows["_write_kernel"]["loop"] is None and rows["_reduce_kernel"]["loop"] is None
-    assert rows["_write_rows_kernel"]["loop"] is None and rows["_write_rows_kernel"]["spill_stores"] == 0
+    assert rows["_write_rows_kernel"]["loop"] is None
     # GQA-packed rows: one program per request and KV head; pages read in tiles of slots, or token by token
-    paged = {row["case"]["page_size"]: row for row in report["rows"] if row["kernel"] == "_paged_attention_kernel"}
+    paged = {row["case"]["page_size"]: row for row in by_arch["sm_90"] if row["kernel"] == "_paged_attention_kernel"}
     assert set(paged) == {256, 24}
     for row in paged.values():
-        assert row["grid"] == [64, 8, 1] and row["loop"]["dots"] > 0 and row["spill_stores"] == 0
+        assert row["grid"] == [64, 8, 1] and row["loop"]["dots"] > 0
+
+    # A100: the codes decoded in bit operations (Triton has no e4m3fn there), its 108 SMs in the split rule
+    a100 = {row["kernel"]: row for row in by_arch["sm_80"]}["_attention_kernel"]
+    assert not a100["hardware_decode"] and a100["loop"]["dots"] > 0 and known["sm_80 fp8 conversions"] == 0
+    assert a100["waves"]["slots"] == 108 * a100["blocks_per_sm"] and a100["mma"]["kind"] == "HMMA"
+    # MI300: e4m3fnuz (what "fp8" is there), converted by the hardware; AMDGCN's figures
+    mi300 = {row["kernel"]: row for row in by_arch["gfx942"]}["_attention_kernel"]
+    assert mi300["case"]["fmt"] == "fp8_e4m3fnuz" and mi300["hardware_decode"] and mi300["loop"] is None
+    assert mi300["amd"]["vgprs"] == mi300["registers"] > 0 and 1 <= mi300["amd"]["waves_per_simd"] <= 8
+    assert mi300["blocks_per_sm"] >= 1 and mi300["amd"]["scratch"] == 0
+
+
+def test_the_ir_check_finds_32_bit_offset_products(compiled):
+    """`row * row_stride` in 32 bits is found (with its source line), and nothing once `row` is int64."""
+    narrow, wide = (compiled[2]["offsets"][f"wide={w}"] for w in (False, True))
+    assert len(narrow) == 1 and narrow[0].startswith("test_gpu_static.py:") and "(i32)" in narrow[0]
+    assert wide == []
 
 
 def test_known_loops_are_read_right(compiled):
@@ -141,13 +193,8 @@ def test_known_loops_are_read_right(compiled):
     assert {"b_ptr", "out_ptr", "n"} <= set(pointer["aligned_args"]) and "a_ptr" not in pointer["aligned_args"]
 
 
-def test_occupancy_and_waves():
+def test_waves():  # (occupancy: tests/kernels/test_targets.py)
     report = gpu_static()
-    assert report.blocks_per_sm(98, 8, 22528) == 2  # 104 x 32 registers per warp: 4 warps per sub-partition
-    assert report.blocks_per_sm(150, 8, 0) == 1  # 152 x 32: 3 warps per sub-partition, 12 per SM
-    assert report.blocks_per_sm(16, 1, 0) == 32  # the block limit
-    assert report.blocks_per_sm(32, 2, 0) == 32 and report.blocks_per_sm(32, 4, 0) == 16  # the warp limit
-    assert report.blocks_per_sm(32, 4, 100 * 1024) == 2  # 101 KB per block with the reserved 1 KB, of 228 KB
     assert report.wave_efficiency(272, 264) == pytest.approx(272 / 528)
     assert report.wave_efficiency(264, 264) == 1.0 and report.wave_efficiency(1, 264) == pytest.approx(1 / 264)
 
@@ -176,6 +223,14 @@ def test_cp_async_wait_rule_on_written_sass():
     assert in_flight == 2 and "DEPBAR.LE SB0, 2 (partial)" in evidence and "follows 0 of its 1 dots" in evidence
 
 
+def test_mma_kind_ties_are_decided_by_the_table_not_the_hash_seed():
+    """Per-token fp8_prefill runs QK on FP8 wgmma and PV on fp16: 2 and 2 here; FP8 comes first in DOTS."""
+    report = gpu_static()
+    lines = [f"/*{16 * i:04x}*/ {op}.64x64x32.F32 R24, gdesc[UR8], R24 ;" for i, op in enumerate(["HGMMA", "QGMMA"] * 2)]
+    found = report.mma(SimpleNamespace(sass="\n".join(lines)))
+    assert found == dict(kind="QGMMA", count=4, kinds={"HGMMA": 2, "QGMMA": 2})
+
+
 def test_budgets():
     report = gpu_static()
     loop = dict(instr_per_byte=0.2, instructions=400, unroll=1, tile_bytes=16384, tiles_in_flight=1, evidence="why")
@@ -183,8 +238,9 @@ def test_budgets():
     at_floor = dict(worst, efficiency=0.65, batch=1, context=4096, tile_times=2, fewest_tile_times=2)
     waves = dict(slots=264, worst=worst, grid=[worst, at_floor])
     case = dict(head_dim=64, batch=1, context=8195)
-    decode = dict(kind="decode", kernel="_attention_kernel", case=case, registers=98, warps=8, shared=22528,
-                  blocks_per_sm=2, spill_stores=0, spill_loads=0, loop=loop, waves=waves, mma=None)  # fmt: skip
+    decode = dict(arch="sm_90", kind="decode", kernel="_attention_kernel", case=case, registers=98, warps=8,
+                  shared=22528, blocks_per_sm=2, spill_stores=0, spill_loads=0, loop=loop, waves=waves, mma=None,
+                  hardware_decode=True, amd=None, int32_offsets=[])  # fmt: skip
     failures = report.budget_failures(decode)
     assert len(failures) == 3 and "0.200 SASS instructions per KV byte > 0.18" in failures[0]
     assert "not pipelined, 1 tile in flight: why" in failures[1] and "last wave 50% < 85% at batch 2" in failures[2]
@@ -196,19 +252,36 @@ def test_budgets():
     assert report.budget_failures(good) == []
     assert report.budget_failures(dict(good, kind="prefill", loop=loop)) == []  # decode budgets are decode's
     assert report.budget_failures(dict(good, spill_stores=8))[0].startswith("spills 8 B stores")
+    assert report.budget_failures(dict(good, int32_offsets=["k.py:3: %x = arith.muli %a, %b (i32)"])) == [
+        "32-bit products of run-time sizes in pointer offsets: k.py:3: %x = arith.muli %a, %b (i32)"
+    ]
+    # the codes decoded in bit operations (A100): a looser loop bound; sm_75 has no cp.async to pipeline with
+    bits = dict(good, arch="sm_80", hardware_decode=False, loop=dict(good["loop"], instr_per_byte=0.25))
+    assert report.budget_failures(bits) == [] and report.budget_failures(dict(good, loop=bits["loop"]))
+    turing = dict(bits, arch="sm_75", loop=dict(bits["loop"], tiles_in_flight=1))
+    assert report.budget_failures(turing) == [] and report.budget_failures(dict(turing, arch="sm_80"))
+    # AMD: spills (scratch, or registers spilled), nothing of the SASS loop's
+    amd = dict(arch="gfx942", spill_stores=0, spill_loads=0, vgpr_spills=0, sgpr_spills=3, waves_per_simd=2)
+    mi300 = dict(good, arch="gfx942", loop=None, amd=amd)
+    assert report.budget_failures(mi300) == []  # SGPRs spill to VGPR lanes, not memory
+    assert report.budget_failures(dict(mi300, amd=dict(amd, vgpr_spills=2))) == ["spills 2 VGPRs to scratch"]
     assert report.budget_failures(dict(good, kind="write", blocks_per_sm=0)) == [
         "no block fits: 98 registers x 8 warps, 22528 B shared"
     ]
     # head_dim 128: the tighter loop and occupancy budgets; its opt-in FP8 prefill on FP8 tensor cores (the default
     # prefill keeps fp16 dots); a 32k reduce spread
     d128 = dict(case, head_dim=128)
+    assert report.budget_failures(dict(good, case=d128, arch="sm_100")) == [
+        "decode loop 0.150 SASS instructions per KV byte > 0.13 (400 instructions x 8 warps / 1 x 16384 B)",
+    ]  # (the blocks per SM budget is sm_90's)
     assert report.budget_failures(dict(good, case=d128)) == [
         "head_dim 128 decode at 2 blocks per SM < 3",
         "decode loop 0.150 SASS instructions per KV byte > 0.13 (400 instructions x 8 warps / 1 x 16384 B)",
     ]
     assert report.budget_failures(dict(good, case=d128, blocks_per_sm=3, loop=dict(good["loop"], instr_per_byte=0.12))) == []
     prefill = dict(good, kind="prefill", case=dict(d128, fp8_prefill=True), mma=dict(kind="HGMMA", count=64))
-    assert report.budget_failures(prefill) == ["prefill dots are HGMMA, not FP8 (QGMMA)"]
+    assert report.budget_failures(prefill) == ["prefill dots are HGMMA, not FP8 (QGMMA/QMMA/UTCQMMA)"]
+    assert report.budget_failures(dict(prefill, arch="sm_89", mma=dict(kind="QMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, case=d128)) == []  # the default prefill: fp16 dots
     reduce = dict(good, kind="decode", kernel="_reduce_kernel", loop=None, case=dict(d128, context=32768), grid=[2])
@@ -218,5 +291,12 @@ def test_budgets():
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    status = gpu_static().main(["--quick", "--jobs", "1", "--json", str(out / "report.json")])
-    (out / "known.json").write_text(json.dumps(dict(exit_status=status, loops=known_loops())))
+    status = gpu_static().main(["--quick", "--arch", "sm_80,sm_90,gfx942", "--jobs", "2", "--json", str(out / "report.json")])
+    report = gpu_static()
+    opcodes = {}
+    for arch in ("sm_80", "sm_90"):
+        launch = report.plan(report.Case("decode"), report.EXAMPLE_GPUS[arch])[0]
+        sass = report.compile_launch(launch, report.EXAMPLE_GPUS[arch]).sass
+        opcodes[f"{arch} fp8 conversions"] = sum(bool(report.FP8_UNPACK.match(i.opcode)) for i in report.parse_sass(sass))
+    known = dict(exit_status=status, loops=known_loops(), offsets=offset_readings(), **opcodes)
+    (out / "known.json").write_text(json.dumps(known))
