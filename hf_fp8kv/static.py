@@ -3,11 +3,13 @@
 Like transformers' `StaticLayer`: the buffers are allocated at the first update for `max_cache_len` tokens (and
 `max_batch_size` rows, else the first batch's) and then only written in place; the stored length lives in a
 device tensor, so no Python number that changes per step reaches a kernel, a shape or a guard, and
-`get_mask_sizes` is `(max_cache_len, 0)`: the mask covers every slot. The cache holds at most `max_cache_len`
-tokens on every layer. Full-attention layers hold token t at slot t; sliding-window layers are rings of
-`min(sliding_window, max_cache_len)` slots (token t at slot t % slots) that a decode step writes in place; an
-update of several tokens once the ring is full (a long prompt, a chat turn) needs older tokens than the ring
-holds, so it runs, eagerly, over a temporary linear copy of the window.
+`get_mask_sizes` is `(max_cache_len, 0)`: the mask covers every position. The cache holds at most
+`max_cache_len` tokens on every layer, each stored once: the recent tokens in the model's dtype, every other one
+as codes. Full-attention layers hold token t's codes at slot t, in `max_cache_len - recent_tokens` slots;
+sliding-window layers hold a window of `min(sliding_window, max_cache_len)` tokens, the codes of those before the
+recent ones in a ring of that many slots less the recent ones (token t at slot t % slots), which a decode step
+writes in place; an update of several tokens once the ring is full (a long prompt, a chat turn) needs older
+tokens than the ring holds, so it runs, eagerly, over a temporary linear copy of the window.
 
 Every static buffer has one spare slot at the end: the torch path's branch-free writes send there what has
 nowhere to go (a token that is not leaving the recent buffer yet), where the Triton kernels mask it out. A batch
@@ -42,7 +44,14 @@ class StaticFP8Layer(FP8Layer):
 
     @property
     def ring_slots(self) -> int:
+        """The columns the tokens lie on (`KVView.columns`): token t at column t."""
         return self.max_cache_len
+
+    @property
+    def code_slots(self) -> int:
+        """The tokens with codes at most: every one but the recent ones (each token is stored once; at least one
+        slot)."""
+        return max(self.ring_slots - self.recent_tokens, 1)
 
     def _host_positions(self) -> tuple[int, int]:
         if self.host_positions is None:
@@ -64,7 +73,7 @@ class StaticFP8Layer(FP8Layer):
     # --- allocation: buffers for max_batch_size rows, of which a batch uses the first -------------------------
     def _allocate(self, batch: int, kv_heads: int, head_dim: int) -> None:
         rows = self.max_batch_size if self.max_batch_size is not None else batch
-        slots = self.ring_slots
+        slots = self.code_slots
         if self.kernels.value_tiled and not self.is_sliding:  # whole blocks of tiled values (a ring keeps its size)
             slots += -slots % VALUE_TILE
         self._new_buffers(rows, kv_heads, head_dim, slots + 1, self.recent_tokens, self.sink_tokens)
@@ -127,7 +136,7 @@ class StaticFP8Layer(FP8Layer):
             recent_start=recent_start, ring=self.is_sliding, recent=self.recent,
             sinks=self.sinks if tracker.rows else None, sink_start=self.sink_start, sink_count=self.sink_count,
             key_channel_scale=self.key_channel_scale, positions=self.positions, memo=self.kernels.memo,
-            value_tiled=self.kernels.value_tiled,
+            value_tiled=self.kernels.value_tiled, columns=self.ring_slots,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -248,7 +257,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         if tokens_to_remove < 0 and self.is_initialized:
             end = self.host_end()
             needed = max(end + tokens_to_remove - (self.sliding_window - 1), 0)  # the oldest token seen next
-            held = max(end - self.ring_slots, 0)  # the oldest token the ring still holds
+            held = max(self._host_positions()[1] - self.code_slots, 0)  # the oldest token the ring still holds
             if needed < held:
                 raise RuntimeError(
                     f"layer {self.layer_idx}: after crop({tokens_to_remove}) the next token sees tokens from {needed} "
@@ -280,21 +289,21 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         return (kv, kv) if self.fast_path() else kv.dequantized()
 
     def _store_over_copy(self, key_states: torch.Tensor, value_states: torch.Tensor) -> QuantizedKV:
-        """Several tokens once the ring is full: they are written into a linear copy of the tokens they may see
-        (and of the recent tokens that leave the recent buffer now, whose codes are written then), attend over
-        it, and its last `ring_slots` tokens become the ring's."""
-        new_tokens, slots = key_states.shape[2], self.ring_slots
+        """Several tokens once the ring is full: they are written into a linear copy of the coded tokens they may
+        see (and of the recent tokens that leave the recent buffer now, whose codes are written then), attend over
+        it, and its last `code_slots` coded tokens become the ring's."""
+        new_tokens, slots = key_states.shape[2], self.code_slots
         self._make_room(new_tokens)
         end, recent_start = self._host_positions()
         first = min(max(end - (self.sliding_window - 1), 0), recent_start)
-        held = torch.arange(first, end, device=self.device) % slots
+        held = torch.arange(first, recent_start, device=self.device) % slots
         ring = token_major(self.codes, self.kernels.value_tiled)  # (the copy is token-major: the kernels read both)
         codes = self.codes.new_empty(*self.codes.shape[:3], end + new_tokens - first, self.codes.shape[4])
-        codes.view(torch.uint8)[:, :, :, : end - first] = ring.view(torch.uint8).index_select(3, held)
+        codes.view(torch.uint8)[:, :, :, : recent_start - first] = ring.view(torch.uint8).index_select(3, held)
         scales = self.scale
         if self.per_token:
             scales = self.scale.new_empty(*self.scale.shape[:3], codes.shape[3])
-            scales[:, :, :, : end - first] = self.scale.index_select(3, held)
+            scales[:, :, :, : recent_start - first] = self.scale.index_select(3, held)
         linear = KVView(
             codes=codes, scales=scales, fmt=self.fmt, per_token=self.per_token, start=first, end=end,
             recent_start=recent_start, offset=first, recent=self.recent, key_channel_scale=self.key_channel_scale,
@@ -302,7 +311,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         stored_key = self._write(key_states, value_states, linear)
         linear.end, linear.recent_start = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens)
         linear.mask_start = 0  # the static mask covers [0, max_cache_len)
-        kept = torch.arange(max(linear.end - slots, 0), linear.end, device=self.device)
+        kept = torch.arange(max(linear.recent_start - slots, first), linear.recent_start, device=self.device)
         ring.view(torch.uint8).index_copy_(3, kept % slots, codes.view(torch.uint8).index_select(3, kept - first))
         store_token_major(self.codes, ring, self.kernels.value_tiled)
         if self.per_token:

@@ -337,30 +337,40 @@ class DevicePositions:
 
     @staticmethod
     def materialize(view: KVView) -> torch.Tensor:
-        """Every slot (the spare one dropped after the full-precision tokens are laid over the codes)."""
-        kv = dequantize_stacked(view.codes, _scale_columns(view), view.fmt, view.has_nan)
+        """Every column (`slot_positions`): the codes of the tokens before `recent_start` laid out on them, the
+        full-precision tokens laid over them (a spare column at the end takes what has nowhere to go)."""
+        positions, held = slot_positions(view)
+        spare = torch.full((1,), view.slots, device=positions.device)
+        coded = held & (positions < view.recent_start)
+        if view.ring:  # the codes of the last `slots` tokens before `recent_start`
+            coded &= positions >= view.recent_start - view.slots
+        code_slot = torch.cat((DevicePositions._slot(view, positions, coded), spare))
+        scales = _scale_columns(view)
+        kv = dequantize_stacked(view.codes.index_select(3, code_slot),
+                                scales.index_select(3, code_slot) if view.per_token else scales, view.fmt, view.has_nan)  # fmt: skip
+        columns = kv.shape[3] - 1
         if view.recent is not None:
             window = view.recent.shape[3]
             t = view.end - window + torch.arange(window, device=kv.device)
             held = (t >= view.recent_start) & (t >= view.start) & (t >= 0)
-            kv.index_copy_(3, DevicePositions._slot(view, t, held), view.recent.index_select(3, t % window).float())
+            kv.index_copy_(3, _column(view, t, held, columns), view.recent.index_select(3, t % window).float())
         if view.sinks is not None:
             s = torch.arange(view.sinks.shape[3], device=kv.device)
             t = view.sink_start[:, None] + s  # [batch, S]
-            column = DevicePositions._slot(view, t, s < view.sink_count[:, None])
+            column = _column(view, t, s < view.sink_count[:, None], columns)
             index = column[None, :, None, :, None].expand(2, -1, kv.shape[2], -1, kv.shape[4])
             kv.scatter_(3, index, view.sinks.float())
-        return kv[:, :, :, : view.slots]
+        return kv[:, :, :, :columns]
 
     @staticmethod
     def _slot(view: KVView, t: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        """The slot of positions `t`: the spare slot where `held` is False."""
+        """The code slot of positions `t`: the spare slot where `held` is False."""
         return torch.where(held, t % view.slots if view.ring else t, view.slots)
 
     @staticmethod
     def mask(query, view: KVView, mask, window, columns: int):
-        """Which slots each query sees: the mask's columns at the slots' positions (or the causal and window
-        rules), among the slots that hold a visible token."""
+        """Which columns each query sees: the mask's columns at the columns' positions (or the causal and window
+        rules), among the columns that hold a visible token."""
         positions, held = slot_positions(view)
         if mask is not None:
             return mask.index_select(-1, positions.clamp(0, mask.shape[-1] - 1)) & held, None
@@ -371,11 +381,17 @@ class DevicePositions:
         return visible, None
 
 
+def _column(view: KVView, t: torch.Tensor, held: torch.Tensor, columns: int) -> torch.Tensor:
+    """The column of positions `t` (device positions): the spare column `columns` where `held` is False."""
+    return torch.where(held, t % columns if view.ring else t, columns)
+
+
 def slot_positions(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each slot's token position and whether it holds a visible token (device positions)."""
-    slot = torch.arange(view.slots, device=view.codes.device)
-    if view.ring:  # the latest token of the slot's residue before `end`
-        positions = view.end - 1 - (view.end - 1 - slot) % view.slots
+    """Each column's token position and whether it holds a visible token (device positions)."""
+    columns = view.columns or view.slots
+    column = torch.arange(columns, device=view.codes.device)
+    if view.ring:  # the latest token of the column's residue before `end`
+        positions = view.end - 1 - (view.end - 1 - column) % columns
     else:
-        positions = slot
+        positions = column
     return positions, (positions >= view.start) & (positions >= 0) & (positions < view.end)

@@ -251,9 +251,9 @@ def _code_slot(view: KVView, t: int) -> int:
 
 
 def visible_positions(view: KVView) -> range:
-    """The tokens the view serves: `[start, end)`, a ring's last `slots` of them."""
+    """The tokens the view serves: `[start, end)`, of a ring from the last `slots` before `recent_start` on."""
     start, end = int(view.start), int(view.end)
-    return range(max(start, end - view.slots) if view.ring else start, end)
+    return range(max(start, int(view.recent_start) - view.slots) if view.ring else start, end)
 
 
 def token_kv(view: KVView, t: int, row: int) -> torch.Tensor:

@@ -82,8 +82,8 @@ def _attention_kernel(
     if STATIC:  # positions on the device: nothing about them reaches the host (CUDA graphs); int32 as the host's
         end = tl.load(positions_ptr).to(tl.int32)  # (int64 positions made every index in the loop 64-bit)
         recent_start = tl.load(positions_ptr + 1).to(tl.int32)
-    if RING:  # a slot holds the latest token of its residue: the ring covers the last `slots` tokens
-        start = tl.maximum(start, end - slots)
+    if RING:  # a slot holds the latest coded token of its residue: the last `slots` tokens before the recent ones
+        start = tl.maximum(start, recent_start - slots)
     q_ptr += b * q_sb
     k_ptr += b * c_sb + kv_head * c_sh
     v_ptr += b * c_sb + kv_head * c_sh

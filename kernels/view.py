@@ -4,7 +4,9 @@ Tokens are numbered by their position in the sequence (the timeline, shared by e
 included). A layer stores:
 
 - codes `[2, batch, kv_heads, slots, head_dim]` (keys, values) of the storage format, token t at slot
-  `(t - offset) % slots` (a linear buffer when the tokens fit, a ring for static sliding-window layers),
+  `(t - offset) % slots` (a linear buffer when the tokens fit, a ring for static sliding-window layers: it holds
+  the last `slots` tokens before `recent_start`), only for the tokens before `recent_start` (the recent ones have
+  none: each token is stored once),
   with scales `[2, 1 | batch, kv_heads, 1 | slots]` (one per KV head, or per token and KV head). Keys are
   token-major; values too, or (`value_tiled`, the Triton backend's buffers) head_dim-major in blocks of
   `VALUE_TILE` slots, the last block as wide as the slots left: a (batch, head) plane's slot s, channel d is at
@@ -21,7 +23,10 @@ The attention sees tokens `[start, end)`: sink tokens from `sinks`, tokens at or
 
 Positions are Python ints, or (static buffers: CUDA graphs, `torch.compile`) 0-dim views of `positions`, an int64
 device tensor `[end, recent_start]`; static buffers have one slot more than they hold, at the end, where writes
-with nowhere to go land, and their mask covers positions `[0, max_len)`.
+with nowhere to go land, and their mask covers positions `[0, max_len)`. Their tokens lie on `columns` columns
+(`max_len`, or a ring's `min(window, max_len)`: token t at column t, or t % columns), which the torch path lays
+them out on; the codes have `columns - R` slots (whole blocks of tiled values: the codes of `max_len` tokens less
+the `R` recent ones, or of a ring's tokens before the recent ones).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class KVView:
     value_tiled: bool = False  # value codes head_dim-major in blocks of VALUE_TILE slots (else token-major)
     positions: torch.Tensor | None = None  # device positions: int64 [2] holding `end`, `recent_start`
     mask_start: int | None = None  # the position of the mask's first column (None: the mask ends at `end`)
+    columns: int = 0  # static buffers: the columns their tokens lie on (see the module docstring)
     memo: dict | None = None  # launch arguments derived from the buffers, kept by the layer's kernel handle
 
     @property

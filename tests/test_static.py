@@ -42,7 +42,7 @@ def test_several_tokens_into_a_full_ring_with_any_recent_window(recent_tokens):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
+@pytest.mark.parametrize("window", [PURE_FP8, WINDOWS["recent 4"]], ids=["pure", "recent 4"])
 def test_crop_past_what_the_ring_holds_is_refused(window):
     """The ring overwrote tokens the next step would see: `crop` refuses, naming the layer and the way out, and
     the cache says it is not croppable (as transformers' static sliding layer)."""
@@ -52,6 +52,15 @@ def test_crop_past_what_the_ring_holds_is_refused(window):
     with pytest.raises(RuntimeError, match=r"layer 0: after crop\(-3\).*overwritten.*dynamic cache"):
         chat(model, cache, crop=3)
     assert QuantizedFP8Cache(model, scales="dynamic", max_cache_len=8).is_croppable  # the ring never wraps
+
+
+def test_crop_of_tokens_the_recent_buffer_still_holds_is_served():
+    """With the default window (128 recent tokens, 64 in a cache of 64) every token is still in the recent buffer:
+    the same crop is served, as the dynamic cache serves it."""
+    model = gemma()
+    expected = chat(model, QuantizedFP8Cache(model, scales="dynamic"), crop=3)
+    got = chat(model, QuantizedFP8Cache(model, scales="dynamic", max_cache_len=64), crop=3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_assisted_decoding_on_a_ring_that_can_wrap_is_refused_before_the_model_runs():
@@ -136,3 +145,26 @@ def test_tiled_buffers_on_the_triton_backend_serve_the_slow_path_at_max_cache_le
     for a, b in zip(full["triton"].dequantized(), full["torch"].dequantized()):
         assert a.shape[2] == 70
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend, dtype", [("torch", torch.float32), ("torch", torch.bfloat16),
+                                            ("triton", torch.float32)])  # fmt: skip
+def test_each_token_stored_once_up_to_max_cache_len(backend, dtype):
+    """The codes have no slots for the recent tokens (a full layer: max_cache_len - recent; a sliding ring:
+    window - recent), and a left-padded batch generated to exactly max_cache_len gets the dynamic cache's
+    scores at every step, its sinks, recent tokens and codes each read from their one place."""
+    model = gemma().to(dtype)
+    window, length = dict(recent_tokens=4, sink_tokens=2), 40
+    prompts = torch.randint(3, 120, (2, 14), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompts)
+    mask[1, :5] = 0
+    scores = {}
+    for name, static in (("dynamic", {}), ("static", dict(max_cache_len=length))):
+        cache = QuantizedFP8Cache(model, scales="dynamic", backend=backend, **window, **static)
+        out = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=length - 14, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, **cache_kwargs(cache))  # fmt: skip
+        scores[name] = torch.stack(out.scores)
+    sliding, full = cache.layers
+    tiled = -(length - 4) % 64 if backend == "triton" else 0  # whole blocks of tiled values
+    assert full.codes.shape[3] == length - 4 + tiled + 1 and sliding.codes.shape[3] == 8 - 4 + 1  # (+ the spare)
+    torch.testing.assert_close(scores["static"], scores["dynamic"], rtol=1e-4, atol=1e-4)

@@ -28,7 +28,7 @@ class Stream:
     sinks: int = 0
     sink_rows: list[int] | None = None  # each row's first real token (default 0)
     static: int = 0  # max_cache_len of a static (device-positions) layer; 0: dynamic
-    ring: bool = False  # static: codes in a ring of `static` slots
+    ring: bool = False  # static: a window of `static` tokens, its codes in a ring (of `static - recent` slots)
     dtype: torch.dtype = torch.float32
     scale_dtype: torch.dtype = torch.bfloat16  # of per-token scales (the layers'; pages hold fp32)
     tiled: bool = False  # value codes tiled (the Triton backend's layout, `KVView.value_tiled`)
@@ -61,8 +61,9 @@ def static_scales(stream: Stream, generator: torch.Generator) -> torch.Tensor:
 
 def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVView:
     fmt = FORMATS[stream.fmt]
-    # static: + the spare slot; tiled values: whole blocks (as the layers allocate them; a ring keeps its size)
-    slots = stream.static if stream.static else stream.length + 3
+    # static: codes for all but the recent tokens, + the spare slot; tiled values: whole blocks (as the layers
+    # allocate them; a ring keeps its size)
+    slots = max(stream.static - stream.recent, 1) if stream.static else stream.length + 3
     if stream.tiled and not stream.ring:
         slots += -slots % VALUE_TILE
     slots += bool(stream.static)
@@ -78,7 +79,7 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
         codes=codes.to(device), scales=scales.to(device), fmt=fmt, per_token=stream.scales == "dynamic",
         end=positions[0] if stream.static else 0, recent_start=positions[1] if stream.static else 0,
         recent=None if recent is None else recent.to(device), ring=stream.ring, positions=positions,
-        value_tiled=stream.tiled,
+        value_tiled=stream.tiled, columns=stream.static,
     )  # fmt: skip
     return view
 

@@ -90,7 +90,7 @@ def test_write_serve_and_attend_as_the_oracle(stream):
     expected = expected_kv(stream, kv, ours)
     if ours.static:
         positions, held = cpu.slot_positions(ours)
-        assert held.sum() == min(stream.length, ours.slots)
+        assert held.sum() == min(stream.length, ours.columns)
         expected = expected[:, :, :, positions[held]]
         keys, values = keys[:, :, held], values[:, :, held]
     else:
@@ -103,7 +103,7 @@ def test_write_serve_and_attend_as_the_oracle(stream):
     padding[1, ..., :3] = False
     mask = padding & reference.causal_mask(4, stream.length)
     if ours.static:  # the mask of a static cache covers [0, max_cache_len) (a ring's is longer than the ring)
-        columns = stream.length + 4 if ours.ring else ours.slots
+        columns = stream.length + 4 if ours.ring else ours.columns
         mask = torch.cat([mask, torch.zeros(*mask.shape[:3], columns - stream.length, dtype=torch.bool)], -1)
     for kwargs in (dict(mask=mask), {}):
         got = cpu.attend(query, ours, scaling=0.3, **kwargs)

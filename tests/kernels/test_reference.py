@@ -114,8 +114,8 @@ def test_attend_is_naive_attention_over_the_served_tokens(stream, q_len):
     padding = torch.ones(stream.batch, 1, 1, length, dtype=torch.bool)
     padding[1, ..., :3] = False
     mask = padding & causal
-    if view.static:  # the mask of a static cache covers every slot
-        mask = torch.cat([mask, torch.zeros(*mask.shape[:3], view.slots - length, dtype=torch.bool)], -1)
+    if view.static:  # the mask of a static cache covers every column
+        mask = torch.cat([mask, torch.zeros(*mask.shape[:3], view.columns - length, dtype=torch.bool)], -1)
     got = reference.attend(query.to(stream.dtype), view, scaling=0.3, mask=mask)
     want = naive_attention(query.to(stream.dtype).float(), expected_k, expected_v, padding & causal, 0.3)
     tolerance = 1e-5 if stream.dtype == torch.float32 else 1e-2  # bf16: the output's rounding

@@ -99,7 +99,7 @@ CASES = [
 def make_mask(case: Case, view, generator: torch.Generator) -> torch.Tensor | None:
     stream = case.stream
     # a static mask covers [0, max_cache_len) (a ring's max_cache_len is longer than the ring)
-    columns = stream.length + 4 if view.ring else view.slots if view.static else stream.length
+    columns = stream.length + 4 if view.ring else view.columns if view.static else stream.length
     q_heads = stream.kv_heads * case.group
     causal = reference.causal_mask(case.q_len, columns, q_end=stream.length)
     if case.mask == "padding":  # left padding: batch 0 starts late, batch 1 sees nothing
@@ -291,7 +291,7 @@ def poison_unseen(case: Case, view, mask: torch.Tensor | None) -> int:
         seen = seen[..., positions - first_column] & (positions >= first_column)
     else:
         seen = (positions > end - case.q_len - case.options["window"]).expand(stream.batch, stream.kv_heads, end)
-    start = max(int(view.start), end - view.slots) if view.ring else int(view.start)
+    start = max(int(view.start), int(view.recent_start) - view.slots) if view.ring else int(view.start)
     unseen = (~seen) & (positions >= start)
     nan_code = view.fmt.nan_code if view.fmt.nan_code >= 0 else (0x7F if view.fmt.is_float else None)
     recent_start = int(view.recent_start)
