@@ -13,7 +13,8 @@ A page row is one token's keys (or values) of one layer: `[codes of every KV hea
 is one page per layer of its attention group, laid out inside the block's bytes, so transformers' sectors,
 block copies (forks, CPU offloading) and index arithmetic stay as they are. With recent and sink tokens (the
 dense cache's default), each request in flight also holds its newest and first tokens in the model's dtype
-beside its pages (`paged_recent.py`).
+beside its pages (`paged_recent.py`; a request over a prefix from the prefix cache gets its first tokens from an
+earlier request with the same ones).
 
 These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
 sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the
@@ -54,7 +55,7 @@ except ImportError as error:  # an import that moved: the allocators are a packa
         f"{transformers.__version__} is installed. QuantizedFP8Cache with model.generate works with it."
     ) from error
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousMixin
-from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.utils import find_num_key_value_heads
 
 from hf_fp8kv.attention import ATTENTION_NAME, FP8KeyStates, use_fp8_attention
@@ -88,6 +89,7 @@ VERIFIED_INTERNALS: dict[str, set[str]] = {  # 5.20; where 5.21 (manager) and 5.
     "ContinuousMixin.init_continuous_batching": {"142ab58ebeef6c1c"},
     "ContinuousBatchingIOs.get_model_kwargs": {"9fed47790bcfa2da"},
     "find_num_key_value_heads": {"7c33dcea9979a2f7"},
+    "RequestState": {"5a790292c4732592"},  # (its first tokens: the kept sink rows' key; the same in 5.20 to 5.24)
 }  # fmt: skip
 SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
 SETTINGS_ATTRIBUTE = "_fp8kv_paged_settings"
@@ -121,17 +123,19 @@ class PagedSettings:
         """Bytes of one block of `layers`: one page of K and V per layer."""
         return sum(2 * page_size * self.layouts[i].nbytes for i in layers)
 
+    def sink_rows(self, layer: int) -> int:
+        """Sink tokens a request holds in `layer` (none on sliding layers or a layer kept in the model dtype)."""
+        return 0 if self.layouts[layer].fmt is None or layer in self.sliding_layers else self.sink_tokens
+
     def held_rows(self, layer: int) -> int:
-        """Rows a request holds in `layer` for its recent and sink tokens (no sinks on sliding layers, none at all
-        on a layer kept in the model dtype)."""
-        if self.layouts[layer].fmt is None:
-            return 0
-        return self.recent_tokens + (0 if layer in self.sliding_layers else self.sink_tokens)
+        """Rows a request holds in `layer` for its recent and sink tokens (none on a layer kept in the model dtype)."""
+        return 0 if self.layouts[layer].fmt is None else self.recent_tokens + self.sink_rows(layer)
 
     def request_bytes(self) -> int:
-        """Bytes of one request's recent and sink tokens, every layer."""
-        return sum(2 * self.held_rows(i) * layout.kv_heads * layout.head_dim * layout.dtype.itemsize
-                   for i, layout in self.layouts.items())  # fmt: skip
+        """Bytes of one request's recent and sink tokens, every layer, with one prompt's kept sink tokens (a
+        request slot's share of `paged_recent.RequestSlots.kept`)."""
+        return sum(2 * (self.held_rows(i) + self.sink_rows(i)) * layout.kv_heads * layout.head_dim
+                   * layout.dtype.itemsize for i, layout in self.layouts.items())  # fmt: skip
 
     def requests_in(self, memory: int) -> int:
         """Requests in flight at once under a KV memory setting of `memory` bytes: `max_requests`, else as many
@@ -236,6 +240,7 @@ def _internals() -> dict[str, object]:
     ):  # fmt: skip
         pieces[_unwrap(function).__qualname__] = function
     pieces["PagedAttentionMemoryHandler"] = PagedAttentionMemoryHandler
+    pieces["RequestState"] = RequestState
     return pieces
 
 
@@ -372,7 +377,7 @@ class FP8PagedAttentionCache(PagedAttentionCache):
     Attributes beyond transformers': `num_blocks` counts FP8 blocks; `native_num_blocks` is what pages in the
     model dtype would give under the same memory setting; `capacity_ratio` their ratio; `block_bytes` /
     `native_block_bytes` the bytes of one whole-model block of `page_size` tokens; `request_slots` the requests'
-    recent and sink tokens (`held_bytes` in all; None for pure FP8).
+    recent and sink tokens and the kept sink tokens (`held_bytes` in all; None for pure FP8).
     """
 
     def __init__(self, settings: PagedSettings, config, continuous_batching_config, device, distributed_helper,
@@ -418,7 +423,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
         self.capacity_ratio = self.num_blocks / max(self.native_num_blocks, 1)
         recent = (
             f"; recent {settings.recent_tokens} + sinks {settings.sink_tokens} tokens in {dtype} for up to {slots} "
-            f"requests at once ({self.held_bytes / 2**20:.1f} MiB)" if slots else "; pure FP8"
+            f"requests at once and {slots} prompts' sinks ({self.held_bytes / 2**20:.1f} MiB)"
+            if slots else "; pure FP8"
         )  # fmt: skip
         logger.info(
             f"FP8 pages ({settings.fmt.name}): {self.num_blocks} blocks of {page_size} tokens, "
@@ -438,7 +444,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             return False
         stored = super().can_store_request_tokens(state, request_len, dry_run)
         if stored and not dry_run:
-            slots.admit(state.request_id)
+            first = state.initial_tokens[: slots.sinks] + state.generated_tokens[: slots.sinks]
+            slots.admit(state.request_id, first, state.current_len())
         return stored
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
@@ -463,9 +470,7 @@ class FP8PagedAttentionCache(PagedAttentionCache):
         if slots is None:
             return super().prepare_fork_request(src_state, dst_req_ids, copy_src_and_dst)
         forked = super().prepare_fork_request(src_state, dst_req_ids[: len(slots.free)], copy_src_and_dst)
-        allocators = self.cache_allocators.values()
-        rows = [(a.recent_rows[i], self.settings.held_rows(i)) for a in allocators for i in a.recent_rows]
-        slots.fork(src_state.request_id, forked, [r for r, _ in rows], [n for _, n in rows])
+        slots.fork(src_state.request_id, forked)
         return forked
 
     @torch.compiler.disable
@@ -537,6 +542,7 @@ class FP8PagesMixin:
             if self.slots is not None and self.settings.held_rows(i):
                 shape = (self.slots.slots * self.settings.held_rows(i), 2, layout.kv_heads, layout.head_dim)
                 self.recent_rows[i] = torch.zeros(shape, dtype=layout.dtype, device=device)
+                self.slots.add_layer(self.recent_rows[i], self.settings.held_rows(i))
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("FP8 pages have no block-table view: they are read through read indices")
@@ -560,7 +566,7 @@ class FP8PagesMixin:
 
     def _write_recent(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> RecentRows:
         """Copy this step's recent and sink tokens into the layer's rows; what the attention reads there."""
-        sinks = self.settings.held_rows(layer_idx) - self.settings.recent_tokens
+        sinks = self.settings.sink_rows(layer_idx)
         step = self.slots.group(self.index, sinks, lambda past, new: self.get_seqlen_k(past, new) - new, key.device)
         rows = self.recent_rows[layer_idx]
         if step.sources.numel():

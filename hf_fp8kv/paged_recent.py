@@ -7,14 +7,19 @@ holds a slot of rows in the model's dtype (`paged.RecentRows`, one set per layer
 a ring and its first `sinks` tokens. The attention reads those keys from the rows and every other key from its
 codes, as the dense cache reads its recent and sink buffers, so a request gets `QuantizedFP8Cache`'s numbers.
 
-A request holds only the tokens it computed itself while holding its slot: a prompt prefix taken from the prefix
-cache, or the tokens before a CPU swap, are read from their codes. Slots are taken when transformers' scheduler
-first admits a request (`admit`: none free, the request waits as for pages) and given back with its blocks.
+A request holds the tokens it computed itself while holding its slot, and its sink tokens: when it starts past
+position 0 (a prompt prefix taken from the prefix cache, or a request back from a CPU swap), its sink rows are
+copied from an earlier request with the same first `sinks` tokens (the same tokens at the same positions: the same
+keys and values), a live one or one kept when it was released (`kept`: the sink rows of up to `slots` such
+prompts, least recently used first out; none found: its sink tokens are read from their codes). Its other tokens
+before that start are read from their codes. Slots are taken when transformers' scheduler first admits a request
+(`admit`: none free, the request waits as for pages) and given back with its blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,10 +28,23 @@ from hf_fp8kv.kernels.paged import RecentRows
 
 @dataclass
 class Held:
-    """A request's slot, and the first position it computed while holding it (None until its first step)."""
+    """A request's slot, its first `sinks` token ids (None: fewer known at admission), the first position it
+    computed while holding it (None until its first step), and whether its sink rows hold all its sink tokens."""
 
     slot: int
+    key: tuple[int, ...] | None = None
     first: int | None = None
+    sinks: bool = False
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """One layer's rows of every slot `[slots * per_slot, 2, kv_heads, head_dim]` and, on a layer with sink
+    tokens, the kept sink rows `[kept prompts * sinks, 2, kv_heads, head_dim]`."""
+
+    rows: torch.Tensor
+    per_slot: int
+    kept: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -46,24 +64,73 @@ class RequestSlots:
         self.recent, self.sinks, self.slots = recent, sinks, slots
         self.free = list(range(slots - 1, -1, -1))
         self.held: dict[str, Held] = {}
+        self.layers: list[LayerRows] = []
+        self.kept: OrderedDict[tuple[int, ...], int] = OrderedDict()  # first tokens -> kept entry, oldest use first
         self.scheduled: list[tuple[str, int, int]] = []  # (request id, past length, new tokens) of the next step
         self._batch: object = None  # the index lists transformers fills for the step being scheduled
         self.step: list[tuple[str, int, int]] = []
         self.groups: dict[int, GroupStep] = {}
 
-    def admit(self, request_id: str) -> bool:
-        """Give `request_id` a slot unless it holds one; False when none is free."""
+    def add_layer(self, rows: torch.Tensor, per_slot: int) -> None:
+        """Register a layer's slot rows (with room for `slots` prompts' kept sink rows when it holds sink tokens)."""
+        kept = rows.new_zeros(self.slots * self.sinks, *rows.shape[1:]) if per_slot > self.recent else None
+        self.layers.append(LayerRows(rows, per_slot, kept))
+
+    def admit(self, request_id: str, tokens: list[int], past: int) -> bool:
+        """Give `request_id` (`tokens`: its first ones; `past`: the position it starts at) a slot unless it holds
+        one, with the sink rows of an earlier request with the same first tokens when it starts past position 0;
+        False when none is free."""
         if request_id in self.held:
             return True
         if not self.free:
             return False
-        self.held[request_id] = Held(self.free.pop())
+        key = tuple(tokens[: self.sinks]) if self.sinks and len(tokens) >= self.sinks else None
+        held = self.held[request_id] = Held(self.free.pop(), key)
+        if past and key is not None:
+            held.sinks = self._take_sinks(held)
         return True
 
     def release(self, request_id: str) -> None:
         held = self.held.pop(request_id, None)
-        if held is not None:
-            self.free.append(held.slot)
+        if held is None:
+            return
+        if held.sinks and held.key is not None:
+            self._keep_sinks(held)
+        self.free.append(held.slot)
+
+    def _sink_rows(self, slot: int, layer: LayerRows) -> torch.Tensor:
+        start = slot * layer.per_slot + self.recent
+        return layer.rows[start : start + self.sinks]
+
+    def _kept_rows(self, entry: int, layer: LayerRows) -> torch.Tensor:
+        return layer.kept[entry * self.sinks : (entry + 1) * self.sinks]
+
+    def _keep_sinks(self, held: Held) -> None:
+        """Keep a released request's sink rows for later requests with its first tokens (the least recently used
+        entry makes room)."""
+        if held.key in self.kept:
+            self.kept.move_to_end(held.key)
+            return
+        entry = len(self.kept) if len(self.kept) < self.slots else self.kept.popitem(last=False)[1]
+        self.kept[held.key] = entry
+        for layer in self._sink_layers():
+            self._kept_rows(entry, layer).copy_(self._sink_rows(held.slot, layer))
+
+    def _take_sinks(self, held: Held) -> bool:
+        """Copy into `held`'s slot the sink rows of a kept or live request with its first tokens; whether found."""
+        entry = self.kept.get(held.key)
+        live = next((other.slot for other in self.held.values() if other.key == held.key and other.sinks), None)
+        if entry is None and live is None:
+            return False
+        if entry is not None:
+            self.kept.move_to_end(held.key)
+        for layer in self._sink_layers():
+            rows = self._kept_rows(entry, layer) if entry is not None else self._sink_rows(live, layer)
+            self._sink_rows(held.slot, layer).copy_(rows)
+        return True
+
+    def _sink_layers(self) -> list[LayerRows]:
+        return [layer for layer in self.layers if layer.kept is not None]
 
     def release_all(self) -> None:
         self.held.clear()
@@ -82,6 +149,9 @@ class RequestSlots:
         """The forward of the last step prepared begins (its first layer's update)."""
         if self.scheduled:
             self.step, self.scheduled, self._batch, self.groups = self.scheduled, [], None, {}
+            for request_id, past, new in self.step:  # (a request's own sink tokens are in its rows once it runs)
+                held = self.held[request_id]
+                held.sinks |= held.first == 0 and past + new >= self.sinks
 
     def group(self, index: int, sinks: int, keys_read, device: torch.device) -> GroupStep:
         """This step's reads and writes in the rows of group `index` (`sinks`: its sink tokens, 0 for sliding
@@ -100,8 +170,8 @@ class RequestSlots:
             held = self.held[request_id]
             end, base = past + new, held.slot * per_slot
             recent_start = max(held.first, end - recent)
-            for column, value in zip(columns, (held.slot, min(sinks, end) if held.first == 0 else 0, recent_start,
-                                               past - keys_read(past, new))):  # fmt: skip
+            sinks_held = min(sinks, end) if held.first == 0 or held.sinks else 0
+            for column, value in zip(columns, (held.slot, sinks_held, recent_start, past - keys_read(past, new))):
                 column.append(value)
             for position in range(past, min(end, sinks)):  # sink tokens arriving
                 sources.append(query_row + position - past)
@@ -113,17 +183,16 @@ class RequestSlots:
         index = torch.tensor([sources, targets], dtype=torch.int64).to(device, non_blocking=True)
         return GroupStep(torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True), columns, *index)
 
-    def fork(self, parent: str, children: list[str], rows: list[torch.Tensor], rows_per_slot: list[int]) -> list[str]:
-        """Give forked `children` slots holding a copy of `parent`'s rows (`rows`: every layer's, with its rows
-        per slot); returns the children that got one (the others are left to transformers to prefill anew)."""
+    def fork(self, parent: str, children: list[str]) -> list[str]:
+        """Give forked `children` slots holding a copy of `parent`'s rows; returns the children that got one (the
+        others are left to transformers to prefill anew)."""
         held = self.held[parent]
         forked = children[: len(self.free)]
         for child in forked:
-            self.admit(child)
-            self.held[child].first = held.first
-            for layer_rows, per_slot in zip(rows, rows_per_slot):
-                source, target = held.slot * per_slot, self.held[child].slot * per_slot
-                layer_rows[target : target + per_slot] = layer_rows[source : source + per_slot]
+            self.held[child] = replace(held, slot=self.free.pop())
+            for layer in self.layers:
+                source, target = held.slot * layer.per_slot, self.held[child].slot * layer.per_slot
+                layer.rows[target : target + layer.per_slot] = layer.rows[source : source + layer.per_slot]
         return forked
 
     def rows_of(self, step: GroupStep, rows: torch.Tensor, sinks: int) -> RecentRows:

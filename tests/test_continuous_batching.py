@@ -18,6 +18,7 @@ except ImportError as error:  # transformers before 5.20: test_compat checks the
     pytest.skip(str(error), allow_module_level=True)
 from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.evaluate import greedy_with_logits, topk_rule
+from hf_fp8kv.paged_recent import RequestSlots
 from tests.models import PURE_FP8, smollm2, tiny_model
 from tests.prompts import PROMPTS
 
@@ -95,9 +96,10 @@ def check_top5(model, tokenizer, ids: list[int], generated: list[int], cache) ->
         assert ok, f"{tokenizer.decode(ids)!r}: diverges from generate at {at} outside the top 5"
 
 
-def test_a_prefix_from_the_prefix_cache_is_read_from_its_codes(model_and_tokenizer):
+def test_a_prefix_from_the_prefix_cache_passes_the_top5_rule(model_and_tokenizer):
     """The same prompt twice, one after the other: the second takes the first's complete blocks from transformers'
-    prefix cache (its sink tokens and those blocks read from their codes) and still passes the top-5 rule."""
+    prefix cache (read from their codes, but for the sink tokens, copied from the first's) and still passes the
+    top-5 rule."""
     model, tokenizer = model_and_tokenizer
     ids = chat_ids(tokenizer, PROMPTS[6])
     manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=pages())
@@ -252,6 +254,125 @@ def test_sliding_and_full_groups_match_generate(scales, skip, variant):
     cb.disable(model)
 
 
+def in_turn(model, requests: dict[str, list[int]], new_tokens: dict[str, int] | None = None,
+            **config) -> tuple[dict, dict, dict]:  # fmt: skip
+    """Run `requests` one after the other through one manager (4-token pages; `new_tokens`: a request's, else
+    NEW_TOKENS): each one's step logits `[new tokens, vocab]`, full-attention block table and prefix-cache match."""
+    manager = model.init_continuous_batching(generation_config=GREEDY,
+                                             continuous_batching_config=pages(page_size=4, **config))  # fmt: skip
+    manager.warmup()  # builds the cache before the loop starts
+    cache = manager.batch_processor.cache
+    tables, matched, steps = {}, {}, []
+    free, search = cache.free_blocks, cache.search_prefix_match
+    blocks = cache.cache_allocators["full_attention"].block_table
+
+    def free_blocks(request_id: str, *args) -> None:
+        tables.setdefault(request_id, list(blocks.get(request_id, ())))
+        free(request_id, *args)
+
+    cache.free_blocks = free_blocks
+    cache.search_prefix_match = lambda request_id, ids: matched.setdefault(request_id, search(request_id, ids))
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: steps.append(out[0, -1].float()))
+    manager.start()
+    logits = {}
+    try:
+        for request_id, ids in requests.items():
+            steps.clear()
+            count = (new_tokens or {}).get(request_id, NEW_TOKENS)
+            manager.add_request(ids, request_id=request_id, max_new_tokens=count)
+            assert manager.get_result(request_id=request_id, timeout=60).error is None
+            logits[request_id] = torch.stack(steps)
+    finally:
+        hook.remove()
+        manager.stop(block=True, timeout=30)
+        model.destroy_cached_continuous_batching_manager()
+    return logits, tables, matched
+
+
+def generate_logits(model, ids: list[int], settings: dict) -> torch.Tensor:
+    """`generate`'s logits for `ids` with `QuantizedFP8Cache(**settings)`, `[NEW_TOKENS, vocab]`."""
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             **cache_kwargs(QuantizedFP8Cache(model, **settings)), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
+    return torch.stack(ref.logits)[:, 0].float()
+
+
+HELD = dict(scales="dynamic", recent_tokens=4, sink_tokens=2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_prefix_from_the_prefix_cache_keeps_its_sink_tokens(backend):
+    """A second conversation over a cached prefix (2 whole pages of the first's prompt, then 6 tokens of its own,
+    more than its 4 recent ones) reads the prefix's sink tokens in the model's dtype, copied from the first's: its
+    logits are generate's with QuantizedFP8Cache, step by step (from their codes: 2e-3 off)."""
+    model = tiny_model("llama").to(DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    first = torch.randint(3, 128, (13,), generator=generator).tolist()
+    second = first[:8] + torch.randint(3, 128, (6,), generator=generator).tolist()
+    cb.enable(model, backend=backend, max_requests=2, **HELD)
+    try:
+        logits, _, matched = in_turn(model, {"first": first, "second": second})
+    finally:
+        cb.disable(model)
+    assert matched == {"first": 0, "second": 8}
+    torch.testing.assert_close(logits["second"], generate_logits(model, second, HELD), rtol=0, atol=1e-5)
+
+
+def test_kept_sink_tokens_follow_the_prompt_not_the_block():
+    """The kept sink tokens are those of the prompt's first tokens, not of a block: a block that held another
+    prompt's first page, freed and reused for a new prompt, gives a later conversation over that new prompt its
+    own sink tokens (generate's logits), not the other prompt's."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(5)
+    other = torch.randint(3, 128, (4,), generator=generator).tolist()
+    first = torch.randint(3, 128, (13,), generator=generator).tolist()
+    second = first[:8] + torch.randint(3, 128, (6,), generator=generator).tolist()
+    cb.enable(model, max_requests=2, **HELD)
+    try:
+        # 6 blocks, one token for the other prompt: the first prompt's first page goes to the block of the other's
+        logits, tables, matched = in_turn(model, {"other": other, "first": first, "second": second}, {"other": 1},
+                                          num_blocks=6)  # fmt: skip
+    finally:
+        cb.disable(model)
+    assert tables["other"][0] == tables["first"][0] == tables["second"][0] and matched["second"] == 8
+    torch.testing.assert_close(logits["second"], generate_logits(model, second, HELD), rtol=0, atol=1e-5)
+
+
+def test_sink_rows_come_from_a_live_or_kept_request_with_the_same_first_tokens():
+    """A request starting past position 0 gets its sink rows from a live request with its first tokens, else from
+    those kept at release (as many prompts as slots, least recently used first out), else none (its codes)."""
+    slots = RequestSlots(recent=2, sinks=2, slots=2)
+    rows = torch.zeros(2 * 4, 2, 1, 1)
+    slots.add_layer(rows, 4)
+    slots.add_layer(torch.zeros(2 * 2, 2, 1, 1), 2)  # a sliding layer: no sink rows
+
+    def computed(request_id: str, tokens: list[int], value: float) -> None:
+        """Admit a request at position 0 and run its first step (its sink rows: `value`)."""
+        assert slots.admit(request_id, tokens, 0)
+        slots.schedule(request_id, 0, len(tokens), object())
+        slots.start_step()
+        base = slots.held[request_id].slot * 4 + 2
+        rows[base : base + 2] = value
+
+    def sinks_of(request_id: str, tokens: list[int]) -> list[float] | None:
+        """Admit a request past position 0: its sink rows, None when it got none."""
+        assert slots.admit(request_id, tokens, 8)
+        base = slots.held[request_id].slot * 4 + 2
+        return rows[base : base + 2, 0, 0, 0].tolist() if slots.held[request_id].sinks else None
+
+    computed("a", [5, 6, 7], 1.0)
+    assert sinks_of("b", [5, 6, 9]) == [1.0, 1.0]  # from live "a"
+    slots.release("a"), slots.release("b")
+    computed("c", [1, 2], 3.0)
+    slots.release("c")  # kept: [5, 6] and [1, 2]
+    assert sinks_of("d", [5, 6]) == [1.0, 1.0]  # kept ([5, 6] now the most recently used)
+    slots.release("d")
+    computed("e", [8, 8], 4.0)
+    slots.release("e")  # [1, 2] makes room
+    assert sinks_of("f", [1, 2, 3]) is None and sinks_of("g", [8, 8]) == [4.0, 4.0]
+
+
 def test_static_per_channel_key_scales_match_generate():
     """Calibrated static scales with per-channel key scales (keys stored divided by them, read back multiplied):
     the batch's logits are generate's with QuantizedFP8Cache, step by step."""
@@ -294,11 +415,7 @@ def batch_and_generate_logits(model, ids: list[int], settings: dict) -> tuple[to
     finally:
         hook.remove()
         cb.disable(model)
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             **cache_kwargs(QuantizedFP8Cache(model, **settings)), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
-    return torch.stack(logits[:NEW_TOKENS]), torch.stack(ref.logits)[:, 0].float()
+    return torch.stack(logits[:NEW_TOKENS]), generate_logits(model, ids, settings)
 
 
 def test_forked_requests_copy_the_recent_and_sink_tokens():

@@ -201,7 +201,8 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
     held = "pure FP8"
     if cache.request_slots is not None:
         held = (f"recent {settings.recent_tokens} + sinks {settings.sink_tokens} tokens in {layout.dtype} for up to "
-                f"{cache.request_slots.slots} requests at once ({cache.held_bytes / 2**20:.1f} MiB)")  # fmt: skip
+                f"{cache.request_slots.slots} requests at once and {cache.request_slots.slots} prompts' sinks "
+                f"({cache.held_bytes / 2**20:.1f} MiB)")  # fmt: skip
     pages = cache.num_blocks * cache.block_bytes
     return (
         f"KV pages {settings.fmt.name} ({scales}, {held}): {cache.num_blocks} blocks of {cache.page_size} tokens "

@@ -161,10 +161,10 @@ def test_the_server_reports_its_fp8_pages(served):
     assert state["kv_format"] == "fp8_e4m3" and state["page_size"] == PAGE_SIZE
     assert state["num_blocks"] == NUM_BLOCKS and state["request_slots"] == 16
     # the same bytes in pages of the model's dtype (fp32): 48 FP8 blocks of 3072 bytes (2 layers x K, V x 16 rows
-    # of 2 heads x (16 codes + a 4-byte scale), padded to 48) and 16 requests' 132 recent and sink tokens in fp32
-    # (67584 bytes each: 2 layers x K, V x 2 heads x 16 x 4 bytes), in fp32 blocks of 8192 bytes; at this toy
-    # head_dim the held tokens outweigh the pages
-    assert state["native_num_blocks"] == (48 * 3072 + 16 * 132 * 512) // 8192
+    # of 2 heads x (16 codes + a 4-byte scale), padded to 48) and 16 requests' 132 recent and sink tokens and 16
+    # prompts' 4 kept sink tokens in fp32 (512 bytes each: 2 layers x K, V x 2 heads x 16 x 4 bytes), in fp32 blocks
+    # of 8192 bytes; at this toy head_dim the held tokens outweigh the pages
+    assert state["native_num_blocks"] == (48 * 3072 + 16 * (132 + 4) * 512) // 8192
     assert [m.id for m in served.client.models.list().data] == [NAME]
 
 
