@@ -3,10 +3,11 @@ budget.
 
 Each variant's server is started as a subprocess on 127.0.0.1 (the same model, page size and dtype), then
 `--clients` concurrent streaming chat clients (the `openai` package, asyncio, over loopback) send fixed prompts
-of about `--prompt-tokens` tokens (distinct from their first word, so no prefix is shared beyond the chat
-template's) for `--max-tokens` greedy tokens each. Plain transformers gets `--cb-num-blocks` = the budget // the
+(`--prompt-tokens` words of the bundled sample text to retell, distinct from their first word, so no prefix is
+shared beyond the chat template's) for at most `--max-tokens` greedy tokens each. Plain transformers gets `--cb-num-blocks` = the budget // the
 bytes of one whole-model block in the model dtype; hf-fp8kv gets `--kv-memory-mib` = the budget (its FP8 pages
-and, with recent and sink tokens, `--max-requests` requests' model-dtype rows). Reported per variant: the most
+and, with recent and sink tokens, the model-dtype rows of the requests in flight: `--max-requests` of them, by
+default the server's own count). Reported per variant: the most
 streams generating at once (from the client's timestamps: first token to end), output tokens/s over the wall
 time of the load, time to first token and inter-token latency percentiles; the ratios FP8 / plain last.
 
@@ -27,6 +28,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from importlib.resources import files
 
 import torch
 from openai import AsyncOpenAI
@@ -70,7 +72,7 @@ def server_command(variant: str, args: argparse.Namespace, port: int) -> list[st
     command = [sys.executable, "-m", "hf_fp8kv", "serve", *common, "--kv-memory-mib", str(args.kv_memory_mib)]
     if variant == "fp8-pure":
         return command + ["--recent-tokens", "0", "--sink-tokens", "0"]
-    return command + ["--max-requests", str(args.max_requests)]
+    return command + (["--max-requests", str(args.max_requests)] if args.max_requests else [])
 
 
 def wait_for_health(port: int, server: subprocess.Popen) -> None:
@@ -109,12 +111,19 @@ async def one_stream(client: AsyncOpenAI, model: str, prompt: str, max_tokens: i
     return stream
 
 
+def passage_prompt(i: int, words: int) -> str:
+    """Client i's prompt: `words` words of the bundled sample text from word 37 * i on (wrapping), to retell (a
+    prompt of one repeated word makes SmolLM2 end its answer at once)."""
+    text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text().split()
+    passage = " ".join(text[(37 * i + k) % len(text)] for k in range(words))
+    return f"Passage {i}: {passage}\n\nRetell the passage above in your own words, in detail."
+
+
 async def load(port: int, args: argparse.Namespace) -> tuple[list[Stream], float]:
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600, max_retries=0)
     model = (await client.models.list()).data[0].id
     await one_stream(client, model, "Hi", 2, time.perf_counter())  # warm-up
-    text = " ".join(["word"] * args.prompt_tokens)
-    prompts = [f"{i} {text}" for i in range(args.clients)]
+    prompts = [passage_prompt(i, args.prompt_tokens) for i in range(args.clients)]
     t0 = time.perf_counter()
     streams = await asyncio.gather(*(one_stream(client, model, p, args.max_tokens, t0) for p in prompts))
     return streams, time.perf_counter() - t0
@@ -177,8 +186,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--max-requests", type=int, default=4,
-                        help="hf-fp8kv's --max-requests with recent and sink tokens (their rows come out of the budget)")  # fmt: skip
+    parser.add_argument("--max-requests", type=int,
+                        help="hf-fp8kv's --max-requests with recent and sink tokens (their rows come out of the budget; "
+                             "default: the server's, an eighth of the budget)")  # fmt: skip
     parser.add_argument("--variants", default="plain,fp8,fp8-pure",
                         help="plain (transformers), fp8 (recent and sink tokens), fp8-pure")  # fmt: skip
     parser.add_argument("--port", type=int, default=8950)
@@ -189,7 +199,7 @@ def main() -> None:
     print(format_table(rows))
     plain = next((r for r in rows if r["variant"] == "plain"), None)
     for row in rows:
-        if plain is not None and row is not plain:
+        if plain is not None and row is not plain and plain["held at once"] and plain["tok/s"]:
             print(f"{row['variant']} / plain at {args.kv_memory_mib} MiB: held at once "
                   f"{row['held at once'] / plain['held at once']:.2f}x, output tokens/s "
                   f"{row['tok/s'] / plain['tok/s']:.2f}x")  # fmt: skip
