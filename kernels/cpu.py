@@ -325,11 +325,11 @@ class DevicePositions:
             # the recent buffer's oldest tokens leave it: at most min(n, recent_slots), those at or after recent_start
             leaving = end - recent_slots + torch.arange(min(n, recent_slots), device=device)
             valid = leaving >= view.recent_start
-            quantize_into(recent.index_select(3, leaving % recent_slots), DevicePositions._slot(view, leaving, valid))
+            quantize_into(recent.index_select(3, leaving % recent_slots), _place(view, leaving, valid, view.slots))
         direct = max(n - recent_slots, 0)
         if direct:
             t = end + torch.arange(direct, device=device)
-            quantize_into(states[:, :, :, :direct], DevicePositions._slot(view, t, torch.ones_like(t, dtype=torch.bool)))
+            quantize_into(states[:, :, :, :direct], _place(view, t, torch.ones_like(t, dtype=torch.bool), view.slots))
         if recent_slots:
             kept = end + torch.arange(direct, n, device=device)
             recent.index_copy_(3, kept % recent_slots, states[:, :, :, direct:].to(recent.dtype))
@@ -344,7 +344,7 @@ class DevicePositions:
         coded = held & (positions < view.recent_start)
         if view.ring:  # the codes of the last `slots` tokens before `recent_start`
             coded &= positions >= view.recent_start - view.slots
-        code_slot = torch.cat((DevicePositions._slot(view, positions, coded), spare))
+        code_slot = torch.cat((_place(view, positions, coded, view.slots), spare))
         scales = _scale_columns(view)
         kv = dequantize_stacked(view.codes.index_select(3, code_slot),
                                 scales.index_select(3, code_slot) if view.per_token else scales, view.fmt, view.has_nan)  # fmt: skip
@@ -352,20 +352,15 @@ class DevicePositions:
         if view.recent is not None:
             window = view.recent.shape[3]
             t = view.end - window + torch.arange(window, device=kv.device)
-            held = (t >= view.recent_start) & (t >= view.start) & (t >= 0)
-            kv.index_copy_(3, _column(view, t, held, columns), view.recent.index_select(3, t % window).float())
+            recent_held = (t >= view.recent_start) & (t >= view.start) & (t >= 0)
+            kv.index_copy_(3, _place(view, t, recent_held, columns), view.recent.index_select(3, t % window).float())
         if view.sinks is not None:
             s = torch.arange(view.sinks.shape[3], device=kv.device)
             t = view.sink_start[:, None] + s  # [batch, S]
-            column = _column(view, t, s < view.sink_count[:, None], columns)
+            column = _place(view, t, s < view.sink_count[:, None], columns)
             index = column[None, :, None, :, None].expand(2, -1, kv.shape[2], -1, kv.shape[4])
             kv.scatter_(3, index, view.sinks.float())
         return kv[:, :, :, :columns]
-
-    @staticmethod
-    def _slot(view: KVView, t: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        """The code slot of positions `t`: the spare slot where `held` is False."""
-        return torch.where(held, t % view.slots if view.ring else t, view.slots)
 
     @staticmethod
     def mask(query, view: KVView, mask, window, columns: int):
@@ -381,9 +376,10 @@ class DevicePositions:
         return visible, None
 
 
-def _column(view: KVView, t: torch.Tensor, held: torch.Tensor, columns: int) -> torch.Tensor:
-    """The column of positions `t` (device positions): the spare column `columns` where `held` is False."""
-    return torch.where(held, t % columns if view.ring else t, columns)
+def _place(view: KVView, t: torch.Tensor, held: torch.Tensor, places: int) -> torch.Tensor:
+    """Where positions `t` lie among `places` code slots or columns (device positions; a ring's `t % places`):
+    the spare one, `places`, where `held` is False."""
+    return torch.where(held, t % places if view.ring else t, places)
 
 
 def slot_positions(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
