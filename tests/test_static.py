@@ -148,7 +148,7 @@ def test_tiled_buffers_on_the_triton_backend_serve_the_slow_path_at_max_cache_le
 
 
 @pytest.mark.parametrize("backend, dtype", [("torch", torch.float32), ("torch", torch.bfloat16),
-                                            ("triton", torch.float32)])  # fmt: skip
+                                            ("torch", torch.float16), ("triton", torch.float32)])  # fmt: skip
 def test_each_token_stored_once_up_to_max_cache_len(backend, dtype):
     """The codes have no slots for the recent tokens (a full layer: max_cache_len - recent; a sliding ring:
     window - recent), and a left-padded batch generated to exactly max_cache_len gets the dynamic cache's
