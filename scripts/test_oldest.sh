@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST=$(python3 -c 'import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print(next(re.fullmatch(r"transformers>=([0-9.]+)", d).group(1) for d in deps if d.startswith("transformers")))')
+print(next(re.fullmatch(r"transformers>=([0-9.]+)(,<[0-9.]+)?", d).group(1) for d in deps if d.startswith("transformers")))')
 VENV=.venv-oldest TRANSFORMERS="transformers==$OLDEST.*" . scripts/setup.sh
 python -c "import transformers; print('transformers', transformers.__version__)"
 python -m pytest -q tests/test_compat.py tests/test_cache.py tests/test_window.py tests/test_static.py \
