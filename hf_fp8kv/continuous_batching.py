@@ -14,7 +14,9 @@ is one page per layer of its attention group, laid out inside the block's bytes,
 block copies (forks, CPU offloading) and index arithmetic stay as they are. With recent and sink tokens (the
 dense cache's default), each request in flight also holds its newest and first tokens in the model's dtype
 beside its pages (`paged_recent.py`; a request over a prefix from the prefix cache gets its first tokens from an
-earlier request with the same ones).
+earlier request with the same ones). Its full-attention pages then store each token once: a token's page row is
+written when it leaves the recent ones, and a block whose tokens are all recent is `VIRTUAL_BLOCK`, which takes
+nothing from the pool (`FP8FullAttentionAllocator`): a request holds `recent_tokens // page_size` fewer blocks.
 
 These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
 sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the
@@ -30,6 +32,7 @@ import inspect
 import logging
 import math
 import types
+import warnings
 from dataclasses import dataclass, replace
 from typing import Iterable
 
@@ -93,6 +96,10 @@ VERIFIED_INTERNALS: dict[str, set[str]] = {  # 5.20; where 5.21 (manager) and 5.
 }  # fmt: skip
 SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
 SETTINGS_ATTRIBUTE = "_fp8kv_paged_settings"
+# The block of a request's table whose tokens are all among its recent ones: no page row of it is written or read
+# (they are read from the request's rows), so it is given no memory. Block 0 lies in transformers' read-trash
+# sector, which the pool never hands out and nothing writes.
+VIRTUAL_BLOCK = 0
 # Without `max_requests`, the recent and sink tokens of the requests in flight get an eighth of the KV memory:
 # FP8 pages in the other seven eighths still hold 1.7x the blocks of bf16 pages (1.96x x 7/8)
 RECENT_SHARE = 8
@@ -130,6 +137,12 @@ class PagedSettings:
     def held_rows(self, layer: int) -> int:
         """Rows a request holds in `layer` for its recent and sink tokens (none on a layer kept in the model dtype)."""
         return 0 if self.layouts[layer].fmt is None else self.recent_tokens + self.sink_rows(layer)
+
+    def stores_once(self) -> bool:
+        """Whether the full-attention pages store each token once (recent tokens held, and no full-attention layer
+        kept in the model's dtype: such a layer has no rows, its pages hold its every token)."""
+        full = [i for i in self.layouts if i not in self.sliding_layers]
+        return self.recent_tokens > 0 and bool(full) and all(self.layouts[i].fmt is not None for i in full)
 
     def request_bytes(self) -> int:
         """Bytes of one request's recent and sink tokens, every layer, with one prompt's kept sink tokens (a
@@ -295,6 +308,15 @@ class FP8ContinuousBatchingManager(ContinuousBatchingManager):
         config.max_blocks_per_request = 0
         config.use_cuda_graph = False
         config.use_async_batching = False
+        settings = getattr(model, SETTINGS_ATTRIBUTE, None)
+        if settings is not None and settings.stores_once() and (config.cpu_offload_space or 0) > 0:
+            warnings.warn(
+                f"cpu_offload_space={config.cpu_offload_space} is turned off: FP8 pages with recent tokens store "
+                "each token once, a request's newest tokens in its rows only, which a CPU swap of its pages would "
+                "lose; preempted requests are computed again (recent_tokens=0, sink_tokens=0 keeps the swap)",
+                stacklevel=3,
+            )
+            config.cpu_offload_space = 0.0
         super().__init__(model, generation_config, config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
@@ -375,9 +397,11 @@ class FP8PagedAttentionCache(PagedAttentionCache):
     """transformers' `PagedAttentionCache` whose pages hold FP8 codes and scales (see the module docstring).
 
     Attributes beyond transformers': `num_blocks` counts FP8 blocks; `native_num_blocks` is what pages in the
-    model dtype would give under the same memory setting; `capacity_ratio` their ratio; `block_bytes` /
-    `native_block_bytes` the bytes of one whole-model block of `page_size` tokens; `request_slots` the requests'
-    recent and sink tokens and the kept sink tokens (`held_bytes` in all; None for pure FP8).
+    model dtype would give under the same memory setting; `stored_once_blocks` the whole-model blocks' worth of
+    recent tokens the requests in flight hold in their rows and in no block; `capacity_ratio` the tokens held, blocks
+    and rows together, against the native blocks'; `request_tokens_limit` the longest request the pages take;
+    `block_bytes` / `native_block_bytes` the bytes of one whole-model block of `page_size` tokens; `request_slots`
+    the requests' recent and sink tokens and the kept sink tokens (`held_bytes` in all; None for pure FP8).
     """
 
     def __init__(self, settings: PagedSettings, config, continuous_batching_config, device, distributed_helper,
@@ -420,10 +444,21 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             self.native_num_blocks = held // self.native_block_bytes
         else:
             self.native_num_blocks = native_sectors * native_sector_bytes // self.native_block_bytes
-        self.capacity_ratio = self.num_blocks / max(self.native_num_blocks, 1)
+        # what the requests in flight hold beside the blocks, each token once: their recent tokens' whole pages,
+        # which their tables leave virtual (in whole-model blocks: the groups storing each token once are a share)
+        once = [a.layer_indices for a in self.cache_allocators.values() if a.store_once]
+        recent_pages = settings.recent_tokens // page_size
+        self.stored_once_blocks = slots * recent_pages * sum(settings.block_bytes(i, page_size) for i in once) \
+            / self.block_bytes  # fmt: skip
+        self.capacity_ratio = (self.num_blocks + self.stored_once_blocks) / max(self.native_num_blocks, 1)
+        # the longest request the pages take (where every group stores each token once, its recent pages are none)
+        full = once and len(once) == len(self.cache_allocators)
+        self.request_tokens_limit = (self.num_blocks + (recent_pages if full else 0)) * page_size
         recent = (
             f"; recent {settings.recent_tokens} + sinks {settings.sink_tokens} tokens in {dtype} for up to {slots} "
-            f"requests at once and {slots} prompts' sinks ({self.held_bytes / 2**20:.1f} MiB)"
+            f"requests at once and {slots} prompts' sinks ({self.held_bytes / 2**20:.1f} MiB), "
+            + (f"each token stored once (the requests' {recent_pages} recent pages each are in no block)" if once
+               else "the recent tokens in the pages too")
             if slots else "; pure FP8"
         )  # fmt: skip
         logger.info(
@@ -510,6 +545,8 @@ class FP8PagesMixin:
     """Pages of mixed row layouts inside each block; reads and writes by transformers' physical indices
     (`block * block_physical_stride + slot`)."""
 
+    store_once = False  # (see FP8FullAttentionAllocator)
+
     def __init__(self, settings: PagedSettings, slots: RequestSlots | None, *args, layer_indices: list[int], **kwargs):
         self.settings, self.slots = settings, slots
         self.layouts = [settings.layouts[i] for i in layer_indices]
@@ -549,36 +586,171 @@ class FP8PagesMixin:
 
     def write_and_view(self, key, value, layer_idx, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
                        max_length_q):  # fmt: skip
-        """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` and return what
-        the attention reads: per request, its past rows (by `read_index`) and its new rows."""
+        """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` (storing each token
+        once: the tokens leaving the recent ones and the new ones already older) and return what the attention
+        reads: per request, its past rows (by `read_index`) and its new rows."""
         layout = self.settings.layouts[layer_idx]
-        recent = self._write_recent(key, value, layer_idx) if layer_idx in self.recent_rows else None
-        if layout.key_channel is not None:
-            key = key / layout.key_channel.to(key.device)[None, :, None, :]
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
-        rows, nonfinite = self.backend.write_rows(
-            states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx), self.cache_tensor,
-            self.geometry[layer_idx], write_index,
-        )  # fmt: skip
-        self.has_nan[layer_idx] |= nonfinite
+        recent = step = None
+        if layer_idx in self.recent_rows:
+            recent, step, leaving = self._write_recent(states, layer_idx)
+        if self.store_once:  # [2, kv_heads, tokens, head_dim] of the tokens to encode now
+            states = torch.cat((leaving, states.index_select(2, step.coded)), dim=2)
+            index = step.code_targets
+        else:
+            index = write_index
+        rows = self._encode(states, layer_idx, index) if index.numel() or not self.store_once else None
+        if self.store_once:  # the new rows of the step's tokens: those encoded now (the recent ones are read as such)
+            new_rows = torch.zeros(key.shape[2], 2, layout.nbytes, dtype=torch.uint8, device=key.device)
+            if rows is not None:
+                new_rows.index_copy_(0, step.coded, rows[step.evicted.numel() :])
+            rows = new_rows
         return PagedKV(self, layer_idx, rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
                        recent)  # fmt: skip
 
-    def _write_recent(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> RecentRows:
-        """Copy this step's recent and sink tokens into the layer's rows; what the attention reads there."""
+    def _encode(self, states: torch.Tensor, layer_idx: int, index: torch.Tensor) -> torch.Tensor:
+        """Encode `states` (`[2, kv_heads, tokens, head_dim]`, in the model's dtype) into the page rows at physical
+        indices `index`; returns the rows."""
+        layout = self.settings.layouts[layer_idx]
+        if layout.key_channel is not None:
+            states = torch.stack((states[0] / layout.key_channel.to(states.device)[:, None, :], states[1]))
+        rows, nonfinite = self.backend.write_rows(
+            states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx), self.cache_tensor,
+            self.geometry[layer_idx], index,
+        )  # fmt: skip
+        self.has_nan[layer_idx] |= nonfinite
+        return rows
+
+    def _write_recent(self, states: torch.Tensor, layer_idx: int) -> tuple[RecentRows, object, torch.Tensor | None]:
+        """Copy this step's recent and sink tokens (`states` `[2, kv_heads, q, head_dim]`) into the layer's rows;
+        what the attention reads there, the step, and (storing each token once) the tokens leaving the recent ones,
+        read before their rows are reused, `[2, kv_heads, tokens, head_dim]`."""
         sinks = self.settings.sink_rows(layer_idx)
-        step = self.slots.group(self.index, sinks, lambda past, new: self.get_seqlen_k(past, new) - new, key.device)
+        step = self.slots.group(self.index, sinks, lambda past, new: self.get_seqlen_k(past, new) - new,
+                                states.device, self.place if self.store_once else None)  # fmt: skip
         rows = self.recent_rows[layer_idx]
+        leaving = rows.index_select(0, step.evicted).permute(1, 2, 0, 3) if self.store_once else None
         if step.sources.numel():
-            new = torch.stack((key[0], value[0]), dim=1).transpose(0, 2)  # [q, 2, kv_heads, head_dim]
+            new = states.permute(2, 0, 1, 3)  # [q, 2, kv_heads, head_dim]
             rows.index_copy_(0, step.targets, new.index_select(0, step.sources).to(rows.dtype))
-        return self.slots.rows_of(step, rows, sinks)
+        return self.slots.rows_of(step, rows, sinks), step, leaving
 
 
 class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
-    """Full-attention layers on FP8 pages."""
+    """Full-attention layers on FP8 pages. Storing each token once (`store_once`, see `paged_recent`), a
+    request's table holds `VIRTUAL_BLOCK` for each block whose tokens are all among its recent ones, and a
+    block from the pool once one of its tokens leaves them (`needs_new_blocks` counts those, so that the
+    scheduler admits and preempts by the blocks really taken); a block is offered to the prefix cache once all its
+    tokens are encoded (`mark_complete_blocks`), and forks share the blocks holding codes."""
 
     window = None
+
+    def __init__(self, settings: PagedSettings, slots: RequestSlots | None, *args, **kwargs):
+        super().__init__(settings, slots, *args, **kwargs)
+        self.store_once = slots is not None and settings.stores_once()
+        self.encoded: dict[str, int] = {}  # request -> its tokens encoded once the step scheduled has run
+        self.tokens: dict[str, list[int]] = {}  # request -> its token ids, as transformers last gave them
+
+    def place(self, request_id: str, positions: range) -> list[int]:
+        """The page rows (physical indices) of a request's `positions`, all in blocks from the pool."""
+        table, size = self.block_table[request_id], self.tokens_per_page
+        return [table[p // size] * self.block_physical_stride + p % size for p in positions]
+
+    def _coded_blocks(self, request_id: str, past_length: int, query_length: int) -> tuple[int, int]:
+        """The tokens encoded once this step has run (all but the recent ones), and the blocks holding them."""
+        end = past_length + query_length
+        encoded = max(self.slots.first_position(request_id, past_length), end - self.settings.recent_tokens)
+        return encoded, -(-encoded // self.tokens_per_page)
+
+    def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
+        if not self.store_once:
+            return super().needs_new_blocks(request_id, past_length, query_length)
+        table = self.block_table.get(request_id, [])
+        _, coded = self._coded_blocks(request_id, past_length, query_length)
+        return table[:coded].count(VIRTUAL_BLOCK) + max(0, coded - len(table))
+
+    def allocate_cache_to_request(self, request_id: str, past_length: int, query_length: int) -> None:
+        if not self.store_once:
+            return super().allocate_cache_to_request(request_id, past_length, query_length)
+        table = self.block_table.setdefault(request_id, [])
+        encoded, coded = self._coded_blocks(request_id, past_length, query_length)
+        table.extend([VIRTUAL_BLOCK] * (-(-(past_length + query_length) // self.tokens_per_page) - len(table)))
+        virtual = [i for i in range(coded) if table[i] == VIRTUAL_BLOCK]
+        for i, block in zip(virtual, self.pool.get_free_blocks(self.index, len(virtual))):
+            table[i] = block
+        self.encoded[request_id] = encoded
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        """transformers' release; a request ending (not preempted: `no_cache`) first encodes its recent tokens of
+        whole blocks where the pool has the blocks, so that the prefix cache keeps them (a next turn of a chat)."""
+        if request_id in self.encoded:  # (virtual blocks: a suffix of the table, none from the pool)
+            if not no_cache and request_id in self.slots.held:
+                self._encode_recent_pages(request_id)
+            del self.encoded[request_id]
+            self.block_table[request_id] = [b for b in self.block_table.get(request_id, []) if b != VIRTUAL_BLOCK]
+        self.tokens.pop(request_id, None)
+        super().free_blocks(request_id, no_cache)
+
+    def _encode_recent_pages(self, request_id: str) -> None:
+        """Encode a request's recent tokens of whole pages into blocks from the pool (as many as are free), from
+        its rows, and offer them to the prefix cache."""
+        table, size, encoded = self.block_table[request_id], self.tokens_per_page, self.encoded[request_id]
+        whole = min(self.slots.held[request_id].end, len(self.tokens.get(request_id, ()))) // size
+        virtual = [i for i in range(-(-encoded // size), whole) if table[i] == VIRTUAL_BLOCK]
+        while self.pool.count_free_blocks(self.index) < len(virtual) and self.pool.num_free_sectors:
+            self.pool.allocate_sector(self.index)
+        blocks = self.pool.get_free_blocks(self.index, min(len(virtual), self.pool.count_free_blocks(self.index)))
+        if not blocks:
+            return
+        for i, block in zip(virtual, blocks):
+            table[i] = block
+        positions = range(encoded, (virtual[0] + len(blocks)) * size)
+        index = torch.tensor(self.place(request_id, positions), dtype=torch.int64).to(self.cache_tensor.device)
+        for layer_idx in self.layer_indices:
+            rows = self.recent_rows[layer_idx]
+            ring = self.slots.ring_rows(request_id, positions, self.settings.held_rows(layer_idx))
+            states = rows[torch.tensor(ring, device=rows.device)].permute(1, 2, 0, 3).contiguous()
+            self._encode(states, layer_idx, index)
+        self.encoded[request_id] = positions.stop
+        self.mark_complete_blocks(request_id, self.tokens[request_id], len(blocks))
+
+    def mark_complete_blocks(self, request_id: str, token_ids: list[int], new_new_blocks: int) -> None:
+        """transformers' hashing for the prefix cache, of the blocks whose every token is encoded (whole blocks of
+        `token_ids` that are not yet hashed, whatever the step completed)."""
+        if not self.store_once:
+            return super().mark_complete_blocks(request_id, token_ids, new_new_blocks)
+        self.tokens[request_id] = token_ids  # (the request's tokens so far, for `_encode_recent_pages`)
+        encoded = self.encoded.get(request_id, 0) // self.tokens_per_page * self.tokens_per_page
+        super().mark_complete_blocks(request_id, token_ids[:encoded], len(self.block_table[request_id]))
+
+    def count_shareable_blocks(self, source_request_id: str, past_length: int) -> int:
+        """A fork shares the source's whole blocks holding codes (the tokens yet to be encoded there are the
+        same in both: older than the fork)."""
+        if not self.store_once:
+            return super().count_shareable_blocks(source_request_id, past_length)
+        coded = len(self.block_table[source_request_id]) - self.block_table[source_request_id].count(VIRTUAL_BLOCK)
+        return min(coded, past_length // self.tokens_per_page) if self.use_block_sharing else 0
+
+    def count_non_shareable_blocks(self, source_request_id: str, past_length: int) -> int:
+        if not self.store_once:
+            return super().count_non_shareable_blocks(source_request_id, past_length)
+        table = self.block_table[source_request_id]
+        return len(table) - table.count(VIRTUAL_BLOCK) - self.count_shareable_blocks(source_request_id, past_length)
+
+    def fork_blocks(self, source_request_id: str, dest_request_id: str, past_length: int) -> tuple[list, list]:
+        """transformers' fork over the source's blocks holding codes; its virtual blocks stay virtual."""
+        if not self.store_once:
+            return super().fork_blocks(source_request_id, dest_request_id, past_length)
+        table = self.block_table[source_request_id]
+        coded = [block for block in table if block != VIRTUAL_BLOCK]
+        shared = coded[: self.count_shareable_blocks(source_request_id, past_length)]
+        for block in shared:
+            self.ledger.acquire(block)
+        copied = coded[len(shared) :]
+        fresh = self.pool.get_free_blocks(self.index, len(copied))
+        self.block_table[dest_request_id] = shared + fresh + [VIRTUAL_BLOCK] * (len(table) - len(coded))
+        self.encoded[dest_request_id] = self.encoded.get(source_request_id, 0)
+        return copied, fresh
 
 
 class FP8SlidingAttentionAllocator(FP8PagesMixin, SlidingAttentionCacheAllocator):

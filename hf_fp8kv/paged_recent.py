@@ -1,19 +1,26 @@
 """Recent and sink tokens under continuous batching: which request holds which slot of model-dtype rows, and
 what each step reads and writes there.
 
-Every token is written to its FP8 page row when it arrives, so the pages alone always hold every token (blocks
-shared by prefix caching, forked, offloaded or copied stay complete). Besides its pages, a request in flight
-holds a slot of rows in the model's dtype (`paged.RecentRows`, one set per layer): its newest `recent` tokens in
-a ring and its first `sinks` tokens. The attention reads those keys from the rows and every other key from its
-codes, as the dense cache reads its recent and sink buffers, so a request gets `QuantizedFP8Cache`'s numbers.
+Besides its pages, a request in flight holds a slot of rows in the model's dtype (`paged.RecentRows`, one set per
+layer): its newest `recent` tokens in a ring and its first `sinks` tokens. The attention reads those keys from the
+rows and every other key from its codes, as the dense cache reads its recent and sink buffers, so a request gets
+`QuantizedFP8Cache`'s numbers.
+
+Each token is stored once, as the dense cache stores it: a token is encoded into its FP8 page row when it leaves
+the recent ones (`GroupStep.evicted`: from its ring row, the same model-dtype values), or when it arrives already
+older than them (a prompt longer than `recent`: `GroupStep.coded`). The pages of a request's newest tokens are
+therefore not written, and the allocator lends them no memory (`continuous_batching.VIRTUAL_BLOCK`). A layer
+group that cannot do so (sliding layers, whose ring of pages transformers keeps, or a group with layers kept in
+the model's dtype, which hold no rows) writes every token to its page row when it arrives.
 
 A request holds the tokens it computed itself while holding its slot, and its sink tokens: when it starts past
-position 0 (a prompt prefix taken from the prefix cache, or a request back from a CPU swap), its sink rows are
-copied from an earlier request with the same first `sinks` tokens (the same tokens at the same positions: the same
-keys and values), a live one or one kept when it was released (`kept`: the sink rows of up to `slots` such
-prompts, least recently used first out; none found: its sink tokens are read from their codes). Its other tokens
-before that start are read from their codes. Slots are taken when transformers' scheduler first admits a request
-(`admit`: none free, the request waits as for pages) and given back with its blocks.
+position 0 (a prompt prefix taken from the prefix cache), its sink rows are copied from an earlier request with the
+same first `sinks` tokens (the same tokens at the same positions: the same keys and values), a live one or one
+kept when it was released (`kept`: the sink rows of up to `slots` such prompts, least recently used first out; none
+found: its sink tokens are read from their codes). Its other tokens before that start are read from their codes.
+(A request back from a CPU swap starts past 0 too: swapping is on only where no group stores each token once, the
+newest tokens being in no page.) Slots are taken when transformers' scheduler first admits a request (`admit`: none
+free, the request waits as for pages) and given back with its blocks.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ from hf_fp8kv.kernels.paged import RecentRows
 @dataclass
 class Held:
     """A request's slot, its first `sinks` token ids (None: fewer known at admission), the first position it
-    computed while holding it (None until its first step), and whether its sink rows hold all its sink tokens."""
+    computed while holding it (None until its first step), whether its sink rows hold all its sink tokens, and its
+    tokens once its last step started has run."""
 
     slot: int
     key: tuple[int, ...] | None = None
     first: int | None = None
     sinks: bool = False
+    end: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,11 @@ class GroupStep:
     host: tuple[list[int], list[int], list[int], list[int]]
     sources: torch.Tensor  # int64: the step's new tokens to copy into the rows...
     targets: torch.Tensor  # int64: ...and the rows they go to
+    # storing each token once (else empty): the ring rows of the tokens leaving the recent ones, then the step's
+    # new tokens already older than them (their query rows), to encode at their page rows `code_targets`
+    evicted: torch.Tensor
+    coded: torch.Tensor
+    code_targets: torch.Tensor
 
 
 class RequestSlots:
@@ -152,24 +166,39 @@ class RequestSlots:
             for request_id, past, new in self.step:  # (a request's own sink tokens are in its rows once it runs)
                 held = self.held[request_id]
                 held.sinks |= held.first == 0 and past + new >= self.sinks
+                held.end = past + new
 
-    def group(self, index: int, sinks: int, keys_read, device: torch.device) -> GroupStep:
+    def first_position(self, request_id: str, past: int) -> int:
+        """The first position `request_id` computes while holding its slot (`past`, its start, until known)."""
+        held = self.held.get(request_id)
+        return past if held is None or held.first is None else held.first
+
+    def group(self, index: int, sinks: int, keys_read, device: torch.device, place=None) -> GroupStep:
         """This step's reads and writes in the rows of group `index` (`sinks`: its sink tokens, 0 for sliding
-        layers; `keys_read(past, new)`: the cached keys it reads)."""
+        layers; `keys_read(past, new)`: the cached keys it reads; `place(request_id, positions)`: the page rows of
+        a request's positions, for a group storing each token once, else None)."""
         step = self.groups.get(index)
         if step is None:
-            step = self.groups[index] = self._group_step(sinks, keys_read, device)
+            step = self.groups[index] = self._group_step(sinks, keys_read, device, place)
         return step
 
-    def _group_step(self, sinks: int, keys_read, device: torch.device) -> GroupStep:
+    def _group_step(self, sinks: int, keys_read, device: torch.device, place) -> GroupStep:
         per_slot, recent = self.recent + sinks, self.recent
         columns = ([], [], [], [])
         sources, targets = [], []
+        evicted, coded, evicted_targets, coded_targets = [], [], [], []
         query_row = 0
         for request_id, past, new in self.step:
             held = self.held[request_id]
             end, base = past + new, held.slot * per_slot
             recent_start = max(held.first, end - recent)
+            if place is not None:  # the ring's tokens now older than the recent ones, and the new ones already so
+                leaving = range(max(held.first, past - recent), min(recent_start, past))
+                arriving = range(past, min(recent_start, end))
+                evicted += [base + position % recent for position in leaving]
+                coded += [query_row + position - past for position in arriving]
+                evicted_targets += place(request_id, leaving)
+                coded_targets += place(request_id, arriving)
             sinks_held = min(sinks, end) if held.first == 0 or held.sinks else 0
             for column, value in zip(columns, (held.slot, sinks_held, recent_start, past - keys_read(past, new))):
                 column.append(value)
@@ -180,8 +209,10 @@ class RequestSlots:
                 sources.append(query_row + position - past)
                 targets.append(base + position % recent)
             query_row += new
-        index = torch.tensor([sources, targets], dtype=torch.int64).to(device, non_blocking=True)
-        return GroupStep(torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True), columns, *index)
+        lists = (sources, targets, evicted, coded, evicted_targets + coded_targets)
+        index = torch.tensor([i for part in lists for i in part], dtype=torch.int64).to(device, non_blocking=True)
+        parts = index.split([len(part) for part in lists])
+        return GroupStep(torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True), columns, *parts)
 
     def fork(self, parent: str, children: list[str]) -> list[str]:
         """Give forked `children` slots holding a copy of `parent`'s rows; returns the children that got one (the
@@ -194,6 +225,11 @@ class RequestSlots:
                 source, target = held.slot * layer.per_slot, self.held[child].slot * layer.per_slot
                 layer.rows[target : target + layer.per_slot] = layer.rows[source : source + layer.per_slot]
         return forked
+
+    def ring_rows(self, request_id: str, positions: range, per_slot: int) -> list[int]:
+        """The rows of a request's recent `positions` in a layer with `per_slot` rows per slot."""
+        base = self.held[request_id].slot * per_slot
+        return [base + position % self.recent for position in positions]
 
     def rows_of(self, step: GroupStep, rows: torch.Tensor, sinks: int) -> RecentRows:
         """One layer's `RecentRows` for this step."""

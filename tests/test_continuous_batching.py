@@ -122,15 +122,17 @@ def test_a_prefix_from_the_prefix_cache_passes_the_top5_rule(model_and_tokenizer
 
 @pytest.mark.parametrize("blocks, requests", [(8, REQUESTS), (32, 2)])
 def test_tight_budget_queues_and_completes_every_request(model_and_tokenizer, blocks, requests):
-    """8 blocks of 16 tokens (two or three of these requests at a time), or 2 request slots for the recent and
-    sink tokens: the others wait, and every request gets the tokens of a roomy run. No prefix sharing: which
-    request computes the shared chat-template prefix (and so holds its sink tokens) depends on the order the
-    scheduler admits them, and a shared prefix is read from its codes (enough to flip a close first token)."""
+    """8 blocks of 16 tokens (with 16 recent tokens, whose pages take no block: two or three of these requests at
+    a time), or 2 request slots for the recent and sink tokens: the others wait, and every request gets the tokens
+    of a roomy run. No prefix sharing: which request computes the shared chat-template prefix (and so holds its
+    sink tokens) depends on the order the scheduler admits them, and a shared prefix is read from its codes (enough
+    to flip a close first token)."""
     model, tokenizer = model_and_tokenizer
     inputs = [chat_ids(tokenizer, p) for p in PROMPTS[:6]]
+    cb.enable(model, scales="dynamic", max_requests=REQUESTS, recent_tokens=16)
     roomy = model.generate_batch(inputs, generation_config=GREEDY, warmup=False,
                                  continuous_batching_config=pages(allow_block_sharing=False))  # fmt: skip
-    cb.enable(model, scales="dynamic", max_requests=requests)
+    cb.enable(model, scales="dynamic", max_requests=requests, recent_tokens=16)
     batch_sizes = []
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: batch_sizes.append(len(kwargs["cu_seq_lens_q"]) - 1), with_kwargs=True
@@ -150,7 +152,7 @@ def test_preempted_requests_complete_with_the_same_tokens():
     """Requests that outgrow a tiny page budget while decoding are preempted (freed and recomputed: the CPU swap
     pool needs pinned memory, a GPU) and still give the tokens of a roomy run."""
     model = tiny_model("llama")
-    cb.enable(model, scales="dynamic", max_requests=4)
+    cb.enable(model, scales="dynamic", max_requests=4, recent_tokens=4, sink_tokens=2)
     generator = torch.Generator().manual_seed(2)
     inputs = [torch.randint(3, 128, (6,), generator=generator).tolist() for _ in range(4)]
     greedy = GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -178,7 +180,7 @@ def test_preempted_requests_complete_with_the_same_tokens():
         return [results[i].generated_tokens for i in ids], len(offloads)
 
     roomy, _ = run()
-    tight, preemptions = run(num_blocks=12)  # 5 blocks per finished request: at most 2 at a time
+    tight, preemptions = run(num_blocks=9)  # 4 blocks per finished request (its 4 recent tokens in none): 2 at a time
     cb.disable(model)
     assert preemptions > 0
     assert tight == roomy
@@ -321,11 +323,12 @@ def test_a_prefix_from_the_prefix_cache_keeps_its_sink_tokens(backend):
 
 def test_kept_sink_tokens_follow_the_prompt_not_the_block():
     """The kept sink tokens are those of the prompt's first tokens, not of a block: a block that held another
-    prompt's first page, freed and reused for a new prompt, gives a later conversation over that new prompt its
-    own sink tokens (generate's logits), not the other prompt's."""
+    prompt's first page (its first token encoded, the page never whole: freed, not cached), reused for a new
+    prompt, gives a later conversation over that new prompt its own sink tokens (generate's logits), not the
+    other prompt's."""
     model = tiny_model("llama")
     generator = torch.Generator().manual_seed(5)
-    other = torch.randint(3, 128, (4,), generator=generator).tolist()
+    other = torch.randint(3, 128, (5,), generator=generator).tolist()
     first = torch.randint(3, 128, (13,), generator=generator).tolist()
     second = first[:8] + torch.randint(3, 128, (6,), generator=generator).tolist()
     cb.enable(model, max_requests=2, **HELD)
@@ -374,16 +377,18 @@ def test_sink_rows_come_from_a_live_or_kept_request_with_the_same_first_tokens()
 
 
 def test_static_per_channel_key_scales_match_generate():
-    """Calibrated static scales with per-channel key scales (keys stored divided by them, read back multiplied):
-    the batch's logits are generate's with QuantizedFP8Cache, step by step."""
+    """Calibrated static scales with per-channel key scales (keys stored divided by them, read back multiplied;
+    with recent tokens, divided when they leave them): the batch's logits are generate's with QuantizedFP8Cache,
+    step by step."""
     model = tiny_model("llama")
     generator = torch.Generator().manual_seed(4)
     channel = torch.rand(2, 16, generator=generator) + 0.5  # [kv_heads, head_dim]
     scales = KVScales(key={0: torch.tensor(0.02), 1: torch.tensor(0.03)}, value={0: torch.tensor(0.01),
                       1: torch.tensor(0.02)}, key_channel={0: channel, 1: channel * 2})  # fmt: skip
     ids = torch.randint(3, 128, (9,), generator=generator).tolist()
-    batch, ref = batch_and_generate_logits(model, ids, dict(scales=scales, **PURE_FP8))
-    assert torch.allclose(batch, ref, atol=1e-5, rtol=0)
+    for held in (PURE_FP8, dict(recent_tokens=4, sink_tokens=2)):
+        batch, ref = batch_and_generate_logits(model, ids, dict(scales=scales, **held))
+        assert torch.allclose(batch, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "sliding"])
@@ -416,6 +421,54 @@ def batch_and_generate_logits(model, ids: list[int], settings: dict) -> tuple[to
         hook.remove()
         cb.disable(model)
     return torch.stack(logits[:NEW_TOKENS]), generate_logits(model, ids, settings)
+
+
+@pytest.mark.parametrize("backend, scales, dtype", [
+    ("torch", "dynamic", torch.float32), ("triton", "dynamic", torch.float32), ("torch", 0.05, torch.bfloat16),
+    ("triton", 0.05, torch.float32),
+])  # fmt: skip
+def test_each_token_is_stored_once(backend, scales, dtype):
+    """Recent and sink tokens on the pages (4 + 2, 4-token pages): at every step a request holds a block from the
+    pool only for the pages with a token older than its 4 newest (the others are VIRTUAL_BLOCK, after them), nothing
+    is written to the never-allocated block behind them, and the logits are generate's with QuantizedFP8Cache,
+    step by step, prompts shorter and longer than the recent tokens."""
+    model = tiny_model("llama").to(DEVICE, dtype)
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 13)]
+    held = dict(scales=scales, recent_tokens=4, sink_tokens=2)
+    cb.enable(model, backend=backend, max_requests=2, **held)
+    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=pages(page_size=4))
+    manager.warmup()
+    cache = manager.batch_processor.cache
+    allocator = cache.cache_allocators["full_attention"]
+    allocate, tables = allocator.allocate_cache_to_request, []
+
+    def recorded(request_id: str, past: int, new: int) -> None:
+        allocate(request_id, past, new)
+        tables.append((past + new, list(allocator.block_table[request_id])))
+
+    allocator.allocate_cache_to_request = recorded
+    manager.start()
+    try:
+        for i, ids in enumerate(inputs):
+            logits = []
+            hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0, -1].float()))
+            manager.add_request(ids, request_id=str(i), max_new_tokens=NEW_TOKENS)
+            assert manager.get_result(request_id=str(i), timeout=60).error is None
+            hook.remove()
+            torch.testing.assert_close(torch.stack(logits), generate_logits(model, ids, held).to(DEVICE), rtol=0,
+                                       atol=1e-5)  # fmt: skip
+        trash = cache.cache_tensor[: cache.bytes_per_sector]
+        assert not trash.any()
+    finally:
+        manager.stop(block=True, timeout=30)
+        model.destroy_cached_continuous_batching_manager()
+        cb.disable(model)
+    assert len(tables) == 2 * NEW_TOKENS
+    for end, table in tables:
+        coded = -(-max(end - 4, 0) // 4)  # pages with a token older than the 4 newest
+        assert len(table) == -(-end // 4) and table[coded:] == [cb.VIRTUAL_BLOCK] * (len(table) - coded)
+        assert cb.VIRTUAL_BLOCK not in table[:coded], (end, table)
 
 
 def test_forked_requests_copy_the_recent_and_sink_tokens():
@@ -499,6 +552,26 @@ def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
     assert fp8.num_blocks >= 1.7 * native.num_blocks
     # an eighth of the 256 MiB in requests of 128 + 4 tokens x 30 layers x K, V x 3 heads x 64 in the model's fp32
     assert fp8.request_slots.slots == 2**28 // 8 // (132 * 30 * 2 * 3 * 64 * 4) == 5
+    # each token once: a request in flight holds its 128 recent tokens (8 pages) in its rows and in no block
+    assert fp8.stored_once_blocks == 5 * 8
+    assert fp8.capacity_ratio == (fp8.num_blocks + 40) / native.num_blocks
+    cb.disable(model)
+
+
+def test_cpu_swap_is_turned_off_where_each_token_is_stored_once():
+    """A CPU swap of a request's pages would lose its recent tokens, held in its rows only: asked for with them,
+    it is turned off with a warning (preempted requests are computed again); pure FP8 pages keep it."""
+    model = tiny_model("llama")
+    cb.enable(model, scales="dynamic")
+    with pytest.warns(UserWarning, match=r"cpu_offload_space=1.0 is turned off: FP8 pages with recent tokens"):
+        manager = model.init_continuous_batching(continuous_batching_config=pages(cpu_offload_space=1.0))
+    assert manager.continuous_batching_config.cpu_offload_space == 0
+    model.destroy_cached_continuous_batching_manager()
+    cb.enable(model, scales="dynamic", **PURE_FP8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager = model.init_continuous_batching(continuous_batching_config=pages(cpu_offload_space=1.0))
+    assert manager.continuous_batching_config.cpu_offload_space == 1.0
     cb.disable(model)
 
 

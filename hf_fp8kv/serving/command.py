@@ -11,7 +11,7 @@ from typing import Sequence
 
 import click
 
-from hf_fp8kv.serving.server import MAX_KV_MEMORY_MIB, FP8Options, FP8Serve, dense_default
+from hf_fp8kv.serving.server import DEFAULT_PAGE_SIZE, MAX_KV_MEMORY_MIB, FP8Options, FP8Serve, dense_default
 
 NAME = "hf-fp8kv serve"
 
@@ -53,8 +53,10 @@ def serve_command() -> click.Command:
             param.default = True  # FP8 pages are continuous batching's
         elif param.name == "force_model":
             param.help = f"{param.help} Default: the bundled SmolLM2-135M-Instruct (offline)."
-        elif param.name in PASSED_THROUGH_RANGES:
+        if param.name in PASSED_THROUGH_RANGES:
             param.type = PASSED_THROUGH_RANGES[param.name]
+        if param.name == "cb_block_size":
+            param.help = f"{param.help} Default: {DEFAULT_PAGE_SIZE}."
         params.append(param)
     command = copy.copy(base)
     command.params = params + [

@@ -23,6 +23,9 @@ from hf_fp8kv.serving import requests
 TESTED_SERVE = "5.24"  # the transformers whose server this module was tested with
 CPU_KV_MEMORY_MIB = 256  # on the CPU transformers sizes the pages from the host's RAM: a default budget instead
 STARTUP_TIMEOUT_S = 300  # for the manager's thread to build the pages
+# tokens per page without --cb-block-size (transformers' default, 256, gives 128 recent tokens no whole page of
+# their own to leave out of the blocks; 16 is vLLM's default)
+DEFAULT_PAGE_SIZE = 16
 MAX_KV_MEMORY_MIB = 2**40  # 1 EiB: a bound that keeps `kv_memory_mib * 2**20` a finite count of bytes
 logger = logging.getLogger("uvicorn.error")  # configured by the time the server is set up: lines in uvicorn's format
 
@@ -97,6 +100,8 @@ class FP8Serve(Serve):
         check_transformers_serve()
         self.options, self.preloaded, self.blocking = options, preloaded, blocking
         self.manager = self.pages = None
+        if kwargs.get("cb_block_size") is None:
+            kwargs["cb_block_size"] = DEFAULT_PAGE_SIZE
         super().__init__(**kwargs, non_blocking=True)  # (Serve then calls start_server)
 
     def start_server(self) -> None:
@@ -126,7 +131,7 @@ class FP8Serve(Serve):
         self.manager = self._generation_state.get_manager(model_id, use_cb=True)
         self.manager.init_cb(model, generation)
         self.pages = _wait_for_pages(self.manager)
-        requests.wrap_generation(self.manager, model, self.pages.num_blocks * self.pages.page_size)
+        requests.wrap_generation(self.manager, model, self.pages.request_tokens_limit)
         self.server.config.app.get("/fp8kv/pages")(self.page_state)
         logger.info(f"[hf-fp8kv] {describe(self.pages, settings)}")
 
@@ -195,7 +200,8 @@ def _wait_for_pages(manager):
 
 
 def describe(cache, settings: continuous_batching.PagedSettings) -> str:
-    """The startup line: KV format, page budget, and the blocks against model-dtype pages of the same memory."""
+    """The startup line: KV format, page budget, the tokens the memory holds (blocks and the requests' rows, each
+    token once) against model-dtype pages of the same memory."""
     layout = next(iter(settings.layouts.values()))
     scales = "per-token-head scales" if layout.per_token else "per-head scales"
     held = "pure FP8"
@@ -204,10 +210,12 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
                 f"{cache.request_slots.slots} requests at once and {cache.request_slots.slots} prompts' sinks "
                 f"({cache.held_bytes / 2**20:.1f} MiB)")  # fmt: skip
     pages = cache.num_blocks * cache.block_bytes
+    rows = round(cache.stored_once_blocks * cache.page_size)
+    beside = f" + {rows} recent tokens in the requests' rows, each token stored once" if rows else ""
     return (
         f"KV pages {settings.fmt.name} ({scales}, {held}): {cache.num_blocks} blocks of {cache.page_size} tokens "
-        f"({cache.num_blocks * cache.page_size} tokens, {pages / 2**20:.1f} MiB); {layout.dtype} pages would hold "
-        f"{cache.native_num_blocks} blocks in the same memory: {cache.capacity_ratio:.2f}x the blocks"
+        f"({cache.num_blocks * cache.page_size} tokens, {pages / 2**20:.1f} MiB){beside}; {layout.dtype} pages would "
+        f"hold {cache.native_num_blocks} blocks in the same memory: {cache.capacity_ratio:.2f}x the tokens"
     )
 
 
@@ -218,7 +226,7 @@ def page_state(manager) -> dict:
     processor = cb.batch_processor
     cache, scheduler = processor.cache, processor.scheduler
     owned = {(a.index, block) for a in cache.cache_allocators.values() for blocks in list(a.block_table.values())
-             for block in blocks}  # fmt: skip
+             for block in blocks if not (a.store_once and block == continuous_batching.VIRTUAL_BLOCK)}  # fmt: skip
     return {
         "kv_format": cache.settings.fmt.name,
         "page_size": cache.page_size,

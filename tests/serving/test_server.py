@@ -27,6 +27,7 @@ from tests.prompts import PROMPTS  # noqa: E402
 
 NAME = "tiny-fp8"
 PAGE_SIZE, NUM_BLOCKS = 16, 48  # 768 tokens of pages, below the model's context of 2048
+LONG_WORDS = 460  # a long prompt's words: two such chats of 100 new tokens outgrow the pages together, one does not
 REQUEST_TIMEOUT_S = 120
 
 
@@ -168,6 +169,40 @@ def test_the_server_reports_its_fp8_pages(served):
     assert [m.id for m in served.client.models.list().data] == [NAME]
 
 
+def test_the_default_pages_hold_over_1_72x_the_tokens_of_bf16_pages():
+    """`hf-fp8kv serve --dtype bfloat16 --kv-memory-mib 256` (the CPU's default) on the bundled SmolLM2, every
+    other option its default (recent 128 + sinks 4, 16-token pages): blocks and the requests' rows together hold
+    >= 1.72x the tokens of bf16 pages in the same memory, each token once, as the startup line says."""
+    from types import SimpleNamespace
+
+    from hf_fp8kv import continuous_batching
+    from hf_fp8kv.bundled import load_smollm2
+    from hf_fp8kv.serving import FP8Options
+    from hf_fp8kv.serving.server import CPU_KV_MEMORY_MIB, DEFAULT_PAGE_SIZE, FP8Serve, describe
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    model, _ = load_smollm2(dtype=torch.bfloat16)
+    settings = continuous_batching.enable(model, scales="dynamic")
+    try:
+        config = ContinuousBatchingConfig(block_size=DEFAULT_PAGE_SIZE, max_batch_tokens=16, max_memory_percent=0.9)
+        options = FP8Options(kv_memory_mib=CPU_KV_MEMORY_MIB)
+        server = SimpleNamespace(options=options, _generation_state=SimpleNamespace(_cb_config=config))
+        FP8Serve._set_page_budget(server, model, settings)
+        helper = DistributedHelper(device_mesh=None, cpu_group_timeout=None)
+        cache = continuous_batching.FP8PagedAttentionCache(settings, model.config, config, "cpu", helper,
+                                                           dtype=torch.bfloat16)  # fmt: skip
+        cache.page_size = DEFAULT_PAGE_SIZE
+        line = describe(cache, settings)
+    finally:
+        continuous_batching.disable(model)
+    bf16_tokens = CPU_KV_MEMORY_MIB * 2**20 // (30 * 2 * 3 * 64 * 2)  # 30 layers x K, V x 3 heads x 64 in bf16
+    held = cache.num_blocks * DEFAULT_PAGE_SIZE + cache.request_slots.slots * 128
+    assert cache.capacity_ratio >= 1.72 and held >= 1.72 * bf16_tokens
+    assert f"+ {cache.request_slots.slots * 128} recent tokens in the requests' rows, each token stored once" in line
+    assert line.endswith(f"{cache.capacity_ratio:.2f}x the tokens")
+
+
 def test_concurrent_streams_complete_and_pass_the_top5_rule(served):
     """16 streamed chats of mixed prompt and output lengths at once (more than the pages hold together: some
     wait); every one completes, and each greedy output passes the top-5 rule against `generate`."""
@@ -239,8 +274,8 @@ def test_a_request_arriving_while_the_pages_are_full_waits_and_completes(served)
     served.wait_until(is_idle, "idle")
     long_ones = []
     with ThreadPoolExecutor(3) as pool:
-        for n in (1, 2):  # ~370 prompt tokens + 100 new: 2 x 30 blocks against 48
-            long_ones.append(pool.submit(served.chat, f"{n} " + long_prompt(350), 100))
+        for n in (1, 2):  # ~480 prompt tokens + 100 new, the newest 128 in no block: 2 x 29 blocks against 48
+            long_ones.append(pool.submit(served.chat, f"{n} " + long_prompt(LONG_WORDS), 100))
         full = served.wait_until(lambda s: s["blocks_in_use"] == NUM_BLOCKS, "every block taken")
         assert full["active_requests"] + full["waiting_requests"] == 2
         request_id, text, finish = served.chat(PROMPTS[3], 5)
@@ -262,7 +297,7 @@ def test_dropping_the_running_stream_after_a_preemption_admits_the_others(served
     def chat_until_told(n: int) -> tuple[str, str | None]:
         """A long streamed chat: (request id, finish reason), None if its client dropped the stream."""
         stream = served.client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": f"{n} " + long_prompt(350)}], max_tokens=100,
+            model=NAME, messages=[{"role": "user", "content": f"{n} " + long_prompt(LONG_WORDS)}], max_tokens=100,
             stream=True,
         )  # fmt: skip
         finish = None
