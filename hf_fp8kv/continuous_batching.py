@@ -85,6 +85,7 @@ VERIFIED_INTERNALS: dict[str, set[str]] = {  # 5.20; where 5.21 (manager) and 5.
     "PagedAttentionCache.free_all_requests": {"5bdb053392d5ddf4"},
     "PagedAttentionCache.extend_read_and_write_indices": {"c15b991842218c78"},
     "PagedAttentionCache.prepare_fork_request": {"fba1d9d1d3f45a5b"},
+    "PagedAttentionCache.mark_complete_blocks": {"89dbb22a02678218"},  # (hashing waits for a block's codes)
     "PagedAttentionMemoryHandler": {"6a160b0b71c22e89", "0c9933b0fad2ae95"},
     "group_layers_by_attn_type": {"2f38000fc6f10bfc"},
     "ContinuousBatchingManager.__init__": {"d04c8e6c28c29311", "3037dc8d5ae04c5e"},
@@ -247,6 +248,7 @@ def _internals() -> dict[str, object]:
         PagedAttentionCache.__init__, PagedAttentionCache.update, PagedAttentionCache.can_store_request_tokens,
         PagedAttentionCache.free_blocks, PagedAttentionCache.free_all_requests,
         PagedAttentionCache.extend_read_and_write_indices, PagedAttentionCache.prepare_fork_request,
+        PagedAttentionCache.mark_complete_blocks,
         group_layers_by_attn_type,
         ContinuousBatchingManager.__init__, ContinuousBatchingManager._create_batch_processor,
         ContinuousMixin.init_continuous_batching, ContinuousBatchingIOs.get_model_kwargs, find_num_key_value_heads,
