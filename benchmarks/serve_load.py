@@ -12,7 +12,7 @@ streams generating at once (from the client's timestamps: first token to end), o
 time of the load, time to first token and inter-token latency percentiles; the ratios FP8 / plain last.
 
     python benchmarks/serve_load.py                                   # CPU: bundled SmolLM2, a small budget
-    python benchmarks/serve_load.py --model meta-llama/Llama-3.1-8B-Instruct --dtype bfloat16 --page-size 256 \\
+    python benchmarks/serve_load.py --model meta-llama/Llama-3.1-8B-Instruct --dtype bfloat16 --page-size 16 \\
         --kv-memory-mib 8192 --clients 256 --prompt-tokens 2000 --max-tokens 256   # the same on a GPU
 """
 
