@@ -100,8 +100,7 @@ class FP8Serve(Serve):
         check_transformers_serve()
         self.options, self.preloaded, self.blocking = options, preloaded, blocking
         self.manager = self.pages = None
-        if kwargs.get("cb_block_size") is None:
-            kwargs["cb_block_size"] = DEFAULT_PAGE_SIZE
+        self.default_page_size = kwargs.get("cb_block_size") is None  # (set in `_set_page_budget`)
         super().__init__(**kwargs, non_blocking=True)  # (Serve then calls start_server)
 
     def start_server(self) -> None:
@@ -157,11 +156,13 @@ class FP8Serve(Serve):
         return model_id, manager.load_model_and_processor(model_id, gguf_file=gguf_file)[0]
 
     def _set_page_budget(self, model, settings: continuous_batching.PagedSettings) -> None:
-        """`--kv-memory-mib` (on the CPU without a size: 256) as FP8 blocks beside the requests' recent and sink
-        tokens."""
+        """The page size (without `--cb-block-size`: DEFAULT_PAGE_SIZE), and `--kv-memory-mib` (on the CPU without
+        a size: 256) as FP8 blocks beside the requests' recent and sink tokens."""
         from transformers import ContinuousBatchingConfig
 
         config = self._generation_state._cb_config or ContinuousBatchingConfig()
+        if self.default_page_size:
+            config.page_size = DEFAULT_PAGE_SIZE
         mib = self.options.kv_memory_mib
         if mib is None and model.device.type == "cpu" and config.num_blocks is None \
                 and config.max_memory_percent is None:  # fmt: skip
@@ -210,8 +211,14 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
                 f"{cache.request_slots.slots} requests at once and {cache.request_slots.slots} prompts' sinks "
                 f"({cache.held_bytes / 2**20:.1f} MiB)")  # fmt: skip
     pages = cache.num_blocks * cache.block_bytes
-    rows = round(cache.stored_once_blocks * cache.page_size)
-    beside = f" + {rows} recent tokens in the requests' rows, each token stored once" if rows else ""
+    beside = ""
+    if cache.stored_once_blocks and all(a.store_once for a in cache.cache_allocators.values()):
+        beside = f" + {round(cache.stored_once_blocks * cache.page_size)} recent tokens in the requests' rows, " \
+                 "each token stored once"  # fmt: skip
+    elif cache.stored_once_blocks:  # (sliding layers keep every token's page row: a share of the blocks' bytes)
+        worth = f"{cache.stored_once_blocks:.1f} blocks' worth"
+        beside = f" + the requests' recent pages of full-attention layers in their rows ({worth}), each token " \
+                 "stored once there"  # fmt: skip
     return (
         f"KV pages {settings.fmt.name} ({scales}, {held}): {cache.num_blocks} blocks of {cache.page_size} tokens "
         f"({cache.num_blocks * cache.page_size} tokens, {pages / 2**20:.1f} MiB){beside}; {layout.dtype} pages would "

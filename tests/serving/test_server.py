@@ -185,19 +185,21 @@ def test_the_default_pages_hold_over_1_72x_the_tokens_of_bf16_pages():
     model, _ = load_smollm2(dtype=torch.bfloat16)
     settings = continuous_batching.enable(model, scales="dynamic")
     try:
-        config = ContinuousBatchingConfig(block_size=DEFAULT_PAGE_SIZE, max_batch_tokens=16, max_memory_percent=0.9)
+        config = ContinuousBatchingConfig(max_batch_tokens=16, max_memory_percent=0.9)
         options = FP8Options(kv_memory_mib=CPU_KV_MEMORY_MIB)
-        server = SimpleNamespace(options=options, _generation_state=SimpleNamespace(_cb_config=config))
+        server = SimpleNamespace(options=options, default_page_size=True,
+                                 _generation_state=SimpleNamespace(_cb_config=config))  # fmt: skip
         FP8Serve._set_page_budget(server, model, settings)
         helper = DistributedHelper(device_mesh=None, cpu_group_timeout=None)
         cache = continuous_batching.FP8PagedAttentionCache(settings, model.config, config, "cpu", helper,
                                                            dtype=torch.bfloat16)  # fmt: skip
-        cache.page_size = DEFAULT_PAGE_SIZE
+        cache.page_size = config.page_size
         line = describe(cache, settings)
     finally:
         continuous_batching.disable(model)
     bf16_tokens = CPU_KV_MEMORY_MIB * 2**20 // (30 * 2 * 3 * 64 * 2)  # 30 layers x K, V x 3 heads x 64 in bf16
     held = cache.num_blocks * DEFAULT_PAGE_SIZE + cache.request_slots.slots * 128
+    assert config.page_size == DEFAULT_PAGE_SIZE == 16
     assert cache.capacity_ratio >= 1.72 and held >= 1.72 * bf16_tokens
     assert f"+ {cache.request_slots.slots * 128} recent tokens in the requests' rows, each token stored once" in line
     assert line.endswith(f"{cache.capacity_ratio:.2f}x the tokens")
