@@ -9,6 +9,10 @@ every variant has answered, so a run stopped early leaves a balanced table and `
 
     python benchmarks/retrieval.py --out benchmarks/results/retrieval-smollm2.jsonl
     python benchmarks/retrieval.py --lengths 1024,4096 --depths 0,50,100 --trials 1 --variants native,fp8_recent
+    python benchmarks/retrieval.py --model gemma3 --lengths 4096,8192,16384 --keys 6 --out ...  # multi-key needles
+
+`--keys N` hides N keys per prompt, each under its own label, and asks for one (RULER's multi-key needles: the
+others are distractors).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ def main() -> None:
     parser.add_argument("--depths", type=_ints, default=[0, 25, 50, 75, 100], help="percent of the filler before the key")
     parser.add_argument("--trials", type=int, default=2, help="keys per (length, depth) cell")
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--keys", type=int, default=1, help="keys hidden per prompt, each under a label; one asked")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, help="JSON lines of every answer (appended as the prompts complete)")
     parser.add_argument("--resume", action="store_true",
@@ -92,20 +97,23 @@ def main() -> None:
         parser.error(f"--variants: unknown {unknown}; valid: {', '.join(VARIANTS)}")
     if args.resume and args.out is None:
         parser.error("--resume needs --out")
-    probe = PasskeyProbe(tuple(args.lengths), tuple(d / 100 for d in args.depths), args.trials, args.max_new_tokens)
+    probe = PasskeyProbe(tuple(args.lengths), tuple(d / 100 for d in args.depths), args.trials, args.max_new_tokens,
+                         args.keys)  # fmt: skip
     variants = resolve_variants({name: VARIANTS[name] for name in names})
     names = [v.name for v in variants]  # the reference first
     title, load = MODELS[args.model]
     model, tokenizer = load(dtype=DTYPES[args.dtype])
     model = model.to(args.device)
     done = read_trials(args.out) if args.resume else {}
+    if any(t.keys != args.keys for t in done.values()):
+        parser.error(f"--resume: {args.out} holds answers to prompts with other than {args.keys} keys")
     if args.out and not args.resume:
         args.out.write_text("")
     prompts = probe_prompts(model, tokenizer, probe, builtin_text(), chat=True)
     prompts = sorted(prompts, key=lambda p: p.trial)  # trial by trial over the grid: a stopped run stays balanced
-    print(f"{title}, {args.dtype}, {machine(model.device)}; lengths {args.lengths}, "
-          f"depths {args.depths}%, {args.trials} trials, {args.max_new_tokens} new tokens; "
-          f"{len(done)} answers resumed", flush=True)  # fmt: skip
+    print(f"{title}, {args.dtype}, {machine(model.device)}; lengths {args.lengths}, depths {args.depths}%, "
+          f"{args.trials} trials, {args.keys} keys per prompt, {args.max_new_tokens} new tokens; {len(done)} answers "
+          "resumed", flush=True)  # fmt: skip
     for variant in variants:
         print(f"  {variant.name}: {variant.description}")
     seconds = dict.fromkeys(names, 0.0)

@@ -1,5 +1,7 @@
 """Passkey retrieval: a random 5-digit key hidden at a given depth in filler text of a given length, the model
-asked for it (greedy, through the cache under test), scored by exact match.
+asked for it (greedy, through the cache under test), scored by exact match. With `keys` > 1 (RULER's multi-key
+needles), as many keys are hidden, each under its own label, and one is asked for: the others are distractors,
+so a cache that blurs which key sat where answers the wrong one.
 
 Long-context retrieval is where users judge an FP8 KV cache (needle-in-a-haystack, RULER) and where it moves
 before perplexity does: the answer depends on a few stored tokens far back. The filler is the sentences of a
@@ -28,20 +30,31 @@ NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key."
 QUESTION = "\n\nWhat is the pass key?"
 ANSWER = "The pass key is"  # the answer's start, given to the model
 HAYSTACK = "\x00"  # where the filler goes in the framed prompt
+# several keys: each under a label, one asked for
+INTRO_KEYS = "Pass keys are hidden in the text below, each for a name. Find them and remember them.\n\nText:"
+LABELED_NEEDLE = " The pass key for {label} is {key}. Remember it: {key} is the pass key for {label}."
+QUESTION_FOR = "\n\nWhat is the pass key for {label}?"
+ANSWER_FOR = "The pass key for {label} is"
+LABELS = ("Amber", "Birch", "Cobalt", "Dune", "Ember", "Fjord", "Granite", "Harbor", "Indigo", "Juniper", "Kestrel",
+          "Lantern", "Meadow", "Nimbus", "Orchid", "Pebble")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class PasskeyProbe:
     """What to probe: `trials` keys per (length, depth) cell. `lengths`: tokens of context a cell uses, prompt
     and `max_new_tokens` answer tokens together (at most the model's context); `depths`: the fraction of the
-    filler before the key (0: first, 1: last, just before the question)."""
+    filler before the key asked for (0: first, 1: last, just before the question); `keys`: keys hidden per
+    prompt, each under its own label (the others at random places in the filler)."""
 
     lengths: Sequence[int] = (1024,)
     depths: Sequence[float] = (0.0, 0.5, 1.0)
     trials: int = 2
     max_new_tokens: int = 10
+    keys: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.keys, int) or not 1 <= self.keys <= len(LABELS):
+            raise ValueError(f"keys={self.keys!r} must be a count of keys from 1 to {len(LABELS)}")
         if not self.lengths or any(not isinstance(n, int) or n < 1 for n in self.lengths):
             raise ValueError(f"lengths {list(self.lengths)} must be positive token counts")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
@@ -52,7 +65,8 @@ class PasskeyProbe:
 
 @dataclass
 class PasskeyPrompt:
-    """One trial's prompt: `ids` `[1, tokens]`, the key, and where its sentence starts (`needle_at`, a token index)."""
+    """One trial's prompt: `ids` `[1, tokens]`, the key asked for, and where its sentence starts (`needle_at`, a
+    token index); `others`: the other keys hidden (distractors)."""
 
     length: int
     depth: float
@@ -60,7 +74,8 @@ class PasskeyPrompt:
     key: str
     ids: torch.Tensor
     needle_at: int
-    filler_tokens: int  # filler tokens in the prompt (the key's sentence not counted)
+    filler_tokens: int  # filler tokens in the prompt (the keys' sentences not counted)
+    others: tuple[str, ...] = ()
 
 
 @dataclass
@@ -74,6 +89,7 @@ class RetrievalTrial:
     key: str
     answer: str
     found: bool
+    keys: int = 1  # keys hidden in the prompt
 
 
 def found(answer: str, key: str) -> bool:
@@ -92,24 +108,35 @@ def filler_sentences(tokenizer, text: str) -> list[list[int]]:
 
 
 def passkey_prompt(
-    tokenizer, sentences: list[list[int]], length: int, depth: float, trial: int, chat: bool, max_new_tokens: int
+    tokenizer, sentences: list[list[int]], length: int, depth: float, trial: int, chat: bool, max_new_tokens: int,
+    keys: int = 1,
 ) -> PasskeyPrompt:
-    """The prompt of one trial: the key and the filler's order drawn from a seed of (length, depth, trial); as
-    many whole filler sentences as fit in `length` tokens beside the frame and the answer, the key's sentence at
-    the sentence boundary nearest to `depth` of the filler."""
-    rng = random.Random(f"passkey {length} {depth} {trial}")
-    key = str(rng.randrange(10_000, 100_000))
+    """The prompt of one trial: the keys, their labels and places and the filler's order drawn from a seed of
+    (length, depth, trial, keys); as many whole filler sentences as fit in `length` tokens beside the frame and the
+    answer, the asked key's sentence at the sentence boundary nearest to `depth` of the filler, the others' at
+    random boundaries."""
+    rng = random.Random(f"passkey {length} {depth} {trial}" + (f" {keys}" if keys > 1 else ""))
+    drawn = rng.sample(range(10_000, 100_000), keys) if keys > 1 else [rng.randrange(10_000, 100_000)]
+    hidden = [str(key) for key in drawn]
+    if keys > 1:
+        labels = rng.sample(LABELS, keys)
+        intro, question = INTRO_KEYS, QUESTION_FOR.format(label=labels[0]) + "\n"
+        answer = ANSWER_FOR.format(label=labels[0])
+        needles = [LABELED_NEEDLE.format(label=label, key=key) for label, key in zip(labels, hidden)]
+    else:
+        intro, question, answer, needles = INTRO, QUESTION + "\n", ANSWER, [NEEDLE.format(key=hidden[0])]
     if chat:
         framed = tokenizer.apply_chat_template(
-            [{"role": "user", "content": INTRO + HAYSTACK + QUESTION}], tokenize=False, add_generation_prompt=True
-        ) + ANSWER
+            [{"role": "user", "content": intro + HAYSTACK + question.rstrip("\n")}], tokenize=False,
+            add_generation_prompt=True,
+        ) + answer  # fmt: skip
     else:
-        framed = INTRO + HAYSTACK + QUESTION + "\n" + ANSWER
+        framed = intro + HAYSTACK + question + answer
     before, after = framed.split(HAYSTACK)
     head = tokenizer(before, add_special_tokens=not chat).input_ids
     tail = tokenizer(after, add_special_tokens=False).input_ids
-    needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
-    budget = length - max_new_tokens - len(head) - len(needle) - len(tail)
+    needle_ids = [tokenizer(needle, add_special_tokens=False).input_ids for needle in needles]
+    budget = length - max_new_tokens - len(head) - sum(map(len, needle_ids)) - len(tail)
     filler: list[list[int]] = []
     for sentence in _shuffled_passes(sentences, rng):  # whole sentences until the next one would not fit
         if sum(map(len, filler)) + len(sentence) > budget:
@@ -119,10 +146,17 @@ def passkey_prompt(
         raise ValueError(f"length {length} leaves no room for a filler sentence beside the question and answer")
     bounds = [0, *itertools.accumulate(map(len, filler))]
     cut = min(range(len(bounds)), key=lambda i: abs(bounds[i] - depth * bounds[-1]))
-    body = [token for sentence in filler[:cut] for token in sentence] + needle
-    body += [token for sentence in filler[cut:] for token in sentence]
+    places = [cut] + [rng.randrange(len(bounds)) for _ in needle_ids[1:]]  # sentence boundaries of the needles
+    body: list[int] = []
+    needle_at = 0
+    for i, sentence in enumerate([*filler, []]):
+        for j in (j for j, place in enumerate(places) if place == i):
+            if j == 0:  # the key asked for
+                needle_at = len(head) + len(body)
+            body += needle_ids[j]
+        body += sentence
     ids = torch.tensor([head + body + tail])
-    return PasskeyPrompt(length, depth, trial, key, ids, len(head) + bounds[cut], bounds[-1])
+    return PasskeyPrompt(length, depth, trial, hidden[0], ids, needle_at, bounds[-1], tuple(hidden[1:]))
 
 
 def _shuffled_passes(sentences: list[list[int]], rng: random.Random) -> Iterator[list[int]]:
@@ -140,7 +174,7 @@ def probe_prompts(model: torch.nn.Module, tokenizer, probe: PasskeyProbe, filler
         raise ValueError(f"retrieval length {max(probe.lengths)} is beyond the model's context ({context} tokens)")
     sentences = filler_sentences(tokenizer, filler)
     return [
-        passkey_prompt(tokenizer, sentences, length, depth, trial, chat, probe.max_new_tokens)
+        passkey_prompt(tokenizer, sentences, length, depth, trial, chat, probe.max_new_tokens, probe.keys)
         for length in probe.lengths
         for depth in probe.depths
         for trial in range(probe.trials)
@@ -170,7 +204,7 @@ def run_probe(
                 tokens, _ = greedy_with_logits(model, inputs, make_cache(model), max_new_tokens, pad_token_id=pad)
             answer = tokenizer.decode(tokens[0], skip_special_tokens=True)
             trials.append(RetrievalTrial(name, prompt.length, prompt.depth, prompt.trial, prompt.key, answer,
-                                         found(answer, prompt.key)))  # fmt: skip
+                                         found(answer, prompt.key), 1 + len(prompt.others)))  # fmt: skip
             bar.update()
     bar.close()
     return trials

@@ -14,6 +14,7 @@ from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.bundled import smollm2_dir
 from hf_fp8kv.comparison import builtin_text
 from hf_fp8kv.retrieval import (
+    LABELED_NEEDLE,
     NEEDLE,
     PasskeyProbe,
     RetrievalTrial,
@@ -56,6 +57,32 @@ def test_key_sits_at_the_asked_depth_of_a_prompt_that_fills_the_length(length, d
     assert re.findall(r"\d+", text.split("<|im_start|>user")[1]) == [prompt.key, prompt.key]  # the only number
 
 
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_several_keys_each_under_its_label_one_asked_for(depth):
+    """Multi-key needles (RULER's): 6 distinct keys under 6 distinct labels, the only numbers in the prompt; the
+    question names the label of the key asked for, whose sentence starts at `needle_at`, at the asked depth of the
+    filler; the same prompt every time."""
+    prompt = passkey_prompt(tokenizer(), sentences(), 1500, depth, trial=1, chat=True, max_new_tokens=10, keys=6)
+    ids = prompt.ids[0].tolist()
+    user = tokenizer().decode(ids).split("<|im_start|>user")[1]
+    keys = [prompt.key, *prompt.others]
+    hidden = dict(re.findall(r"The pass key for (\w+) is (\d{5})\. Remember it", user))
+    assert len(set(keys)) == 6 and sorted(hidden.values()) == sorted(keys) and len(hidden) == 6
+    asked = next(label for label, key in hidden.items() if key == prompt.key)
+    assert user.endswith(f"for {asked}?<|im_end|>\n<|im_start|>assistant\nThe pass key for {asked} is")
+    assert sorted(re.findall(r"\d+", user)) == sorted(keys * 2)
+    needle = tokenizer()(LABELED_NEEDLE.format(label=asked, key=prompt.key), add_special_tokens=False).input_ids
+    assert ids[prompt.needle_at : prompt.needle_at + len(needle)] == needle
+    assert len(ids) <= 1500 - 10
+    text = user.split("Text:")[1]
+    before = text[: text.index(f"The pass key for {asked} is")]
+    needles = r" The pass key for \w+ is \d{5}\. Remember it: \d{5} is the pass key for \w+\."
+    share = len(re.sub(needles, "", before)) / len(re.sub(needles, "", text))
+    assert abs(share - depth) < 0.05  # (characters of filler: the asked depth, within a sentence or two)
+    again = passkey_prompt(tokenizer(), sentences(), 1500, depth, trial=1, chat=True, max_new_tokens=10, keys=6)
+    assert torch.equal(again.ids, prompt.ids)
+
+
 def test_chat_and_plain_frames():
     chat = tokenizer().decode(passkey_prompt(tokenizer(), sentences(), 400, 0.5, 0, True, 10).ids[0])
     assert chat.startswith("<|im_start|>system\n") and "<|im_start|>user\nA pass key is hidden" in chat
@@ -87,7 +114,7 @@ def test_filler_leaves_out_sentences_with_digits():
 @pytest.mark.parametrize(
     "kwargs,message",
     [(dict(lengths=()), "lengths"), (dict(lengths=(0,)), "lengths"), (dict(depths=(1.5,)), "depths"),
-     (dict(trials=0), "trials=0")],
+     (dict(trials=0), "trials=0"), (dict(keys=0), "keys=0"), (dict(keys=17), "keys=17")],
 )
 def test_bad_probe_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -142,7 +169,8 @@ def test_against_the_reference_pairs_the_prompts():
 
 def test_smollm2_recommended_cache_retrieves_where_native_does():
     """One real cell (SmolLM2, 320 tokens, the key mid-text, far behind the full-precision recent tokens): the
-    native cache finds the key, and so do the recommended FP8 configuration and pure FP8."""
+    native cache finds the key, and so do the recommended FP8 configuration and pure FP8; the same with two keys
+    under two labels, the asked one mid-text."""
     model, tok = smollm2()
     probe = PasskeyProbe(lengths=(320,), depths=(0.5,), trials=1, max_new_tokens=7)
     prompts = probe_prompts(model, tok, probe, builtin_text(), True)
@@ -157,3 +185,10 @@ def test_smollm2_recommended_cache_retrieves_where_native_does():
         answers = run_probe(model, tok, prompts, caches, probe.max_new_tokens)
     assert [(a.variant, a.found) for a in answers] == [("native", True), ("fp8_recent", True), ("pure", True)]
     assert all(a.answer.strip().startswith(prompts[0].key) for a in answers)
+    # two keys under two labels (400 tokens, the asked one mid-text): each cache answers the asked one
+    probe = PasskeyProbe(lengths=(400,), depths=(0.5,), trials=1, max_new_tokens=7, keys=2)
+    prompts = probe_prompts(model, tok, probe, builtin_text(), True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        answers = run_probe(model, tok, prompts, caches, probe.max_new_tokens)
+    assert [(a.variant, a.found, a.keys) for a in answers] == [(v, True, 2) for v in caches]
