@@ -195,7 +195,7 @@ class RequestSlots:
             if place is not None:  # the ring's tokens now older than the recent ones, and the new ones already so
                 leaving = range(max(held.first, past - recent), min(recent_start, past))
                 arriving = range(past, min(recent_start, end))
-                evicted += [base + position % recent for position in leaving]
+                evicted += self.ring_rows(request_id, leaving, per_slot)
                 coded += [query_row + position - past for position in arriving]
                 evicted_targets += place(request_id, leaving)
                 coded_targets += place(request_id, arriving)
