@@ -136,11 +136,14 @@ def test_return_dict_in_generate(model_and_tokenizer):
 
 @pytest.fixture(scope="module")
 def decode_text(model_and_tokenizer):
-    """640 tokens of the built-in text; DynamicCache's decode-mode logits after a 64-token prefix."""
+    """640 tokens of the built-in text; the model's own logits after a 64-token prefix, from one forward without a
+    cache: DynamicCache's decode mode gives them to within a KL of 5e-8 in fp32 (four orders below the caches'
+    under test) in 38 s instead of 1.5 s."""
     model, tokenizer = model_and_tokenizer
     text = files("hf_fp8kv").joinpath("data/sample_text.txt").read_text()
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :640]
-    return ids, decode_mode_logits(model, ids, 64, DynamicCache(config=model.config))
+    with torch.inference_mode():
+        return ids, model(ids, use_cache=False).logits[0, 63:-1].float()
 
 
 def decode_quality(model, decode_text, cache):
