@@ -401,7 +401,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
     Attributes beyond transformers': `num_blocks` counts FP8 blocks; `native_num_blocks` is what pages in the
     model dtype would give under the same memory setting; `stored_once_blocks` the whole-model blocks' worth of
     recent tokens the requests in flight hold in their rows and in no block; `capacity_ratio` the tokens held, blocks
-    and rows together, against the native blocks'; `request_tokens_limit` the longest request the pages take;
+    and rows together, against the native blocks'; `every_group_stores_once` whether no layer group writes its
+    recent tokens' page rows (sliding ones do); `request_tokens_limit` the longest request the pages take;
     `block_bytes` / `native_block_bytes` the bytes of one whole-model block of `page_size` tokens; `request_slots`
     the requests' recent and sink tokens and the kept sink tokens (`held_bytes` in all; None for pure FP8).
     """
@@ -454,8 +455,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             / self.block_bytes  # fmt: skip
         self.capacity_ratio = (self.num_blocks + self.stored_once_blocks) / max(self.native_num_blocks, 1)
         # the longest request the pages take (where every group stores each token once, its recent pages are none)
-        full = once and len(once) == len(self.cache_allocators)
-        self.request_tokens_limit = (self.num_blocks + (recent_pages if full else 0)) * page_size
+        self.every_group_stores_once = bool(once) and len(once) == len(self.cache_allocators)
+        self.request_tokens_limit = (self.num_blocks + recent_pages * self.every_group_stores_once) * page_size
         recent = (
             f"; recent {settings.recent_tokens} + sinks {settings.sink_tokens} tokens in {dtype} for up to {slots} "
             f"requests at once and {slots} prompts' sinks ({self.held_bytes / 2**20:.1f} MiB), "
@@ -591,22 +592,14 @@ class FP8PagesMixin:
         """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` (storing each token
         once: the tokens leaving the recent ones and the new ones already older) and return what the attention
         reads: per request, its past rows (by `read_index`) and its new rows."""
-        layout = self.settings.layouts[layer_idx]
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
-        recent = step = None
+        recent = None
         if layer_idx in self.recent_rows:
             recent, step, leaving = self._write_recent(states, layer_idx)
-        if self.store_once:  # [2, kv_heads, tokens, head_dim] of the tokens to encode now
-            states = torch.cat((leaving, states.index_select(2, step.coded)), dim=2)
-            index = step.code_targets
+        if self.store_once:
+            rows = self._encode_once(states, leaving, step, layer_idx)
         else:
-            index = write_index
-        rows = self._encode(states, layer_idx, index) if index.numel() or not self.store_once else None
-        if self.store_once:  # the new rows of the step's tokens: those encoded now (the recent ones are read as such)
-            new_rows = torch.zeros(key.shape[2], 2, layout.nbytes, dtype=torch.uint8, device=key.device)
-            if rows is not None:
-                new_rows.index_copy_(0, step.coded, rows[step.evicted.numel() :])
-            rows = new_rows
+            rows = self._encode(states, layer_idx, write_index)
         return PagedKV(self, layer_idx, rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
                        recent)  # fmt: skip
 
@@ -622,6 +615,18 @@ class FP8PagesMixin:
         )  # fmt: skip
         self.has_nan[layer_idx] |= nonfinite
         return rows
+
+    def _encode_once(self, states: torch.Tensor, leaving: torch.Tensor, step, layer_idx: int) -> torch.Tensor:
+        """Encode the tokens leaving the recent ones (`leaving`) and the step's new tokens already older than them
+        (of `states`); the new rows of the step's tokens: those encoded now, zeros for the recent ones (read from
+        the slot rows)."""
+        new_rows = torch.zeros(states.shape[2], 2, self.settings.layouts[layer_idx].nbytes, dtype=torch.uint8,
+                               device=states.device)  # fmt: skip
+        if step.code_targets.numel():
+            encoded = torch.cat((leaving, states.index_select(2, step.coded)), dim=2)
+            rows = self._encode(encoded, layer_idx, step.code_targets)
+            new_rows.index_copy_(0, step.coded, rows[step.evicted.numel() :])
+        return new_rows
 
     def _write_recent(self, states: torch.Tensor, layer_idx: int) -> tuple[RecentRows, object, torch.Tensor | None]:
         """Copy this step's recent and sink tokens (`states` `[2, kv_heads, q, head_dim]`) into the layer's rows;

@@ -53,7 +53,7 @@ def serve_command() -> click.Command:
             param.default = True  # FP8 pages are continuous batching's
         elif param.name == "force_model":
             param.help = f"{param.help} Default: the bundled SmolLM2-135M-Instruct (offline)."
-        if param.name in PASSED_THROUGH_RANGES:
+        elif param.name in PASSED_THROUGH_RANGES:
             param.type = PASSED_THROUGH_RANGES[param.name]
         if param.name == "cb_block_size":
             param.help = f"{param.help} Default: {DEFAULT_PAGE_SIZE}."

@@ -212,7 +212,7 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
                 f"({cache.held_bytes / 2**20:.1f} MiB)")  # fmt: skip
     pages = cache.num_blocks * cache.block_bytes
     beside = ""
-    if cache.stored_once_blocks and all(a.store_once for a in cache.cache_allocators.values()):
+    if cache.stored_once_blocks and cache.every_group_stores_once:
         beside = f" + {round(cache.stored_once_blocks * cache.page_size)} recent tokens in the requests' rows, " \
                  "each token stored once"  # fmt: skip
     elif cache.stored_once_blocks:  # (sliding layers keep every token's page row: a share of the blocks' bytes)
