@@ -37,6 +37,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -82,7 +83,6 @@ D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
 # the codes decoded in bit operations (no hardware FP8 conversion): 0.32-0.34 on sm_80, 0.37-0.38 on sm_86, of which
 # the NaN codes' select is about 0.12 (0.323 -> 0.202 on sm_80 without it, head_dim 128, static scales)
 BIT_DECODE_MAX_INSTR_PER_BYTE = 0.40
-MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce spread over at least this many programs
 # head_dim 128 prefill with fp8_prefill: FP8 tensor-core dots (each dot's sum promoted): wgmma, mma.sync, tcgen05
 FP8_DOTS = ("QGMMA", "QMMA", "UTCQMMA")
 CACHE_BLOCK = 64  # QuantizedFP8Cache's default block_size: code buffers grow 64 tokens at a time
@@ -563,6 +563,13 @@ def wave_efficiency(blocks: int, slots: int) -> float:
     return blocks / (-(-blocks // slots) * slots)
 
 
+def tile_bytes(case: Case, tokens: int) -> int:
+    """KV bytes of a tile of `tokens` tokens: K and V codes and their per-token scales (a K and a V scale per
+    token: 2 bytes each in the dense cache, 4 in pages)."""
+    scale_bytes = (8 if case.kind == "paged" else 2 * PER_TOKEN_SCALE_DTYPE.itemsize) if case.per_token else 0
+    return tokens * (2 * case.head_dim * FORMATS[case.fmt].dtype.itemsize + scale_bytes)
+
+
 def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
     """Blocks of `kernel`'s launches and their wave efficiency over the batch x context grid of `case`."""
     grid = []
@@ -578,17 +585,14 @@ def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
             block_n = launch.kwargs["BLOCK_N"]
             tiles = -(-(context - case.recent) // block_n)
             held = -(-(case.recent + case.sinks) * getattr(torch, case.dtype).itemsize // block_n)
-            held_parts = triton_attention.held_splits(splits, tiles, held) if launch.kwargs.get("FP_PROGRAM") else 0
-            if held_parts:
-                longest = max(-(-tiles // (splits - held_parts)), -(-held // held_parts))
-            else:
-                longest = -(-(tiles + held) // splits)
-            tiles += held
-            own = triton_attention.PROGRAM_TILES  # each program's own reads and writes, as the split rule counts them
-            tile_times = -(-blocks // slots) * (longest + own)
+            # the split rule's own cost (each program's reads and writes, the merge's reads), against the best any
+            # split count would give by that cost
+            merge = triton_attention.merge_tiles(min(case.group, launch.kwargs["BLOCK_M"]), launch.kwargs["BLOCK_D"],
+                                                 tile_bytes(case, block_n))  # fmt: skip
+            cost = functools.partial(triton_attention.split_cost, programs, tiles, slots, held, merge)
             grid.append(dict(
                 batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
-                tile_times=tile_times, fewest_tile_times=-(-programs * tiles // slots) + own,
+                tile_times=cost(splits), fewest_tile_times=min(cost(n) for n in range(1, tiles + held + 1)),
             ))  # fmt: skip
     return grid
 
@@ -630,15 +634,12 @@ def analyze_case(job: tuple[Case, str]) -> list[dict]:
     """One row per launch of a case on a target (`(case, arch)`): the compiled figures and the budgets it misses."""
     case, arch = job
     gpu = EXAMPLE_GPUS[arch]
-    code_bytes = FORMATS[case.fmt].dtype.itemsize
     rows = []
     for launch in plan(case, gpu):
         compiled = compile_launch(launch, gpu)
         fits = gpu.blocks_per_sm(compiled.registers, compiled.warps, compiled.shared)
         tile_tokens = launch.kwargs.get("BLOCK_N")  # tokens of K and V one iteration of the KV loop loads
-        # a K and a V scale per token: 2 bytes each in the dense cache, 4 in pages
-        scale_bytes = (8 if case.kind == "paged" else 2 * PER_TOKEN_SCALE_DTYPE.itemsize) if case.per_token else 0
-        tile_bytes = tile_tokens and tile_tokens * (2 * case.head_dim * code_bytes + scale_bytes)
+        loaded = tile_tokens and tile_bytes(case, tile_tokens)
         row = dict(
             arch=arch, kind=case.kind, case=dataclasses.asdict(case), kernel=compiled.name, grid=list(launch.grid),
             variant=f"{case.name} grid {'x'.join(map(str, launch.grid))}",
@@ -647,7 +648,7 @@ def analyze_case(job: tuple[Case, str]) -> list[dict]:
             hardware_decode=launch.kwargs.get("HW_CONVERT"), constexpr_args=compiled.constexpr_args,
             aligned_args=compiled.aligned_args, mma=mma(compiled), amd=compiled.amd,
             int32_offsets=int32_offset_products(compiled.ttir),
-            loop=loop_report(compiled, tile_bytes, gpu) if tile_bytes and not gpu.is_amd else None, failures=[],
+            loop=loop_report(compiled, loaded, gpu) if loaded and not gpu.is_amd else None, failures=[],
         )  # fmt: skip
         if row["loop"] is not None and case.kind == "decode" and case.waves and fits:
             grid = last_waves(case, gpu, launch.kernel, gpu.sms * fits)  # the split rule fed this kernel's occupancy
@@ -679,10 +680,6 @@ def budget_failures(row: dict) -> list[str]:
     fp8_dots = case["head_dim"] == 128 and case.get("fp8_prefill")  # (the default prefill keeps fp16 dots: quality)
     if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") not in FP8_DOTS:
         failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
-    if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
-        programs = math.prod(row["grid"])
-        if programs < MIN_REDUCE_PROGRAMS:
-            failures.append(f"reduce on {programs} programs < {MIN_REDUCE_PROGRAMS} at batch 1, {case['context']} tokens")
     if row["kind"] != "decode" or loop is None:
         return failures
     d128 = case["head_dim"] == 128

@@ -246,6 +246,53 @@ def attend_tile(
 
 
 @triton.jit
+def store_split(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, part, row_ok, d, PART_D: tl.constexpr):
+    """A split's partial results of its rows: unnormalised `acc`, running max `m_i` and denominator `l_i` at
+    index `part` `[M]` of the (row, split) pairs (`PART_D` channels each)."""
+    tl.store(part_acc_ptr + part[:, None] * PART_D + d[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
+    tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def last_split(ticket_ptr, num_splits):
+    """Whether this program is the last of the `num_splits` splits sharing the ticket at `ticket_ptr` to have
+    stored its partial results (so they are all visible to it), the ticket then back at 0 for the next launch (a
+    later step, a CUDA-graph replay). The barrier orders every thread's stores before the ticket's release; the
+    acquire orders the merge's loads after the others' releases."""
+    tl.debug_barrier()
+    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def merge_splits(part_acc_ptr, part_stats_ptr, first_part, row_ok, num_splits, d, BLOCK_M: tl.constexpr,
+                 BLOCK_D: tl.constexpr, PART_D: tl.constexpr):  # fmt: skip
+    """`(acc, m, l)` of rows whose `num_splits` partial results lie at `first_part` `[M]` onwards, merged one
+    split at a time (registers stay one `[M, D]` tile however many splits). The loads skip L1 (`.cg`): the other
+    programs' stores reach L2, and nothing orders this SM's L1 after them."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in tl.range(num_splits, num_stages=1):
+        part = first_part + split
+        m_s = tl.load(part_stats_ptr + part * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_stats_ptr + part * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + part[:, None] * PART_D + d[None, :], mask=row_ok[:, None], other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l = l * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
 def outside(t, lo, hi):
     """`t < lo or t >= hi` (`lo <= hi`), as one unsigned compare: with two, the loop of a left-padded decode kernel
     (which leaves its sink tokens' codes out tile by tile) ran 546 instructions instead of 515 (gpu_static)."""
