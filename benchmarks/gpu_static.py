@@ -62,7 +62,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from hf_fp8kv.kernels import ops, paged, triton_attention, triton_paged, triton_write  # noqa: E402
+from hf_fp8kv.kernels import ops, paged, triton_attention, triton_common, triton_paged, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS, PER_TOKEN_SCALE_DTYPE  # noqa: E402
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget  # noqa: E402
 from hf_fp8kv.kernels.triton_launch import Launch  # noqa: E402
@@ -629,6 +629,77 @@ def issue_rate(gpu: GpuTarget) -> float:
     return 4 * CLOCKS_AND_BANDWIDTH[gpu.arch][0] * 1e9 * gpu.sms
 
 
+# --- a decode layer step on the example GPU, modelled from the compiled code ---------------------------------------
+@dataclass(frozen=True)
+class StepModel:
+    """What the step model assumes (docs/benchmarks.md, "Decode layer step model"): the ranges of issue 34 and a
+    merge of its own. One end of each range is `low`, the other `high`; `middle` is the mean."""
+
+    copy_share: float  # of the datasheet bandwidth a copy kernel reaches (H200: 4.3-4.8 of 4.8 TB/s)
+    issue_share: float  # of the 4 warp-instructions per clock per SM the KV loop issues
+    attention_launch_us: float  # fixed cost of an attention launch (launch, prologue, tail)
+    other_launch_us: float  # of any other launch in the step (the write, a static cache's position update)
+    gap_us: float  # between two launches
+    merge_round_us: float  # one L2 round trip of the merge: the ticket, then each MERGE_CHUNK splits' loads
+
+
+STEP_RANGES = (StepModel(0.90, 0.45, 3.0, 3.0, 1.0, 0.5), StepModel(1.0, 0.65, 1.5, 2.0, 0.3, 0.2))  # (low, high)
+STEP_POINTS = {"b1_4k": (1, 4096), "b1_32k": (1, 32768), "b16_4k": (16, 4096), "b16_32k": (16, 32768)}
+MAX_STEP_LAUNCHES = 2
+MIN_COPY_FRACTION = {"b1_32k": 0.80, "b1_4k": 0.35}  # modelled at the middle of the ranges (sm_90)
+
+
+def middle(ranges: tuple[StepModel, StepModel]) -> StepModel:
+    low, high = (dataclasses.astuple(r) for r in ranges)
+    return StepModel(*((a + b) / 2 for a, b in zip(low, high)))
+
+
+def step_launches(case: Case, gpu: GpuTarget) -> int:
+    """Launches of one decode layer step: the write's (a decode step's one new token), the attention's, and a
+    static cache's position update (`StaticFP8Layer._advance`: an op of its own)."""
+    write = plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
+    attention = plan(case, gpu, device="meta")
+    return len(write) + len(attention) + bool(case.static_cache)
+
+
+def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel, launches: int) -> tuple[float, float]:
+    """`(modelled step time, copy time)` in microseconds of one decode layer step of `case` (its batch and
+    context), the attention's split plan from the kernel's occupancy in `row`:
+    fixed launch costs + gaps + max(copy, issue) x the split plan's wave loss + the merge."""
+    slots = gpu.sms * row["blocks_per_sm"]
+    (launch,) = [x for x in plan(case, gpu, device="meta", slots=slots) if x.kernel is triton_attention._attention_kernel]
+    clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
+    fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize
+    codes_bytes = tile_bytes(case, case.context - case.recent)
+    kv_bytes = case.batch * case.kv_heads * (codes_bytes + fp_bytes)
+    copy_us = kv_bytes / (bandwidth * 1e12 * model.copy_share) * 1e6
+    issue_us = kv_bytes * row["loop"]["instr_per_byte"] / (4 * clock * 1e9 * gpu.sms * model.issue_share) * 1e6
+    block_n, splits = launch.kwargs["BLOCK_N"], launch.grid[2]
+    tiles, held = -(-(case.context - case.recent) // block_n), -(-fp_bytes // tile_bytes(case, block_n))
+    programs = launch.grid[0] * launch.grid[1]
+    ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
+    waves = -(-programs * splits // slots)
+    loss = waves * triton_attention.longest_split(tiles, held, splits) / ideal
+    merge_us = (1 + -(-splits // triton_common.MERGE_CHUNK.value)) * model.merge_round_us if splits > 1 else 0.0
+    fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
+    return fixed_us + max(copy_us, issue_us) * max(loss, 1.0) + merge_us, copy_us
+
+
+def step_record(case: Case, gpu: GpuTarget, row: dict) -> dict:
+    """The `step` record of a decode row: launches, and the modelled copy fraction (copy time / step time) at
+    each of STEP_POINTS, at the middle of STEP_RANGES, with both ends and the middle's times (us)."""
+    launches = step_launches(case, gpu)
+    record = dict(launches=launches, copy_fraction={}, ends={}, step_us={})
+    for name, (batch, context) in STEP_POINTS.items():
+        point = dataclasses.replace(case, batch=batch, context=context)
+        figures = [step_time(point, gpu, row, model, launches) for model in (*STEP_RANGES, middle(STEP_RANGES))]
+        fractions = [copy / step for step, copy in figures]
+        record["copy_fraction"][name] = round(fractions[2], 3)
+        record["ends"][name] = [round(min(fractions[:2]), 3), round(max(fractions[:2]), 3)]
+        record["step_us"][name] = round(figures[2][0], 2)
+    return record
+
+
 # --- the report ----------------------------------------------------------------------------------------------------
 def analyze_case(job: tuple[Case, str]) -> list[dict]:
     """One row per launch of a case on a target (`(case, arch)`): the compiled figures and the budgets it misses."""
@@ -653,6 +724,8 @@ def analyze_case(job: tuple[Case, str]) -> list[dict]:
         if row["loop"] is not None and case.kind == "decode" and case.waves and fits:
             grid = last_waves(case, gpu, launch.kernel, gpu.sms * fits)  # the split rule fed this kernel's occupancy
             row["waves"] = dict(slots=gpu.sms * fits, worst=min(grid, key=lambda g: g["efficiency"]), grid=grid)
+        if row["loop"] is not None and case.kind == "decode" and fits and gpu.arch in CLOCKS_AND_BANDWIDTH:
+            row["step"] = step_record(case, gpu, row)
         row["failures"] = budget_failures(row)
         rows.append(row)
     if case.kind == "decode" and not gpu.is_amd and not any(row["loop"] for row in rows):
@@ -682,6 +755,15 @@ def budget_failures(row: dict) -> list[str]:
         failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
     if row["kind"] != "decode" or loop is None:
         return failures
+    step = row.get("step")
+    if step and step["launches"] > MAX_STEP_LAUNCHES:
+        failures.append(f"a decode layer step takes {step['launches']} launches > {MAX_STEP_LAUNCHES}")
+    for point, least in MIN_COPY_FRACTION.items():
+        if step and row["arch"] == "sm_90" and step["copy_fraction"][point] < least:
+            failures.append(
+                f"modelled layer step at {step['copy_fraction'][point]:.0%} of copy bandwidth < {least:.0%} at "
+                f"{point} ({step['step_us'][point]} us)"
+            )
     d128 = case["head_dim"] == 128
     if d128 and row["arch"] == "sm_90" and row["blocks_per_sm"] < D128_MIN_BLOCKS_PER_SM:
         failures.append(f"head_dim 128 decode at {row['blocks_per_sm']} blocks per SM < {D128_MIN_BLOCKS_PER_SM}")

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
-    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, last_split, load_token_scales,
-    merge_splits, query_target, store_split, tile_tokens, to_e4m3, visibility, zero_columns,
+    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, load_token_scales,
+    merge_splits, query_target, store_split, take_ticket, tile_tokens, to_e4m3, visibility, zero_columns,
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
@@ -89,16 +89,11 @@ def _attention_kernel(
     mask_ptr += b * m_sb
     out_ptr += b * o_sb
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pos = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = rows < GROUP * q_len
+    pos, head, row_ok, row_pos = _program_rows(pid_m * BLOCK_M, kv_head, q_len, GROUP, BLOCK_M, ONE_POSITION)
     if ONE_POSITION:  # a decode step: every row's query is the last token
         q_pos = end - 1
-        row_pos = tl.zeros([BLOCK_M], tl.int64)  # (the rows past the last are never read or stored)
     else:
         q_pos = end - q_len + pos  # the queries are the last q_len tokens
-        row_pos = pos.to(tl.int64)  # its row offsets pass 2^31 in a long prefill (262k tokens x 64 heads x 128)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
 
@@ -217,22 +212,48 @@ def _attention_kernel(
                 MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT, FULL_PRECISION_TILE,
             )  # fmt: skip
 
-    # splits: each stores its partial results; the last of a row block's to finish merges them (no reduce launch)
-    finish = True
-    if SPLIT:
+    out_args = (out_ptr, o_sh, o_sl, o_sd, d, d_ok, sink_logits_ptr)
+    if SPLIT:  # each split stores its partial results; the last of its row block to finish merges them
         first_part = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits
         store_split(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, first_part + split, row_ok, d, BLOCK_D)
-        finish = last_split(tickets_ptr + pid_m.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), num_splits)
-        if finish:
+        taken = take_ticket(tickets_ptr + pid_m.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), num_splits)
+        if taken == num_splits - 1:
+            # the rows worked out again from the ticket (0 here, unknown to the compiler): the merge's and the
+            # output's addressing is not kept live across the loops (it was: the default-window decode kernel at
+            # head_dim 128 went from 134 to 179 registers, 2 blocks per SM; gpu_static)
+            pos, head, row_ok, row_pos = _program_rows(pid_m * BLOCK_M + taken - (num_splits - 1), kv_head, q_len,
+                                                       GROUP, BLOCK_M, ONE_POSITION)  # fmt: skip
+            first_part = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits
             acc, m_i, l_i = merge_splits(part_acc_ptr, part_stats_ptr, first_part, row_ok, num_splits, d, BLOCK_M,
                                          BLOCK_D, BLOCK_D)  # fmt: skip
-    if finish:
-        out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
-        tl.store(
-            out_ptr + head[:, None] * o_sh + row_pos[:, None] * o_sl + d[None, :] * o_sd,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+            _store_output(acc, m_i, l_i, head, row_pos, row_ok, out_args, HAS_SINK_LOGITS)
+    else:
+        _store_output(acc, m_i, l_i, head, row_pos, row_ok, out_args, HAS_SINK_LOGITS)
+
+
+@triton.jit
+def _program_rows(first_row, kv_head, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ONE_POSITION: tl.constexpr):
+    """A program's rows from `first_row`: each one's query position and head, whether it is a row, and its
+    position's int64 row offset (0 in a decode step)."""
+    rows = first_row + tl.arange(0, BLOCK_M)
+    pos = rows // GROUP
+    if ONE_POSITION:
+        row_pos = tl.zeros([BLOCK_M], tl.int64)  # (the rows past the last are never read or stored)
+    else:
+        row_pos = pos.to(tl.int64)  # its row offsets pass 2^31 in a long prefill (262k tokens x 64 heads x 128)
+    return pos, kv_head * GROUP + rows % GROUP, rows < GROUP * q_len, row_pos
+
+
+@triton.jit
+def _store_output(acc, m_i, l_i, head, row_pos, row_ok, out_args, HAS_SINK_LOGITS: tl.constexpr):
+    """The rows' attention output from their softmax state, stored."""
+    out_ptr, o_sh, o_sl, o_sd, d, d_ok, sink_logits_ptr = out_args
+    out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
+    tl.store(
+        out_ptr + head[:, None] * o_sh + row_pos[:, None] * o_sl + d[None, :] * o_sd,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @triton.jit
@@ -423,10 +444,15 @@ def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int 
 def split_cost(programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_tiles: float, splits: int) -> float:
     """`split_count`'s cost of `splits` splits, in tile-times: waves x (the longest split + PROGRAM_TILES), plus
     the merge's reads (`splits x merge_tiles`, by one program after the others)."""
-    held = held_splits(splits, tiles, held_tiles)
-    longest = max(cdiv(tiles, splits - held), cdiv(held_tiles, held)) if held else cdiv(tiles + held_tiles, splits)
     merge = splits * merge_tiles if splits > 1 else 0.0
-    return cdiv(programs * splits, resident_slots) * (longest + PROGRAM_TILES) + merge
+    return cdiv(programs * splits, resident_slots) * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES) + merge
+
+
+def longest_split(tiles: int, held_tiles: int, splits: int) -> int:
+    """Tiles of the longest of `splits` splits over `tiles` tiles of codes and `held_tiles` of full-precision
+    tokens (shared as `held_splits` says)."""
+    held = held_splits(splits, tiles, held_tiles)
+    return max(cdiv(tiles, splits - held), cdiv(held_tiles, held)) if held else cdiv(tiles + held_tiles, splits)
 
 
 def merge_tiles(rows: int, block_d: int, tile_bytes: int) -> float:
