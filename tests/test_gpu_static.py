@@ -318,3 +318,16 @@ def test_the_step_model_is_the_sum_of_its_parts():
     step_us, copy_us = report.step_time(case, gpu, row, report.middle(report.STEP_RANGES), launches=2)
     assert copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
     assert step_us == pytest.approx(2.25 + 2.5 + 0.65 + copy_us * 88 / (512 * 64 / 396) + 2 * 0.35)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    status = gpu_static().main(["--quick", "--arch", "sm_80,sm_90,gfx942", "--jobs", "2", "--json", str(out / "report.json")])
+    report = gpu_static()
+    opcodes = {}
+    for arch in ("sm_80", "sm_90"):
+        launch = report.plan(report.Case("decode"), report.EXAMPLE_GPUS[arch])[0]
+        sass = report.compile_launch(launch, report.EXAMPLE_GPUS[arch]).sass
+        opcodes[f"{arch} fp8 conversions"] = sum(bool(report.FP8_UNPACK.match(i.opcode)) for i in report.parse_sass(sass))
+    known = dict(exit_status=status, loops=known_loops(), offsets=offset_readings(), **opcodes)
+    (out / "known.json").write_text(json.dumps(known))
