@@ -7,7 +7,7 @@ model (bf16), `DynamicCache` against ours, with the fitted slopes; (e) causal pr
 with and without a padding mask; (f) compiled + CUDA-graph decode steps, our static cache against StaticCache +
 SDPA at 4k and 32k; (g) continuous batching (`generate_batch`) on FP8 pages against native pages at one page
 budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers; (h) each launch of one layer's decode
-step timed alone (the attention kernel, its splits merged in the launch, and the write kernel), 32:8 heads, head_dim 128, batch 1
+step timed alone (the attention kernel, its split reduce, the write kernel), 32:8 heads, head_dim 128, batch 1
 and 16, contexts 4k and 32k: pure FP8 against the default window (recent 128 + sinks 4), STAGES 3 against 4, and a
 left-padded batch-16 step, each launch's bytes read as GB/s and as a fraction of (a); it runs right after (b, c).
 Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench`
@@ -113,7 +113,7 @@ TOY = Sizes(
     copy_bytes=2**20,
     step_contexts=[300],
     step_batches=[1, 2],
-    resident_slots=8,  # splits, hence the merge in the attention launch, at toy sizes
+    resident_slots=8,  # splits, hence the reduce launch, at toy sizes
     test_filter="test_bad",
     dtype=torch.float32,
 )  # fmt: skip
@@ -363,15 +363,15 @@ def decode_launches(report: Report, sizes: Sizes, device: torch.device, dry_run:
            f"{sizes.head_dim}, {sizes.dtype} query, per-token-head scales; each launch timed alone, {timer} median; "
            f"copy bandwidth (a) {copy_gbps:.0f} GB/s")  # fmt: skip
     report("(reads: the attention's KV bytes (codes and scales of the coded tokens, recent and sink buffers; padding "
-           "included) and the splits' partial results the merge reads, the write's new token (and the token leaving the recent "
+           "included), the reduce's partial results, the write's new token (and the token leaving the recent "
            "buffer); grid: the attention's third axis is its split count)")  # fmt: skip
     report.table(rows)
 
 
 def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded: bool, device: torch.device,
               dry_run: bool, copy_gbps: float) -> list[dict]:  # fmt: skip
-    """One row per launch of a decode step after `context` tokens: the write, then the attention (its splits
-    merged in the launch) at STAGES 3 and 4, each with its time, the bytes it reads, GB/s and the fraction of copy bandwidth."""
+    """One row per launch of a decode step after `context` tokens: the write, then the attention and its split
+    reduce at STAGES 3 and 4, each with its time, the bytes it reads, GB/s and the fraction of copy bandwidth."""
     from hf_fp8kv.kernels.triton_attention import plan_attention
 
     padding = left_padding(batch, context + 1, device) if padded else None
@@ -387,10 +387,9 @@ def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded
     for stages in (3, 4):
         _, attention = plan_attention(query, view, scaling=sizes.head_dim**-0.5, mask=mask, stages=stages,
                                       resident_slots=sizes.resident_slots)  # fmt: skip
-        (launch,) = attention
-        splits = launch.grid[2]
-        partials = batch * sizes.q_heads * splits * (sizes.head_dim + 2) * 4 if splits > 1 else 0  # the merge's
-        launches.append((stages, launch, kv_bytes(view) + partials))
+        partials = batch * sizes.q_heads * attention[0].grid[2] * (sizes.head_dim + 2) * 4
+        reads = (kv_bytes(view), partials)  # of the attention, then the reduce (with splits)
+        launches += [(stages, launch, nbytes) for launch, nbytes in zip(attention, reads)]
     window = (f"recent {layer.recent_tokens} + sinks {layer.sink_tokens}"
               if layer.recent_tokens or layer.sink_tokens else "pure FP8")  # fmt: skip
     rows = []

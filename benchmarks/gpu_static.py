@@ -37,7 +37,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import functools
 import io
 import json
 import math
@@ -62,7 +61,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from hf_fp8kv.kernels import ops, paged, triton_attention, triton_common, triton_paged, triton_write  # noqa: E402
+from hf_fp8kv.kernels import ops, paged, triton_attention, triton_paged, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS, PER_TOKEN_SCALE_DTYPE  # noqa: E402
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget  # noqa: E402
 from hf_fp8kv.kernels.triton_launch import Launch  # noqa: E402
@@ -83,6 +82,7 @@ D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
 # the codes decoded in bit operations (no hardware FP8 conversion): 0.32-0.34 on sm_80, 0.37-0.38 on sm_86, of which
 # the NaN codes' select is about 0.12 (0.323 -> 0.202 on sm_80 without it, head_dim 128, static scales)
 BIT_DECODE_MAX_INSTR_PER_BYTE = 0.40
+MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce spread over at least this many programs
 # head_dim 128 prefill with fp8_prefill: FP8 tensor-core dots (each dot's sum promoted): wgmma, mma.sync, tcgen05
 FP8_DOTS = ("QGMMA", "QMMA", "UTCQMMA")
 CACHE_BLOCK = 64  # QuantizedFP8Cache's default block_size: code buffers grow 64 tokens at a time
@@ -585,14 +585,13 @@ def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
             block_n = launch.kwargs["BLOCK_N"]
             tiles = -(-(context - case.recent) // block_n)
             held = -(-(case.recent + case.sinks) * getattr(torch, case.dtype).itemsize // block_n)
-            # the split rule's own cost (each program's reads and writes, the merge's reads), against the best any
-            # split count would give by that cost
-            merge = triton_attention.merge_tiles(min(case.group, launch.kwargs["BLOCK_M"]), launch.kwargs["BLOCK_D"],
-                                                 tile_bytes(case, block_n))  # fmt: skip
-            cost = functools.partial(triton_attention.split_cost, programs, tiles, slots, held, merge)
+            # the split rule's own cost (waves x (the longest split + each program's own reads and writes)), against
+            # every tile spread evenly over the slots
+            own = triton_attention.PROGRAM_TILES
             grid.append(dict(
                 batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
-                tile_times=cost(splits), fewest_tile_times=min(cost(n) for n in range(1, tiles + held + 1)),
+                tile_times=triton_attention.split_cost(programs, tiles, slots, held, splits),
+                fewest_tile_times=-(-programs * (tiles + held) // slots) + own,
             ))  # fmt: skip
     return grid
 
@@ -632,18 +631,17 @@ def issue_rate(gpu: GpuTarget) -> float:
 # --- a decode layer step on the example GPU, modelled from the compiled code ---------------------------------------
 @dataclass(frozen=True)
 class StepModel:
-    """What the step model assumes (docs/benchmarks.md, "Decode layer step model"): the ranges of issue 34 and a
-    merge of its own. One end of each range is `low`, the other `high`; `middle` is the mean."""
+    """What the step model assumes (docs/benchmarks.md, "Decode layer step model"): the ranges of issue 34. One
+    end of each range is `low`, the other `high`; `middle` is the mean."""
 
     copy_share: float  # of the datasheet bandwidth a copy kernel reaches (H200: 4.3-4.8 of 4.8 TB/s)
     issue_share: float  # of the 4 warp-instructions per clock per SM the KV loop issues
     attention_launch_us: float  # fixed cost of an attention launch (launch, prologue, tail)
     other_launch_us: float  # of any other launch in the step (the write, a static cache's position update)
     gap_us: float  # between two launches
-    merge_round_us: float  # one L2 round trip of the merge: the ticket, then each MERGE_CHUNK splits' loads
 
 
-STEP_RANGES = (StepModel(0.90, 0.45, 3.0, 3.0, 1.0, 0.5), StepModel(1.0, 0.65, 1.5, 2.0, 0.3, 0.2))  # (low, high)
+STEP_RANGES = (StepModel(0.90, 0.45, 3.0, 3.0, 1.0), StepModel(1.0, 0.65, 1.5, 2.0, 0.3))  # (low, high)
 STEP_POINTS = {"b1_4k": (1, 4096), "b1_32k": (1, 32768), "b16_4k": (16, 4096), "b16_32k": (16, 32768)}
 MAX_STEP_LAUNCHES = 2
 MIN_COPY_FRACTION = {"b1_32k": 0.80, "b1_4k": 0.35}  # modelled at the middle of the ranges (sm_90)
@@ -654,20 +652,17 @@ def middle(ranges: tuple[StepModel, StepModel]) -> StepModel:
     return StepModel(*((a + b) / 2 for a, b in zip(low, high)))
 
 
-def step_launches(case: Case, gpu: GpuTarget) -> int:
-    """Launches of one decode layer step: the write's (a decode step's one new token), the attention's, and a
-    static cache's position update (`StaticFP8Layer._advance`: an op of its own)."""
-    write = plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
-    attention = plan(case, gpu, device="meta")
-    return len(write) + len(attention) + bool(case.static_cache)
-
-
-def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel, launches: int) -> tuple[float, float]:
-    """`(modelled step time, copy time)` in microseconds of one decode layer step of `case` (its batch and
-    context), the attention's split plan from the kernel's occupancy in `row`:
-    fixed launch costs + gaps + max(copy, issue) x the split plan's wave loss + the merge."""
+def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[float, float, int]:
+    """`(modelled step time, copy time, launches)` (microseconds) of one decode layer step of `case` (its batch and
+    context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
+    max(copy, issue) x the split plan's wave loss (a reduce's reads counted in its launch's fixed cost). The
+    launches: the write's (one new token), the attention's (with splits, its reduce), and a static cache's
+    position update (`StaticFP8Layer._advance`, an op of its own)."""
     slots = gpu.sms * row["blocks_per_sm"]
-    (launch,) = [x for x in plan(case, gpu, device="meta", slots=slots) if x.kernel is triton_attention._attention_kernel]
+    attention = plan(case, gpu, device="meta", slots=slots)
+    write = plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
+    launches = len(write) + len(attention) + bool(case.static_cache)
+    (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
     clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize
     codes_bytes = tile_bytes(case, case.context - case.recent)
@@ -680,20 +675,20 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel, launches:
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
     loss = waves * triton_attention.longest_split(tiles, held, splits) / ideal
-    merge_us = (1 + -(-splits // triton_common.MERGE_CHUNK.value)) * model.merge_round_us if splits > 1 else 0.0
     fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
-    return fixed_us + max(copy_us, issue_us) * max(loss, 1.0) + merge_us, copy_us
+    return fixed_us + max(copy_us, issue_us) * max(loss, 1.0), copy_us, launches
 
 
 def step_record(case: Case, gpu: GpuTarget, row: dict) -> dict:
-    """The `step` record of a decode row: launches, and the modelled copy fraction (copy time / step time) at
-    each of STEP_POINTS, at the middle of STEP_RANGES, with both ends and the middle's times (us)."""
-    launches = step_launches(case, gpu)
-    record = dict(launches=launches, copy_fraction={}, ends={}, step_us={})
+    """The `step` record of a decode row: its launches (the most at any of STEP_POINTS), and the modelled copy
+    fraction (copy time / step time) at each point, at the middle of STEP_RANGES, with both ends and the middle's
+    times (us)."""
+    record = dict(launches=0, copy_fraction={}, ends={}, step_us={})
     for name, (batch, context) in STEP_POINTS.items():
         point = dataclasses.replace(case, batch=batch, context=context)
-        figures = [step_time(point, gpu, row, model, launches) for model in (*STEP_RANGES, middle(STEP_RANGES))]
-        fractions = [copy / step for step, copy in figures]
+        figures = [step_time(point, gpu, row, model) for model in (*STEP_RANGES, middle(STEP_RANGES))]
+        record["launches"] = max(record["launches"], figures[0][2])
+        fractions = [copy / step for step, copy, _ in figures]
         record["copy_fraction"][name] = round(fractions[2], 3)
         record["ends"][name] = [round(min(fractions[:2]), 3), round(max(fractions[:2]), 3)]
         record["step_us"][name] = round(figures[2][0], 2)
@@ -753,6 +748,10 @@ def budget_failures(row: dict) -> list[str]:
     fp8_dots = case["head_dim"] == 128 and case.get("fp8_prefill")  # (the default prefill keeps fp16 dots: quality)
     if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") not in FP8_DOTS:
         failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
+    if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
+        programs = math.prod(row["grid"])
+        if programs < MIN_REDUCE_PROGRAMS:
+            failures.append(f"reduce on {programs} programs < {MIN_REDUCE_PROGRAMS} at batch 1, {case['context']} tokens")
     if row["kind"] != "decode" or loop is None:
         return failures
     step = row.get("step")

@@ -79,12 +79,10 @@ class StaticFP8Layer(FP8Layer):
         self._new_buffers(rows, kv_heads, head_dim, slots + 1, self.recent_tokens, self.sink_tokens)
         self.positions = self.positions.to(self.device)
         self.position_views = (self.positions[0], self.positions[1])
-        # a decode step's split tickets, one per (row, KV head): the attention's last split of each sets its back to 0
-        self.tickets = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.device)
         self.storage = {name: getattr(self, name) for name in (*self._buffers(), "sink_start", "sink_count")}
         self.row_views: dict[int, dict[str, torch.Tensor]] = {}
         if not torch.compiler.is_compiling():  # fixed addresses: no recompilation, CUDA graphs can replay
-            for name in ("positions", "stats", "tickets"):
+            for name in ("positions", "stats"):
                 torch._dynamo.mark_static_address(getattr(self, name))
         self._use_rows(batch)
 
@@ -137,8 +135,8 @@ class StaticFP8Layer(FP8Layer):
             codes=self.codes, scales=self.scale, fmt=self.fmt, per_token=self.per_token, end=end,
             recent_start=recent_start, ring=self.is_sliding, recent=self.recent,
             sinks=self.sinks if tracker.rows else None, sink_start=self.sink_start, sink_count=self.sink_count,
-            key_channel_scale=self.key_channel_scale, positions=self.positions, tickets=self.tickets,
-            memo=self.kernels.memo, value_tiled=self.kernels.value_tiled, columns=self.ring_slots,
+            key_channel_scale=self.key_channel_scale, positions=self.positions, memo=self.kernels.memo,
+            value_tiled=self.kernels.value_tiled, columns=self.ring_slots,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:

@@ -176,8 +176,7 @@ class TritonLayerKernels(TorchLayerKernels):
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             return triton_ops().attend(
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
-                view.positions, view.tickets, mask, sink_logits, view.key_channel_scale, view.fmt.name, view.per_token,
-                view.ring,
+                view.positions, mask, sink_logits, view.key_channel_scale, view.fmt.name, view.per_token, view.ring,
                 scaling, window or 0, softcap or 0.0, self.decode_splits.get((query.shape[:2], view.layout()), 1),
                 self.fp8_prefill,
             )  # fmt: skip
@@ -270,17 +269,16 @@ def triton_ops():
         for launch in WritePlan(key, value, view, stats).launches(key, value, view, stats):
             launch.run(traced=True)
 
-    @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets"})  # (each back at 0 after the launch)
+    @torch.library.triton_op("hf_fp8kv::attend", mutates_args=())
     def attend_op(
         query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor | None,
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
-        positions: torch.Tensor, tickets: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
+        positions: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
         channel: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, scaling: float, window: int,
         softcap: float, num_splits: int, fp8_prefill: bool,
     ) -> torch.Tensor:  # fmt: skip
         view = _static_view(codes, scales, positions, fmt, per_token, ring, recent)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
-        view.tickets = tickets
         settings = (scaling, window or None, softcap or None, num_splits)
         plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
         out, launches = plan.launches(query, view, mask, sink_logits)

@@ -1,12 +1,12 @@
-"""Triton attention over a layer's cache (`KVView`): one flash-attention kernel for decode and prefill, one
-launch per call.
+"""Triton attention over a layer's cache (`KVView`): one flash-attention kernel for decode and prefill, plus a
+split reduce.
 
 Rows of a program are the (query position, query head) pairs of one KV head, position-major: every query head
 of a GQA group shares each K/V load (GQA packing), and a decode step (one position) fills one row block. The
 codes' part of the timeline is split across programs (flash-decoding) when the row blocks alone would leave the
 GPU idle; the full-precision recent and sink tokens are then read by a split of their own (else after the codes),
-and the splits' partial results are merged by the last split of each row block to finish (an atomic ticket per
-row block, back at 0 after each launch), one split at a time: no reduce launch, no spill however many splits.
+and the splits' partial results are merged by `_reduce_kernel` (in a loop over splits: no spill however many
+there are).
 
 Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (softmax scale, log2(e), per-head
 K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
@@ -15,7 +15,7 @@ K scales multiply the scores, per-token V scales the probabilities, per-head V s
 dequantized in memory.
 
 Static caches (CUDA graphs): positions are read from a device tensor and the grid is fixed (the split count for
-the full buffer); splits with no tokens write an empty partial result and take their ticket.
+the full buffer); splits with no tokens write an empty partial result and exit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import triton.language as tl
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
     attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, load_token_scales,
-    merge_splits, query_target, store_split, take_ticket, tile_tokens, to_e4m3, visibility, zero_columns,
+    query_target, tile_tokens, to_e4m3, visibility, zero_columns,
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
@@ -39,9 +39,12 @@ from .view import KVView, scale_dtypes
 # tokens per tile of the full-precision (recent, sink) tokens: 64 took a default-window decode kernel at head_dim
 # 128 to 168 registers and a 12 B spill, 32 to 144 and none (gpu_static)
 FULL_PRECISION_TILE = tl.constexpr(32)
-# a program's own cost in tiles of codes (its query read, its partial results written, its ticket): without it,
-# batch 1 at 8k tokens with the default recent and sink tokens was split 132 ways, one tile each
+# a program's own cost in tiles of codes (its query read, its partial results written then read by the reduce):
+# without it, batch 1 at 8k tokens with the default recent and sink tokens was split 132 ways, one tile each
 PROGRAM_TILES = 1
+REDUCE_SPLITS = 16  # splits merged per reduce iteration
+REDUCE_CHUNK = 32  # head_dim channels per reduce program
+REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 
 
 # positions move every step and the split count with the context (a multiple of 16 would compile a second
@@ -50,7 +53,7 @@ PROGRAM_TILES = 1
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sink_logits_ptr, channel_ptr,
-    out_ptr, part_acc_ptr, part_stats_ptr, tickets_ptr,
+    out_ptr, part_acc_ptr, part_stats_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
@@ -89,11 +92,16 @@ def _attention_kernel(
     mask_ptr += b * m_sb
     out_ptr += b * o_sb
 
-    pos, head, row_ok, row_pos = _program_rows(pid_m * BLOCK_M, kv_head, q_len, GROUP, BLOCK_M, ONE_POSITION)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pos = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = rows < GROUP * q_len
     if ONE_POSITION:  # a decode step: every row's query is the last token
         q_pos = end - 1
+        row_pos = tl.zeros([BLOCK_M], tl.int64)  # (the rows past the last are never read or stored)
     else:
         q_pos = end - q_len + pos  # the queries are the last q_len tokens
+        row_pos = pos.to(tl.int64)  # its row offsets pass 2^31 in a long prefill (262k tokens x 64 heads x 128)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
 
@@ -212,48 +220,18 @@ def _attention_kernel(
                 MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT, FULL_PRECISION_TILE,
             )  # fmt: skip
 
-    out_args = (out_ptr, o_sh, o_sl, o_sd, d, d_ok, sink_logits_ptr)
-    if SPLIT:  # each split stores its partial results; the last of its row block to finish merges them
-        first_part = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits
-        store_split(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, first_part + split, row_ok, d, BLOCK_D)
-        taken = take_ticket(tickets_ptr + pid_m.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), num_splits)
-        if taken == num_splits - 1:
-            # the rows worked out again from the ticket (0 here, unknown to the compiler): the merge's and the
-            # output's addressing is not kept live across the loops (it was: the default-window decode kernel at
-            # head_dim 128 went from 134 to 179 registers, 2 blocks per SM; gpu_static)
-            pos, head, row_ok, row_pos = _program_rows(pid_m * BLOCK_M + taken - (num_splits - 1), kv_head, q_len,
-                                                       GROUP, BLOCK_M, ONE_POSITION)  # fmt: skip
-            first_part = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits
-            acc, m_i, l_i = merge_splits(part_acc_ptr, part_stats_ptr, first_part, row_ok, num_splits, d, BLOCK_M,
-                                         BLOCK_D, BLOCK_D)  # fmt: skip
-            _store_output(acc, m_i, l_i, head, row_pos, row_ok, out_args, HAS_SINK_LOGITS)
+    if SPLIT:
+        row_index = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits + split
+        tl.store(part_acc_ptr + row_index[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_stats_ptr + row_index * 2, m_i, mask=row_ok)
+        tl.store(part_stats_ptr + row_index * 2 + 1, l_i, mask=row_ok)
     else:
-        _store_output(acc, m_i, l_i, head, row_pos, row_ok, out_args, HAS_SINK_LOGITS)
-
-
-@triton.jit
-def _program_rows(first_row, kv_head, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ONE_POSITION: tl.constexpr):
-    """A program's rows from `first_row`: each one's query position and head, whether it is a row, and its
-    position's int64 row offset (0 in a decode step)."""
-    rows = first_row + tl.arange(0, BLOCK_M)
-    pos = rows // GROUP
-    if ONE_POSITION:
-        row_pos = tl.zeros([BLOCK_M], tl.int64)  # (the rows past the last are never read or stored)
-    else:
-        row_pos = pos.to(tl.int64)  # its row offsets pass 2^31 in a long prefill (262k tokens x 64 heads x 128)
-    return pos, kv_head * GROUP + rows % GROUP, rows < GROUP * q_len, row_pos
-
-
-@triton.jit
-def _store_output(acc, m_i, l_i, head, row_pos, row_ok, out_args, HAS_SINK_LOGITS: tl.constexpr):
-    """The rows' attention output from their softmax state, stored."""
-    out_ptr, o_sh, o_sl, o_sd, d, d_ok, sink_logits_ptr = out_args
-    out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
-    tl.store(
-        out_ptr + head[:, None] * o_sh + row_pos[:, None] * o_sl + d[None, :] * o_sd,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+        out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
+        tl.store(
+            out_ptr + head[:, None] * o_sh + row_pos[:, None] * o_sl + d[None, :] * o_sd,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit
@@ -392,6 +370,52 @@ def _finalize(acc, m, l, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS: tl.cons
     return tl.where(attended[:, None], acc / l_safe[:, None], 0.0)
 
 
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_kernel(
+    part_acc_ptr, part_stats_ptr, sink_logits_ptr, out_ptr,
+    o_sb, o_sh, o_sl, o_sd,
+    out_rows, q_heads, q_len, head_dim, num_splits,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PART_D: tl.constexpr,
+    HAS_SINK_LOGITS: tl.constexpr,
+):  # fmt: skip
+    """Program (block of output rows (batch, q_head, position), chunk of head_dim): merge the splits' partial
+    results, BLOCK_S splits at a time (registers stay BLOCK_R x BLOCK_C whatever the split count). Each split's
+    weight is read back from its own statistics (an L1 hit), not picked out of the [rows, splits] block."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    row_ok = rows < out_rows
+    pos = rows % q_len
+    head = (rows // q_len) % q_heads
+    b = rows // (q_len * q_heads)
+    d = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        part = rows[:, None] * num_splits + s[None, :]
+        part_ok = row_ok[:, None] & (s < num_splits)[None, :]
+        m_s = tl.load(part_stats_ptr + part * 2, mask=part_ok, other=float("-inf"))
+        l_s = tl.load(part_stats_ptr + part * 2 + 1, mask=part_ok, other=0.0)
+        m_new = tl.maximum(m, tl.max(m_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(l_s * tl.exp2(m_s - m_safe[:, None]), axis=1)
+        acc = acc * alpha[:, None]
+        for j in tl.static_range(BLOCK_S):  # one split's [rows, BLOCK_C] at a time: no 3-D tile in registers
+            part_j = rows * num_splits + first + j
+            ok_j = row_ok & (tl.full([BLOCK_R], first + j, tl.int32) < num_splits)
+            m_j = tl.load(part_stats_ptr + part_j * 2, mask=ok_j, other=float("-inf"))
+            acc_j = tl.load(part_acc_ptr + part_j[:, None] * PART_D + d[None, :], mask=ok_j[:, None], other=0.0)
+            acc += acc_j * tl.exp2(m_j - m_safe)[:, None]
+        m = m_new
+    out = _finalize(acc, m, l, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
+    tl.store(
+        out_ptr + (b * o_sb + head * o_sh + pos * o_sl)[:, None] + d[None, :] * o_sd,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (d < head_dim)[None, :],
+    )
+
+
 # --- launchers ---------------------------------------------------------------------------------------------------
 def attention(
     query: torch.Tensor,
@@ -427,25 +451,22 @@ def attention(
 
 
 @functools.lru_cache(maxsize=4096)
-def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int = 0, merge_tiles: float = 0.0) -> int:
+def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int = 0) -> int:
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
     `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
-    for as much again of its own), plus the merge (the last split reads every split's partial results, each
-    `merge_tiles` tiles of codes' bytes); the smallest on ties. `held_tiles`: the full-precision tokens' work, in
-    tiles of codes' bytes, shared as `held_splits` says."""
+    for as much again of its own); the smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles
+    of codes' bytes, shared as `held_splits` says."""
     # up to 8 splits even where the programs fill the GPU: 512 programs on an A100's 324 slots took 2 waves of 65
     # tile-times at 1 or 2 splits (the former cap), 8 of 14 at 5 (gpu_static)
     most = max(1, min(tiles + held_tiles, max(4 * resident_slots // max(programs, 1), 8)))
-    costs = [split_cost(programs, tiles, resident_slots, held_tiles, merge_tiles, n) for n in range(1, most + 1)]
+    costs = [split_cost(programs, tiles, resident_slots, held_tiles, n) for n in range(1, most + 1)]
     return costs.index(min(costs)) + 1
 
 
-def split_cost(programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_tiles: float, splits: int) -> float:
-    """`split_count`'s cost of `splits` splits, in tile-times: waves x (the longest split + PROGRAM_TILES), plus
-    the merge's reads (`splits x merge_tiles`, by one program after the others)."""
-    merge = splits * merge_tiles if splits > 1 else 0.0
-    return cdiv(programs * splits, resident_slots) * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES) + merge
+def split_cost(programs: int, tiles: int, resident_slots: int, held_tiles: int, splits: int) -> int:
+    """`split_count`'s cost of `splits` splits, in tile-times: waves x (the longest split + PROGRAM_TILES)."""
+    return cdiv(programs * splits, resident_slots) * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES)
 
 
 def longest_split(tiles: int, held_tiles: int, splits: int) -> int:
@@ -453,12 +474,6 @@ def longest_split(tiles: int, held_tiles: int, splits: int) -> int:
     tokens (shared as `held_splits` says)."""
     held = held_splits(splits, tiles, held_tiles)
     return max(cdiv(tiles, splits - held), cdiv(held_tiles, held)) if held else cdiv(tiles + held_tiles, splits)
-
-
-def merge_tiles(rows: int, block_d: int, tile_bytes: int) -> float:
-    """A split's partial results for `rows` rows (`block_d` fp32 channels, a max and a denominator each), in tiles
-    of `tile_bytes` codes' bytes: what the merging program reads per split."""
-    return rows * (block_d + 2) * 4 / tile_bytes
 
 
 @functools.lru_cache(maxsize=4096)
@@ -487,7 +502,7 @@ def plan_attention(
     target: GpuTarget | None = None,
     fp8_prefill: bool = False,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """The output tensor and the launch that fills it (a list of one).
+    """The output tensor and the launches (attention, then the split reduce if any) that fill it.
     For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `target`
     plans that GPU's code path for tensors that are not on it."""
     plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, stages, resident_slots,
@@ -573,40 +588,33 @@ class AttentionPlan:
             for split in (False, True) for words in (False, True)
         }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
-        tile_bytes = self.block_n * (2 * head_dim * fmt.dtype.itemsize + 2 * view.scales.element_size() * view.per_token)
-        self.merge_tiles = merge_tiles(min(self.block_m, group * q_len), self.block_d, tile_bytes)
+        self.reduce = reduce_blocks(batch * q_heads * q_len, self.block_d)  # rows, head_dim chunk, warps
         self.out_shape = (batch, q_heads, q_len, head_dim)
         self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
         self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
-        self.tickets: torch.Tensor | None = None  # per (row block, batch x KV head): splits that have finished
         self.num_splits = num_splits
         self.resident_slots = resident_slots
         if num_splits is None and self.row_blocks == 1 and target is not None and not resident_slots:
             # blocks per SM of the kernel as compiled (registers, shared memory), times the SMs
             # (the buffers' launch arguments built here are not kept in the view's memo: an entry keyed by a plan
             # that is not the layer's would hold its buffers after the layer replaced them)
-            stored, buffers = self._stored(view), self._buffers(query, view, 2)
+            stored, buffers = self._stored(view), self._buffers(query, 2)
             held = int(stored.fp_tokens > 0)
             attention = self._attention(query, view, mask, sink_logits, 2, held, stored, *buffers)[0]
             self.resident_slots = target.sms * compiled_occupancy(attention, target, query.device)
 
-    def _buffers(self, query: torch.Tensor, view: KVView, splits: int) -> tuple[torch.Tensor, ...]:
-        """The output, the splits' partial results and their tickets (the view's own: a static layer's, kept at
-        one address for CUDA graphs; else this plan's, zeroed once: the last split of each launch sets its ticket
-        back to 0). All but the output are kept from call to call: one allocation per step."""
+    def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The output, and the splits' partial results (kept from call to call: one allocation per step, the
+        output)."""
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=query.device)
         if splits == 1:
-            return out, out, out, out  # placeholders: a single split writes the output directly
-        if view.tickets is None and self.tickets is None:
-            self.tickets = torch.zeros(self.row_blocks * self.out_shape[0] * self.kv_heads, dtype=torch.int32,
-                                       device=query.device)  # fmt: skip
-        tickets = view.tickets if view.tickets is not None else self.tickets
+            return out, out, out  # placeholders: a single split writes the output directly
         rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * splits
         if self.parts is None or self.parts[1].numel() < rows * 2:
             device = query.device
             sizes = (rows * self.block_d, rows * 2)  # fp32 whatever torch's default dtype
             self.parts = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
-        return out, *self.parts, tickets
+        return out, *self.parts
 
     def splits(self, query: torch.Tensor, view: KVView) -> int:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
@@ -617,15 +625,13 @@ class AttentionPlan:
         """The split count, and how many of the splits read the full-precision tokens (`held_splits`)."""
         codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)
         tiles, held_tiles = max(1, cdiv(codes_tokens, self.block_n)), cdiv(stored.fp_tokens, self.block_n)
-        if self.row_blocks * query.shape[0] * self.kv_heads > view.ticket_count():
-            splits = 1  # (a static layer's tickets serve its decode steps' row block)
-        elif self.num_splits is not None:
+        if self.num_splits is not None:
             splits = max(1, min(self.num_splits, tiles + held_tiles))
         elif not self.resident_slots or self.row_blocks > 1:
             splits = 1
         else:
             programs = query.shape[0] * self.kv_heads * self.row_blocks
-            splits = split_count(programs, tiles, self.resident_slots, held_tiles, self.merge_tiles)
+            splits = split_count(programs, tiles, self.resident_slots, held_tiles)
         return splits, held_splits(splits, tiles, held_tiles)
 
     def launches(
@@ -633,9 +639,8 @@ class AttentionPlan:
     ) -> tuple[torch.Tensor, list[Launch]]:
         stored = view.derived(self, self._stored)
         splits, held = self._split_count(query, view, stored)
-        buffers = self._buffers(query, view, splits)
-        launches = self._attention(query, view, mask, sink_logits, splits, held, stored, *buffers)
-        out = buffers[0]
+        out, part_acc, part_stats = self._buffers(query, splits)
+        launches = self._attention(query, view, mask, sink_logits, splits, held, stored, out, part_acc, part_stats)
         return out, launches
 
     def _stored(self, view: KVView) -> Stored:
@@ -653,7 +658,7 @@ class AttentionPlan:
                       (_slots(view.recent), _slots(view.sinks)), _fp_tokens(view), _scale_words(view))  # fmt: skip
 
     def _attention(
-        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats, tickets
+        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats
     ) -> list[Launch]:
         if view.static:  # positions are read on the device
             start, end, recent_start, mask_start = view.start, 0, 0, 0
@@ -664,11 +669,22 @@ class AttentionPlan:
             mask = _expand_mask(mask, *self.out_shape[:3])
         tensors, channel, strides, slots, fp_slots, _, words = stored  # (unpacked: the step's hot path)
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
-            query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
+            query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
             *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
             *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
+        if splits > 1:
+            batch, q_heads, q_len, head_dim = self.out_shape
+            out_rows = batch * q_heads * q_len
+            rows, chunk, warps = self.reduce
+            launches.append(Launch(_reduce_kernel, (cdiv(out_rows, rows), self.block_d // chunk), (
+                part_acc, part_stats, _or(sink_logits, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
+                splits,
+            ), dict(
+                BLOCK_R=rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_C=chunk, PART_D=self.block_d,
+                HAS_SINK_LOGITS=sink_logits is not None, num_warps=warps,
+            )))  # fmt: skip
         return launches
 
 
@@ -683,6 +699,17 @@ def fp8_dots(fp8_prefill: bool, prefill: bool, fmt, dot, target: GpuTarget | Non
         fp8_prefill and prefill and fmt.dtype == torch.float8_e4m3fn and dot == tl.float16
         and (target is None or target.fp8_dots(fmt.dtype))
     )  # fmt: skip
+
+
+def reduce_blocks(out_rows: int, block_d: int) -> tuple[int, int, int]:
+    """Rows, head_dim chunk and warps of a reduce program: 32-channel chunks, rows per program growing with the
+    rows to merge (at least REDUCE_PROGRAMS programs, 16 rows at most), one warp per 128 elements. A batch-1 step
+    of 32 query heads had 2 programs of 16 rows x 128 channels over 47 splits (gpu_static); it now has 128."""
+    chunk = min(block_d, REDUCE_CHUNK)
+    chunks = block_d // chunk
+    per_program = max(1, out_rows * chunks // REDUCE_PROGRAMS)
+    rows = min(MIN_ROWS, 1 << (per_program.bit_length() - 1))  # a power of 2 at most per_program
+    return rows, chunk, max(1, min(4, rows * chunk // 128))
 
 
 def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:

@@ -246,59 +246,6 @@ def attend_tile(
 
 
 @triton.jit
-def store_split(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, part, row_ok, d, PART_D: tl.constexpr):
-    """A split's partial results of its rows: unnormalised `acc`, running max `m_i` and denominator `l_i` at
-    index `part` `[M]` of the (row, split) pairs (`PART_D` channels each)."""
-    tl.store(part_acc_ptr + part[:, None] * PART_D + d[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
-    tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
-
-
-@triton.jit
-def take_ticket(ticket_ptr, num_splits):
-    """The splits sharing the ticket at `ticket_ptr` that stored their partial results before this program did;
-    `num_splits - 1`: this program is the last (all the others' results are visible to it), and the ticket is then
-    back at 0 for the next launch (a later step, a CUDA-graph replay). The barrier orders every thread's stores
-    before the ticket's release; the acquire orders the merge's loads after the others' releases."""
-    tl.debug_barrier()
-    taken = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    if taken == num_splits - 1:
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-    return taken
-
-
-MERGE_CHUNK = tl.constexpr(4)  # splits whose loads the merge issues together
-
-
-@triton.jit
-def merge_splits(part_acc_ptr, part_stats_ptr, first_part, row_ok, num_splits, d, BLOCK_M: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PART_D: tl.constexpr):  # fmt: skip
-    """`(acc, m, l)` of rows whose `num_splits` partial results lie at `first_part` `[M]` onwards: the maxima
-    first, then each split's share weighted against them, MERGE_CHUNK splits at a time (no split's weight waits
-    for another's, so a chunk's loads are in flight together, not a chain of memory latencies; registers stay a
-    few `[M, D]` tiles however many splits). The loads skip L1 (`.cg`): the other programs' stores reach L2, and
-    nothing orders this SM's L1 after them."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for split in tl.range(num_splits, num_stages=1):
-        m = tl.maximum(m, tl.load(part_stats_ptr + (first_part + split) * 2, mask=row_ok, other=float("-inf"),
-                                  cache_modifier=".cg"))  # fmt: skip
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for first in tl.range(0, num_splits, MERGE_CHUNK, num_stages=1):
-        for j in tl.static_range(MERGE_CHUNK):
-            part = first_part + first + j
-            ok = row_ok & (tl.full([BLOCK_M], first + j, tl.int32) < num_splits)
-            stats = part_stats_ptr + part * 2
-            weight = tl.exp2(tl.load(stats, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-            l += tl.load(stats + 1, mask=ok, other=0.0, cache_modifier=".cg") * weight
-            acc_s = tl.load(part_acc_ptr + part[:, None] * PART_D + d[None, :], mask=ok[:, None], other=0.0,
-                            cache_modifier=".cg")  # fmt: skip
-            acc += acc_s * weight[:, None]
-    return acc, m, l
-
-
-@triton.jit
 def outside(t, lo, hi):
     """`t < lo or t >= hi` (`lo <= hi`), as one unsigned compare: with two, the loop of a left-padded decode kernel
     (which leaves its sink tokens' codes out tile by tile) ran 546 instructions instead of 515 (gpu_static)."""

@@ -74,9 +74,6 @@ class KVView:
     has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
     value_tiled: bool = False  # value codes head_dim-major in blocks of VALUE_TILE slots (else token-major)
     positions: torch.Tensor | None = None  # device positions: int64 [2] holding `end`, `recent_start`
-    # a static layer's split tickets: int32 zeros, one per (batch row, KV head) of a decode step (None: the
-    # attention plan keeps its own), kept at one address for CUDA graphs
-    tickets: torch.Tensor | None = None
     mask_start: int | None = None  # the position of the mask's first column (None: the mask ends at `end`)
     columns: int = 0  # static buffers: the columns their tokens lie on (see the module docstring)
     memo: dict | None = None  # launch arguments derived from the buffers, kept by the layer's kernel handle
@@ -90,10 +87,6 @@ class KVView:
     def slots(self) -> int:
         """Slots that hold tokens (static buffers have one more at the end, where writes with nowhere to go land)."""
         return self.codes.shape[3] - self.static
-
-    def ticket_count(self) -> float:
-        """Row-block programs whose splits can be merged (each needs a ticket): unbounded without `tickets`."""
-        return float("inf") if self.tickets is None else self.tickets.numel()
 
     def layout(self) -> tuple:
         """Everything about the buffers that a kernel plan depends on (not their contents, slots, positions or

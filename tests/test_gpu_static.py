@@ -116,7 +116,7 @@ def compiled(tmp_path_factory):
     return result.stdout, json.loads((out / "report.json").read_text()), known
 
 
-KERNELS = {"_attention_kernel", "_write_kernel", "_paged_attention_kernel", "_write_rows_kernel"}
+KERNELS = {"_attention_kernel", "_reduce_kernel", "_write_kernel", "_paged_attention_kernel", "_write_rows_kernel"}
 
 
 def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
@@ -147,10 +147,10 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     assert {"q_sd", "c_sd"} <= set(attention["constexpr_args"])
     assert {"q_ptr", "k_ptr", "v_ptr", "out_ptr"} <= set(attention["aligned_args"])
     assert "length" not in attention["aligned_args"] + attention["constexpr_args"]
-    assert rows["_write_kernel"]["loop"] is None
-    # the decode layer step: the write and the attention (its splits merged in the launch), modelled per point
+    assert rows["_write_kernel"]["loop"] is None and rows["_reduce_kernel"]["loop"] is None
+    # the decode layer step: the write, the attention and (split at batch 1) its reduce, modelled per point
     step = attention["step"]
-    assert step["launches"] == 2 and set(step["copy_fraction"]) == {"b1_4k", "b1_32k", "b16_4k", "b16_32k"}
+    assert step["launches"] == 3 and set(step["copy_fraction"]) == {"b1_4k", "b1_32k", "b16_4k", "b16_32k"}
     for point, fraction in step["copy_fraction"].items():
         low, high = step["ends"][point]
         assert 0 < low <= fraction <= high < 1, point
@@ -291,6 +291,9 @@ def test_budgets():
     assert report.budget_failures(dict(prefill, arch="sm_89", mma=dict(kind="QMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, case=d128)) == []  # the default prefill: fp16 dots
+    reduce = dict(good, kind="decode", kernel="_reduce_kernel", loop=None, case=dict(d128, context=32768), grid=[2])
+    assert report.budget_failures(reduce) == ["reduce on 2 programs < 32 at batch 1, 32768 tokens"]
+    assert report.budget_failures(dict(reduce, grid=[32, 4])) == []
     # the decode layer step: launches anywhere, the copy fractions on sm_90
     fractions = {"b1_4k": 0.3, "b1_32k": 0.81, "b16_4k": 0.9, "b16_32k": 0.97}
     step = dict(launches=3, copy_fraction=fractions, step_us=dict.fromkeys(fractions, 5.0))
@@ -306,18 +309,17 @@ def test_the_step_model_is_the_sum_of_its_parts():
     """A decode layer step by hand: batch 64 x 4096 tokens at head_dim 128 on 8 KV heads (static scales: 256 bytes
     a token and head), at the middle of the ranges: 536.9 MB at 0.95 x 4.8 TB/s is 117.7 us of copy, over the
     issue-bound 93.4 us (0.1 instructions per byte at 0.55 x 4 x 1.98 GHz x 132 SMs). The split rule gives 512
-    programs 3 splits on 396 slots: 4 waves of 22 tiles, 88 tile-times where 512 x 64 / 396 = 82.7 would do; its
-    merge, the ticket and one chunk of splits: 2 x 0.35 us; one attention launch (2.25 us) and the write (2.5 us +
-    0.65 us between them)."""
+    programs 3 splits on 396 slots: 4 waves of 22 tiles, 88 tile-times where 512 x 64 / 396 = 82.7 would do; one
+    attention launch (2.25 us), the write and the reduce (2.5 us each + 0.65 us before each)."""
     report = gpu_static()
     case = report.Case("decode", batch=64, context=4096)
     gpu = report.EXAMPLE_GPUS["sm_90"]
     row = dict(blocks_per_sm=3, loop=dict(instr_per_byte=0.1))
-    (launch,) = report.plan(case, gpu, device="meta", slots=396)
-    assert launch.grid == (1, 512, 3)
-    step_us, copy_us = report.step_time(case, gpu, row, report.middle(report.STEP_RANGES), launches=2)
-    assert copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
-    assert step_us == pytest.approx(2.25 + 2.5 + 0.65 + copy_us * 88 / (512 * 64 / 396) + 2 * 0.35)
+    attention, reduce = report.plan(case, gpu, device="meta", slots=396)
+    assert attention.grid == (1, 512, 3) and reduce.kernel.__name__ == "_reduce_kernel"
+    step_us, copy_us, launches = report.step_time(case, gpu, row, report.middle(report.STEP_RANGES))
+    assert launches == 3 and copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
+    assert step_us == pytest.approx(2.25 + 2 * (2.5 + 0.65) + copy_us * 88 / (512 * 64 / 396))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.triton_attention import (
-    AttentionPlan, _scale_words, attention, held_splits, plan_attention, split_count,
+    AttentionPlan, _scale_words, attention, held_splits, plan_attention, reduce_blocks, split_count,
 )
 from hf_fp8kv.kernels.view import KVView, slot_codes
 from streams import Stream, fill
@@ -232,7 +232,7 @@ def test_static_grid_is_fixed():
         query = torch.randn(2, 6, 1, 80, device=DEVICE)
         _, launches = plan_attention(query, view, scaling=0.1, resident_slots=264)
         grids.append([launch.grid for launch in launches])
-    assert grids[0] == grids[1] and len(grids[0]) == 1 and grids[0][0][2] > 1  # split, merged in the launch
+    assert grids[0] == grids[1] and len(grids[0]) == 2  # split, then reduced
 
 
 def test_bad_inputs_are_named():
@@ -250,9 +250,8 @@ def test_bad_inputs_are_named():
 
 
 def _op_args(view, query, mask, num_splits):
-    tickets = torch.zeros(view.codes.shape[1] * view.codes.shape[2], dtype=torch.int32, device=DEVICE)
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
-            tickets, mask, None, None, view.fmt.name, view.per_token, view.ring, 0.1, 0, 0.0, num_splits, False)  # fmt: skip
+            mask, None, None, view.fmt.name, view.per_token, view.ring, 0.1, 0, 0.0, num_splits, False)  # fmt: skip
 
 
 def test_registered_op_is_the_launcher_on_a_static_view():
@@ -344,7 +343,7 @@ def test_stages_reach_the_launch():
     view = KVView(codes=codes, scales=torch.ones(2, 1, 2, 1), fmt=get_format("fp8_e4m3"), end=200, recent_start=200)
     for stages in (None, 4):
         _, launches = plan_attention(query, view, scaling=0.125, stages=stages, num_splits=2)
-        assert [launch.kwargs.get("STAGES") for launch in launches] == [stages or 3]
+        assert [launch.kwargs.get("STAGES") for launch in launches] == [stages or 3, None]
 
 
 WORD_CASES = [
@@ -376,41 +375,13 @@ def test_bf16_scales_read_as_words_match_the_oracle(case):
     assert_close(got, expected, case.dtype)
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["plan's tickets", "static layer's tickets"])
-def test_split_tickets_are_back_at_zero_after_every_launch(static):
-    """The last split of each row block merges the others' partial results and sets its ticket back to 0: the same
-    tickets serve step after step (a dynamic layer's plan keeps its own; a static layer's, passed in the view, are
-    what a CUDA graph replays with), each step's output the oracle's. A ticket left at another count would make a
-    split other than the last merge (before the others' results exist): the output would differ."""
-    stream = Stream(updates=[150], recent=6, sinks=2, static=200 if static else 0, tiled=True)
-    generator = torch.Generator().manual_seed(5)
-    view, _, _ = fill(stream, reference.write, generator, DEVICE)
-    if static:
-        view.tickets = torch.zeros(stream.batch * stream.kv_heads, dtype=torch.int32, device=DEVICE)
-    plans: dict = {}
-    for step in range(3):  # the same tokens, other queries: each launch's merge starts from tickets at 0
-        query = torch.randn(stream.batch, stream.kv_heads * 3, 1, stream.head_dim, generator=generator).to(DEVICE)
-        got = attention(query, view, scaling=0.1, num_splits=5, plans=plans)
-        assert_close(got, reference.attend(query, view, scaling=0.1), torch.float32)
-        (plan,) = plans.values()
-        tickets = view.tickets if static else plan.tickets
-        assert tickets is not None and tickets.numel() >= stream.batch * stream.kv_heads
-        assert not tickets.any(), (step, tickets)
-    assert (plan.tickets is None) == static  # a static view's tickets are the only ones
-
-
-def test_a_static_prefill_with_more_row_blocks_than_tickets_is_not_split():
-    """A static layer's tickets number its decode step's row blocks: a longer prompt's programs run unsplit
-    (their results still the oracle's)."""
-    stream = Stream(updates=[40], static=64)
-    generator = torch.Generator().manual_seed(6)
-    view, _, _ = fill(stream, reference.write, generator, DEVICE)
-    view.tickets = torch.zeros(stream.batch * stream.kv_heads, dtype=torch.int32, device=DEVICE)
-    query = torch.randn(stream.batch, stream.kv_heads * 8, 20, stream.head_dim, generator=generator).to(DEVICE)
-    plan = AttentionPlan(query, view, None, None, 0.1, num_splits=4)
-    assert plan.row_blocks > 1 and plan.splits(query, view) == 1
-    assert_close(attention(query, view, scaling=0.1, num_splits=4), reference.attend(query, view, scaling=0.1),
-                 torch.float32)  # fmt: skip
+def test_reduce_programs_fill_the_gpu_at_batch_one():
+    """Rows and head_dim chunk of a reduce program: a batch-1 step of 32 query heads is spread over 128 programs
+    (one row, 32 channels, one warp each); a batch of 16 over 128 programs of 16 rows."""
+    assert reduce_blocks(32, 128) == (1, 32, 1)
+    assert reduce_blocks(512, 128) == (16, 32, 4)
+    assert reduce_blocks(84, 128) == (2, 32, 1)
+    assert reduce_blocks(4096, 64) == (16, 32, 4)  # never more than 16 rows
 
 
 def test_a_plan_that_is_not_the_layers_keeps_nothing_in_the_views_memo():
