@@ -570,6 +570,13 @@ def tile_bytes(case: Case, tokens: int) -> int:
     return tokens * (2 * case.head_dim * FORMATS[case.fmt].dtype.itemsize + scale_bytes)
 
 
+def split_tiles(case: Case, block_n: int) -> tuple[int, int]:
+    """The tiles of codes of a decode step of `case`, and its recent and sink tokens' in codes' bytes, as the split
+    rule counts them."""
+    held = -(-(case.recent + case.sinks) * getattr(torch, case.dtype).itemsize // block_n)
+    return -(-(case.context - case.recent) // block_n), held
+
+
 def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
     """Blocks of `kernel`'s launches and their wave efficiency over the batch x context grid of `case`."""
     grid = []
@@ -580,18 +587,13 @@ def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
             blocks = math.prod(launch.grid)
             # whole KV tiles: no plan beats ceil(all tiles / slots) tile-times, whatever its waves' fullness
             programs, splits = launch.grid[0] * launch.grid[1], launch.grid[2]
-            # the codes' tiles, and the recent and sink tokens' in codes' bytes (as the split rule counts them): read
-            # by splits of their own beside others, else after the codes
-            block_n = launch.kwargs["BLOCK_N"]
-            tiles = -(-(context - case.recent) // block_n)
-            held = -(-(case.recent + case.sinks) * getattr(torch, case.dtype).itemsize // block_n)
+            tiles, held = split_tiles(dataclasses.replace(case, context=context), launch.kwargs["BLOCK_N"])
             # the split rule's own cost (waves x (the longest split + each program's own reads and writes)), against
             # every tile spread evenly over the slots
-            own = triton_attention.PROGRAM_TILES
             grid.append(dict(
                 batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
                 tile_times=triton_attention.split_cost(programs, tiles, slots, held, splits),
-                fewest_tile_times=-(-programs * (tiles + held) // slots) + own,
+                fewest_tile_times=-(-programs * (tiles + held) // slots) + triton_attention.PROGRAM_TILES,
             ))  # fmt: skip
     return grid
 
@@ -669,8 +671,8 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     kv_bytes = case.batch * case.kv_heads * (codes_bytes + fp_bytes)
     copy_us = kv_bytes / (bandwidth * 1e12 * model.copy_share) * 1e6
     issue_us = kv_bytes * row["loop"]["instr_per_byte"] / (4 * clock * 1e9 * gpu.sms * model.issue_share) * 1e6
-    block_n, splits = launch.kwargs["BLOCK_N"], launch.grid[2]
-    tiles, held = -(-(case.context - case.recent) // block_n), -(-fp_bytes // tile_bytes(case, block_n))
+    splits = launch.grid[2]
+    tiles, held = split_tiles(case, launch.kwargs["BLOCK_N"])
     programs = launch.grid[0] * launch.grid[1]
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
