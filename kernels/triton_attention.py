@@ -167,32 +167,33 @@ def _attention_kernel(
         if not HAS_MASK and HAS_WINDOW:  # the first tile's columns before every row's window are never read
             lo = tl.maximum(lo, first_pos - window + 1)
         # the tiles of whole value blocks (WHOLE_TILES: the buffer's slots are whole blocks) in a loop reading every
-        # column; the partial ones at either end, or every tile without WHOLE_TILES, masked: `before` tiles from
-        # `lead_tile`, then those from `first_tail` to `hi`
-        lead_tile = lo
-        before = 0
+        # column; the partial ones at either end (at most one before), or every tile without WHOLE_TILES, masked
+        head_tile = lo
+        first_tail = lo
         whole_lo = lo
         whole_hi = lo
         if WHOLE_TILES:
             whole_lo = base + tl.cdiv(lo - base, BLOCK_N) * BLOCK_N
             whole_hi = tl.maximum(base + (hi - base) // BLOCK_N * BLOCK_N, whole_lo)
-            before = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)  # a partial tile before the whole ones
-            lead_tile = whole_lo - before * BLOCK_N
-            if not HAS_MASK and not ONE_POSITION:
-                # a causal prefill's whole loop holds the tiles every row sees in full (at or below the first row's
-                # position, past the sink tokens, inside the last row's window), read without the rule; the
-                # diagonal tiles on either side of it join the masked ones
-                seen_lo = whole_lo
-                if HAS_WINDOW:
-                    seen_lo = tl.maximum(seen_lo, last_pos - window + 1)
-                if HAS_SINK_TOKENS:
-                    seen_lo = tl.maximum(seen_lo, sink_hi)
-                seen_lo = tl.minimum(base + tl.cdiv(seen_lo - base, BLOCK_N) * BLOCK_N, whole_hi)
-                seen_hi = tl.maximum(tl.minimum(base + (first_pos + 1 - base) // BLOCK_N * BLOCK_N, whole_hi), seen_lo)
-                before += (seen_lo - whole_lo) // BLOCK_N
-                whole_lo = seen_lo
-                whole_hi = seen_hi
-        first_tail = whole_hi
+            head_tile = whole_lo - BLOCK_N
+            first_tail = whole_hi
+        before = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)  # a partial tile before the whole ones (0 or 1)
+        if WHOLE_TILES and not HAS_MASK and not ONE_POSITION:
+            # a causal prefill's whole loop holds the tiles every row sees in full (at or below the first row's
+            # position, past the sink tokens, inside the last row's window), read without the rule; the diagonal
+            # tiles on either side of it join the masked ones: `before` tiles from `head_tile`, then the rest
+            seen_lo = whole_lo
+            if HAS_WINDOW:
+                seen_lo = tl.maximum(seen_lo, last_pos - window + 1)
+            if HAS_SINK_TOKENS:
+                seen_lo = tl.maximum(seen_lo, sink_hi)
+            seen_lo = tl.minimum(base + tl.cdiv(seen_lo - base, BLOCK_N) * BLOCK_N, whole_hi)
+            seen_hi = tl.maximum(tl.minimum(base + (first_pos + 1 - base) // BLOCK_N * BLOCK_N, whole_hi), seen_lo)
+            head_tile = whole_lo - before * BLOCK_N
+            before += (seen_lo - whole_lo) // BLOCK_N
+            whole_lo = seen_lo
+            whole_hi = seen_hi
+            first_tail = whole_hi
         # Loop order: the whole tiles first for a decode step in one split (masked first, the batch-64 decode kernel
         # spilled 8 B), the masked ones first otherwise (whole first, the split decode kernels took 0.115 -> 0.124
         # instructions per KV byte, padded 0.129 -> 0.132, and the windowed prefill spilled 88 B). A decode's masked
@@ -216,7 +217,9 @@ def _attention_kernel(
                 for i in tl.range(
                     0, masked, num_stages=1 if WHOLE_TILES and (ONE_POSITION or not HAS_MASK) else STAGES
                 ):
-                    tile = tl.where(i < before, lead_tile + i * BLOCK_N, first_tail + (i - before) * BLOCK_N)
+                    # (decode steps and masked prefills: at most one tile before, and their figures as they were)
+                    lead = head_tile + i * BLOCK_N if not HAS_MASK and not ONE_POSITION else head_tile
+                    tile = tl.where(i < before, lead, first_tail + (i - before) * BLOCK_N)
                     acc, m_i, l_i = _codes_tile(
                         q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                         PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
