@@ -170,6 +170,7 @@ def every_case(quick: bool = False) -> list[Case]:
         Case("prefill", batch=2, q_len=500, context=500, mask=True),
         Case("prefill", q_len=256, context=4096),  # a prompt after a past: splits, then the reduce
     ]
+    prefill += [dataclasses.replace(case, per_token=True) for case in prefill]  # the default scales
     prefill += [dataclasses.replace(case, fp8_prefill=True) for case in prefill]  # the opt-in FP8 dots
     # what users run: the default recent 128 + sinks 4 (full-precision tiles in the model dtype next to the codes'
     # loop), a left-padded batch (a mask), the static cache of compiled generate; GQA 32/8 at 32k (the reduce)
@@ -181,6 +182,8 @@ def every_case(quick: bool = False) -> list[Case]:
         Case("decode", batch=64, context=4099, **default),  # one split: the held tokens after the codes
         Case("decode", group=4, context=32768, per_token=True),
         Case("prefill", q_len=500, context=500, recent=128),
+        Case("prefill", q_len=500, context=500, **default),
+        Case("prefill", q_len=500, context=500, fp8_prefill=True, **default),
     ]
     write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
     write += [Case("write", per_token=True, q_len=n, recent=64) for n in (1, 500)]
@@ -870,14 +873,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")
     parser.add_argument("--json", metavar="PATH", help="also write every figure (and the loop evidence) as JSON")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel compiles")
-    parser.add_argument("--match", metavar="TEXT", help="only the cases whose name contains TEXT")
+    parser.add_argument("--match", metavar="TEXT", help="only the cases whose kind and name contain TEXT")
     args = parser.parse_args(argv)
 
     # a target the cache gives the torch path (T4), or one this Triton cannot compile for, gets a line saying why
     refused = {arch: EXAMPLE_GPUS[arch].unsupported() or triton_refusal(EXAMPLE_GPUS[arch]) for arch in args.arch}
     jobs = [
         (case, arch) for arch in args.arch if not refused[arch]
-        for case in cases(args.quick, EXAMPLE_GPUS[arch]) if not args.match or args.match in case.name
+        for case in cases(args.quick, EXAMPLE_GPUS[arch]) if not args.match or args.match in f"{case.kind} {case.name}"
     ]  # fmt: skip
     rows = run(jobs, args.jobs)
     print(f"Triton {triton.__version__}")

@@ -178,11 +178,28 @@ def _attention_kernel(
             head_tile = whole_lo - BLOCK_N
             first_tail = whole_hi
         before = (lo < tl.minimum(whole_lo, hi)).to(tl.int32)  # a partial tile before the whole ones (0 or 1)
+        if WHOLE_TILES and not HAS_MASK and not ONE_POSITION:
+            # a causal prefill's whole loop holds the tiles every row sees in full (at or below the first row's
+            # position, past the sink tokens, inside the last row's window), read without the rule; the diagonal
+            # tiles on either side of it join the masked ones: `before` tiles from `head_tile`, then the rest
+            seen_lo = whole_lo
+            if HAS_WINDOW:
+                seen_lo = tl.maximum(seen_lo, last_pos - window + 1)
+            if HAS_SINK_TOKENS:
+                seen_lo = tl.maximum(seen_lo, sink_hi)
+            seen_lo = tl.minimum(base + tl.cdiv(seen_lo - base, BLOCK_N) * BLOCK_N, whole_hi)
+            seen_hi = tl.maximum(tl.minimum(base + (first_pos + 1 - base) // BLOCK_N * BLOCK_N, whole_hi), seen_lo)
+            head_tile = whole_lo - before * BLOCK_N
+            before += (seen_lo - whole_lo) // BLOCK_N
+            whole_lo = seen_lo
+            whole_hi = seen_hi
+            first_tail = whole_hi
         # Loop order: the whole tiles first for a decode step in one split (masked first, the batch-64 decode kernel
         # spilled 8 B), the masked ones first otherwise (whole first, the split decode kernels took 0.115 -> 0.124
         # instructions per KV byte, padded 0.129 -> 0.132, and the windowed prefill spilled 88 B). A decode's masked
-        # tiles (at most 2) are not pipelined (else 114 -> 125 registers at head_dim 128), a prefill's are (else its
-        # windowed case spilled 68 B) (gpu_static)
+        # tiles (at most 2) are not pipelined (else 114 -> 125 registers at head_dim 128), nor a causal prefill's
+        # (the diagonal ones, a few per row block: 3 stages spilled 64 B in the per-token prefill at 255 registers;
+        # static 232 -> 220), a masked prefill's are (else its windowed case spilled 68 B) (gpu_static)
         tile_args = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim,
                      lo, hi, n, d, d_ok, value_boost, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head,
                      pos, window, sink_lo, sink_hi, softcap, q_row)  # fmt: skip
@@ -193,17 +210,21 @@ def _attention_kernel(
                         q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                         PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
                         DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES,
-                        FP8_QK, FP8_PV, True,
+                        FP8_QK, FP8_PV, True, not HAS_MASK and not ONE_POSITION,
                     )  # fmt: skip
             else:
                 masked = before + tl.cdiv(hi - first_tail, BLOCK_N)
-                for i in tl.range(0, masked, num_stages=1 if WHOLE_TILES and ONE_POSITION else STAGES):
-                    tile = tl.where(i < before, head_tile, first_tail + (i - before) * BLOCK_N)
+                for i in tl.range(
+                    0, masked, num_stages=1 if WHOLE_TILES and (ONE_POSITION or not HAS_MASK) else STAGES
+                ):
+                    # (decode steps and masked prefills: at most one tile before, and their figures as they were)
+                    lead = head_tile + i * BLOCK_N if not HAS_MASK and not ONE_POSITION else head_tile
+                    tile = tl.where(i < before, lead, first_tail + (i - before) * BLOCK_N)
                     acc, m_i, l_i = _codes_tile(
                         q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                         PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
                         DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES,
-                        FP8_QK, FP8_PV, False,
+                        FP8_QK, FP8_PV, False, False,
                     )  # fmt: skip
 
         # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
@@ -243,9 +264,11 @@ def _codes_tile(
     PRECISION: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, DOT: tl.constexpr, BLOCK_D: tl.constexpr, VALUE_TILED: tl.constexpr,
     WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr, FP8_PV: tl.constexpr, ALL_IN: tl.constexpr,
+    ALL_SEEN: tl.constexpr,
 ):  # fmt: skip
     """Tokens `[tile, tile + BLOCK_N)` of the codes into the softmax, those in `[lo, hi)` (ALL_IN: all of them);
-    `tile_args` the kernel's values the tiles read (pointers, strides, positions, the rows' indices).
+    `tile_args` the kernel's values the tiles read (pointers, strides, positions, the rows' indices). ALL_SEEN:
+    every row sees every token (an interior tile of a causal prefill): no visibility rule.
 
     WHOLE_TILES: the tile lies in one whole block of tiled values, read whole as a head_dim-major tile; columns
     out of `[lo, hi)` are zeroed after it (they may hold anything, NaN codes included). Token-major values were
@@ -288,9 +311,12 @@ def _codes_tile(
         v_scale = load_token_scales(v_scale_ptr, slot, s_st, t_ok, SCALE_WORDS) * value_boost
     else:
         v_scale = 1.0
-    visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
-                         sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW,
-                         ONE_POSITION)  # fmt: skip
+    if ALL_SEEN:
+        visible = None
+    else:
+        visible = visibility(t, t_ok, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window,
+                             sink_lo, sink_hi, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, True, MASK_ROW,
+                             ONE_POSITION)  # fmt: skip
     return attend_tile(
         q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION,
         DROP_UNSEEN, q_row, FP8_QK, FP8_PV, HW_CONVERT,
@@ -549,7 +575,10 @@ class AttentionPlan:
         self.kv_heads = view.codes.shape[2]
         group = q_heads // self.kv_heads
         target = target or query_target(query)
-        self.block_m, self.block_n, self.block_d, options = block_sizes(group * q_len, head_dim, mask is not None, target)
+        held = view.recent is not None or view.sinks is not None
+        self.block_m, self.block_n, self.block_d, options = block_sizes(
+            group * q_len, head_dim, mask is not None, target, view.per_token and held
+        )
         if stages is not None:
             options["STAGES"] = stages
         self.row_blocks = cdiv(group * q_len, self.block_m)

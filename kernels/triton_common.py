@@ -207,7 +207,8 @@ def attend_tile(
     HW_CONVERT: tl.constexpr = False,
 ):  # fmt: skip
     """One tile of the online softmax: `k` `[D, N]` and `v` `[N, D]` already in the dot dtype; `scores_scale` /
-    `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]`. DROP_UNSEEN:
+    `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]` (None: every row
+    sees every token). DROP_UNSEEN:
     the values of columns no row sees are zeroed (a masked NaN would otherwise reach every row: 0 x NaN); without
     it the caller never loads such a column (its load mask leaves them 0).
 
@@ -229,7 +230,8 @@ def attend_tile(
         scores = scores * scores_scale[None, :]
     if HAS_SOFTCAP:  # the query holds log2(e) only without softcap
         scores = softcap * tanh(scores / softcap) * LOG2E
-    scores = tl.where(visible, scores, float("-inf"))
+    if visible is not None:
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -334,9 +336,11 @@ def attend_full_precision(
                         True, False, HAS_SOFTCAP, PRECISION, not alike)  # fmt: skip
 
 
-def block_sizes(rows: int, head_dim: int, masked: bool = False, target: GpuTarget | None = None) -> tuple[int, int, int, dict]:
+def block_sizes(
+    rows: int, head_dim: int, masked: bool = False, target: GpuTarget | None = None, per_token_held: bool = False
+) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head on `target` (None: the
-    interpreter, sm_90's sizes)."""
+    interpreter, sm_90's sizes); `per_token_held`: per-token scales, and recent or sink tokens in full precision."""
     block_d = next_power_of_2(head_dim)
     stages = 3 if target is None else target.pipeline_stages
     if target is not None and target.is_amd:  # one wave per SIMD (4 warps) may hold 512 VGPRs, two 256 each: 8
@@ -345,7 +349,10 @@ def block_sizes(rows: int, head_dim: int, masked: bool = False, target: GpuTarge
         return block_m, 32 if rows > 64 or block_d > 128 else 64, block_d, dict(num_warps=2 if block_d == 64 else 4, STAGES=1)
     if rows > 64 and (target is None or target.warpgroup_dots):
         # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
-        block_n = 32 if masked or block_d > 128 else 64  # a [128, 64] mask tile spilled (gpu_static)
+        # a [128, 64] mask tile spilled; so did the per-token prefill with recent 128 + sinks 4, at 255 registers,
+        # 72 B of values live across its loops (32 tokens: 243 registers, no spill, 0.277 -> 0.375 instructions
+        # per KV byte) (gpu_static)
+        block_n = 32 if masked or block_d > 128 or per_token_held else 64
         return PREFILL_ROWS, block_n, block_d, dict(num_warps=8, STAGES=stages)
     if rows > 64:  # with mma.sync's operands in registers, 128-row tiles spilled 956-5648 B on sm_80 / sm_86; 64
         # rows of 8 warps at 2 stages: none on sm_80, sm_86, sm_89, sm_120, 1 block per SM (gpu_static)

@@ -35,6 +35,21 @@ class Case:
         return ",".join([str(self.stream), *fields, *(f"{k}={v}" for k, v in self.options.items())])
 
 
+PREFILL_TILES = [
+    Case(Stream(head_dim=32, updates=[200], tiled=True), q_len=200, group=1),
+    Case(Stream(head_dim=32, updates=[100, 200], tiled=True, scales="per-head"), q_len=200, group=1,
+         dtype=torch.float16),  # fmt: skip
+    Case(Stream(head_dim=32, updates=[100, 100], tiled=True), q_len=100, group=2, dtype=torch.bfloat16),
+    Case(Stream(head_dim=32, updates=[100, 200], tiled=True), q_len=200, group=1, options=dict(window=90)),
+    Case(Stream(head_dim=32, updates=[230, 70], tiled=True, scales="per-tensor"), q_len=70, group=2,
+         options=dict(window=150)),  # fmt: skip
+    Case(Stream(head_dim=32, recent=40, sinks=4, updates=[100, 200], tiled=True), q_len=200, group=1),
+    Case(Stream(head_dim=32, recent=40, sinks=4, sink_rows=[70, 0], updates=[100, 200], tiled=True), q_len=200,
+         group=1),  # sink tokens among the codes
+    Case(Stream(head_dim=32, updates=[100, 200], tiled=True), q_len=200, group=1, mask="padding"),
+    Case(Stream(head_dim=32, recent=40, sinks=4, sink_rows=[4, 0], updates=[100, 200], tiled=True), q_len=200,
+         group=1, mask="padding"),  # fmt: skip
+]
 CASES = [
     Case(),  # decode, GQA 3, dynamic scales
     Case(splits=3),
@@ -93,6 +108,9 @@ CASES = [
     Case(Stream(static=130, updates=[128, 1], tiled=True), splits=2, mask="padding"),
     Case(Stream(static=64, ring=True, recent=3, updates=[60, 1, 1, 1, 1, 1, 1, 1], tiled=True), mask="padding"),
     Case(Stream(static=16, ring=True, updates=[12, 1, 1, 1, 1, 1, 1], tiled=True), options=dict(window=16)),  # any
+    # a causal prefill's tiles (128 rows, 64 tokens): interior ones (every row sees them: no rule), diagonal ones,
+    # partial ones at either end; the same tiles under a mask
+    *PREFILL_TILES,
 ]
 
 
