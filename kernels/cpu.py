@@ -1,4 +1,5 @@
-"""The torch path the cache runs where Triton does not (the CPU): the oracle's bits (`reference`) in few ops.
+"""The torch path the cache runs where Triton does not (the CPU): the oracle's bits (`reference`) in few ops
+(rotated codes, `view.rotate`: the same Hadamard butterflies, `rotation.hadamard`, on whole tensors).
 
 A decode step on the CPU is op-dispatch bound (docs/benchmarks.md), so codes are decoded by int16 bit operations
 on an fp16 view (see `StorageFormat`), numbers are 0-dim tensors, and the common case (finite inputs, nothing
@@ -20,6 +21,7 @@ import torch
 
 from .formats import TINY_SCALE, StorageFormat, get_format
 from .reference import attention, dynamic_scale, quantize
+from .rotation import hadamard
 from .view import KVView, coded_end, token_major
 
 # codes up to which the decode multiplies its fp16 (or int8) values by the scales in one mixed-dtype op; on
@@ -243,7 +245,7 @@ class HostPositions:
         """`write_stacked` of tokens `[first, first + n)` (`rows`, `[2, batch, kv_heads, n, head_dim]`)."""
         n, slot = rows.shape[3], first - view.offset
         scale = _scale_columns(view)
-        return write_stacked(rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if view.per_token else scale,
+        return write_stacked(hadamard(rows) if view.rotate else rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if view.per_token else scale,
                              view.fmt, view.per_token, stats)  # fmt: skip
 
     @staticmethod
@@ -278,8 +280,11 @@ class HostPositions:
         """fp32 K/V of the codes of tokens `[first, stop)`, into `out` when given."""
         slot, scales = first - view.offset, _scale_columns(view)
         codes = view.codes.narrow(3, slot, stop - first)
-        return dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.per_token else scales, view.fmt,
-                                  view.has_nan, out)  # fmt: skip
+        values = dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.per_token else scales,
+                                    view.fmt, view.has_nan, out)  # fmt: skip
+        if not view.rotate:
+            return values
+        return hadamard(values) if out is None else out.copy_(hadamard(values))
 
     @staticmethod
     def _lay_sinks(kv: torch.Tensor, view: KVView) -> None:
@@ -312,6 +317,8 @@ class DevicePositions:
         device = states.device
 
         def quantize_into(rows: torch.Tensor, index: torch.Tensor) -> None:
+            if view.rotate:
+                rows = hadamard(rows)
             if view.per_token:
                 row_scale = dynamic_scale(rows, fmt, scales.dtype)[..., None]
                 scales.index_copy_(3, index, row_scale[..., 0].to(scales.dtype))
@@ -348,6 +355,8 @@ class DevicePositions:
         scales = _scale_columns(view)
         kv = dequantize_stacked(view.codes.index_select(3, code_slot),
                                 scales.index_select(3, code_slot) if view.per_token else scales, view.fmt, view.has_nan)  # fmt: skip
+        if view.rotate:
+            kv = hadamard(kv)
         columns = kv.shape[3] - 1
         if view.recent is not None:
             window = view.recent.shape[3]

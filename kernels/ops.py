@@ -164,7 +164,7 @@ class TritonLayerKernels(TorchLayerKernels):
     def write(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             triton_ops().write(key, value, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name,
-                               view.per_token, view.ring)  # fmt: skip
+                               view.per_token, view.ring, view.rotate)  # fmt: skip
             return True
         self._write_kv(key, value, view, stats, self.plans)
         return True
@@ -177,7 +177,7 @@ class TritonLayerKernels(TorchLayerKernels):
             return triton_ops().attend(
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
                 view.positions, mask, sink_logits, view.key_channel_scale, view.fmt.name, view.per_token, view.ring,
-                scaling, window or 0, softcap or 0.0, self.decode_splits.get((query.shape[:2], view.layout()), 1),
+                view.rotate, scaling, window or 0, softcap or 0.0, self.decode_splits.get((query.shape[:2], view.layout()), 1),
                 self.fp8_prefill,
             )  # fmt: skip
         if view.static:
@@ -263,9 +263,9 @@ def triton_ops():
     def write_op(
         key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         recent: torch.Tensor | None, stats: torch.Tensor, positions: torch.Tensor, fmt: str, per_token: bool,
-        ring: bool,
+        ring: bool, rotate: bool,
     ) -> None:  # fmt: skip
-        view = _static_view(codes, scales, positions, fmt, per_token, ring, recent)
+        view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
         for launch in WritePlan(key, value, view, stats).launches(key, value, view, stats):
             launch.run(traced=True)
 
@@ -274,10 +274,10 @@ def triton_ops():
         query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor | None,
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
         positions: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
-        channel: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, scaling: float, window: int,
-        softcap: float, num_splits: int, fp8_prefill: bool,
+        channel: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, rotate: bool, scaling: float,
+        window: int, softcap: float, num_splits: int, fp8_prefill: bool,
     ) -> torch.Tensor:  # fmt: skip
-        view = _static_view(codes, scales, positions, fmt, per_token, ring, recent)
+        view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         settings = (scaling, window or None, softcap or None, num_splits)
         plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
@@ -289,7 +289,7 @@ def triton_ops():
     return torch.ops.hf_fp8kv
 
 
-def _static_view(codes, scales, positions, fmt: str, per_token: bool, ring: bool, recent) -> KVView:
+def _static_view(codes, scales, positions, fmt: str, per_token: bool, ring: bool, rotate: bool, recent) -> KVView:
     return KVView(codes=codes, scales=scales, fmt=get_format(fmt), end=positions[0], recent_start=positions[1],
-                  per_token=per_token, ring=ring, recent=recent, positions=positions,
+                  per_token=per_token, ring=ring, rotate=rotate, recent=recent, positions=positions,
                   value_tiled=TritonLayerKernels.value_tiled)  # fmt: skip

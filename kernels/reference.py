@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import FORMATS, TINY_SCALE, StorageFormat
+from .rotation import hadamard
 from .view import KVView, coded_end, slot_codes
 
 QUERY_BLOCK = 256  # query rows per block of the explicit-softmax path: its memory stays linear in the prompt
@@ -212,8 +213,9 @@ def write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Ten
     """Store the new tokens `[end, end + n)` (`key`/`value` `[batch, kv_heads, n, head_dim]`) in the buffers of
     `view` (as it was before the update), token by token: a token among the newest `R` (the recent buffer's
     slots) goes to the recent buffer; one that leaves them (or never enters them) is quantized into its code
-    slot, once, with a per-token scale computed from it or the view's fixed scale. Adds clipped and non-finite
-    counts to `stats` (int64 `[2 (keys, values), 2]`); returns whether a quantized token was non-finite."""
+    slot, once (times the Hadamard matrix with `view.rotate`), with a per-token scale computed from it or the view's
+    fixed scale. Adds clipped and non-finite counts to `stats` (int64 `[2 (keys, values), 2]`: of the values
+    quantized, rotated ones with `view.rotate`); returns whether a quantized token was non-finite."""
     end, recent_start = int(view.end), int(view.recent_start)
     window = view.recent.shape[3] if view.recent is not None else 0
     new = torch.stack((key, value)).float()
@@ -231,8 +233,11 @@ def write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Ten
 
 
 def _quantize_token(x: torch.Tensor, t: int, view: KVView, stats: torch.Tensor) -> bool:
-    """Quantize token t's `x` `[2, batch, kv_heads, head_dim]` into its code slot."""
+    """Quantize token t's `x` `[2, batch, kv_heads, head_dim]` (rotated first with `view.rotate`) into its code
+    slot."""
     slot = _code_slot(view, t)
+    if view.rotate:
+        x = hadamard(x)
     if view.per_token:
         scale = dynamic_scale(x, view.fmt, view.scales.dtype)
         view.scales[:, :, :, slot] = scale
@@ -276,7 +281,8 @@ def _stored_kv(view: KVView, t: int, row: int) -> torch.Tensor:
     slot = _code_slot(view, t)
     scale = view.scales[:, min(row, view.scales.shape[1] - 1), :, slot if view.per_token else 0]
     codes = torch.stack(slot_codes(view.codes, slot, view.value_tiled))[:, row]
-    return dequantize(codes, scale[..., None], view.fmt)
+    values = dequantize(codes, scale[..., None], view.fmt)
+    return hadamard(values) if view.rotate else values
 
 
 def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:

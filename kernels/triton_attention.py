@@ -12,7 +12,8 @@ Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (
 K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
 `cvt.rn.f16x2.e4m3x2`, two per instruction) or by exact bit operations (the interpreter, e4m3fnuz); per-token
 K scales multiply the scores, per-token V scales the probabilities, per-head V scales the output. Nothing is
-dequantized in memory.
+dequantized in memory. Rotated codes (`view.rotate`): the query is rotated once for the codes' scores, and the
+codes' share of the output rotated back once, before the full-precision tokens (read with the query as it came).
 
 Static caches (CUDA graphs): positions are read from a device tensor and the grid is fixed (the split count for
 the full buffer); splits with no tokens write an empty partial result and exit.
@@ -29,8 +30,8 @@ import triton.language as tl
 
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
-    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, load_token_scales,
-    query_target, tile_tokens, to_e4m3, visibility, zero_columns,
+    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, hadamard, load_token_scales,
+    query_target, rotation, tile_tokens, to_e4m3, visibility, zero_columns,
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
@@ -72,7 +73,7 @@ def _attention_kernel(
     HAS_CHANNEL_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr,
-    FP8_PV: tl.constexpr, FP_PROGRAM: tl.constexpr,
+    FP8_PV: tl.constexpr, FP_PROGRAM: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -112,6 +113,8 @@ def _attention_kernel(
     channel_ptr += kv_head * head_dim
     query_args = (q_ptr, q_sh, q_sl, q_sd, head, row_pos, row_ok, d, d_ok, q_scale, channel_ptr)
     q = _scaled_query(query_args, HAS_CHANNEL_SCALE)
+    if ROTATE_STAGES > 0:  # rotated codes: the codes' scores are those of the rotated query
+        q = hadamard(q, ROTATE_STAGES, ROTATE_NORM)
     if FP8_QK:  # the codes' scores on FP8 tensor cores: the query in e4m3, one scale per row (its amax to the max)
         q_row = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / E4M3_MAX
         q_codes = to_e4m3(q / q_row[:, None], HW_CONVERT)
@@ -235,6 +238,8 @@ def _attention_kernel(
         if FP8_PV:  # e4m3 values, the probabilities times P_SCALE
             out_scale /= code_factor * P_SCALE
         acc = acc * out_scale
+        if ROTATE_STAGES > 0:  # the codes' share rotated back, before the full-precision tokens join it
+            acc = hadamard(acc, ROTATE_STAGES, ROTATE_NORM)
         if (split == num_splits - 1) & (not FP_PROGRAM):
             acc, m_i, l_i = _full_precision_tokens(
                 acc, m_i, l_i, fp_args, 0, 1, HAS_CHANNEL_SCALE, HAS_RECENT, HAS_SINK_TOKENS, HAS_MASK, HAS_WINDOW,
@@ -606,7 +611,7 @@ class AttentionPlan:
             ONE_POSITION=q_len == 1,  # a decode step: no causal rule
             # tiled values in whole blocks over every slot: what the layers allocate (a ring may have any slots)
             VALUE_TILED=view.value_tiled, WHOLE_TILES=view.value_tiled and view.slots % VALUE_TILE.value == 0,
-            FP8_QK=fp8_qk, FP8_PV=fp8_qk and not view.per_token,
+            FP8_QK=fp8_qk, FP8_PV=fp8_qk and not view.per_token, **rotation(view.rotate, head_dim),
         )  # fmt: skip
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and

@@ -1,5 +1,5 @@
 """Triton pieces shared by the write, dense attention and paged attention kernels: the exact encoder of fp32
-values into codes, the code decoder, the online-softmax tile, and the tile sizes and decode settings the two
+values into codes, the code decoder, the Hadamard rotation, the online-softmax tile, and the tile sizes and decode settings the two
 attention kernels plan with."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import triton.language as tl
 
 from . import view
 from .formats import FORMATS, TINY_SCALE, StorageFormat
+from .rotation import hadamard_norm, hadamard_stages
 from .targets import GpuTarget, device_target
 from .triton_launch import interpreting, next_power_of_2
 
@@ -53,6 +54,25 @@ def encoding(fmt: StorageFormat) -> dict:
 
 
 E4M3_MAX = tl.constexpr(FORMATS["fp8_e4m3"].max)
+
+
+@triton.jit
+def hadamard(x, STAGES: tl.constexpr, NORM: tl.constexpr):
+    """`x` `[rows, D]` (fp32) times the block-diagonal Hadamard matrix of `rotation.hadamard` (`STAGES`
+    butterflies, then `NORM`), in its order of operations: the same bits."""
+    ROWS: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    for stage in tl.static_range(STAGES):
+        H: tl.constexpr = 1 << stage
+        pairs = tl.permute(tl.reshape(x, [ROWS, D // (2 * H), 2, H]), [0, 1, 3, 2])  # (channel, channel + H) last
+        a, b = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
+    return x * NORM
+
+
+def rotation(view_rotate: bool, head_dim: int) -> dict:
+    """The constexprs of `hadamard` for a view (`ROTATE_STAGES` 0: no rotation)."""
+    return dict(ROTATE_STAGES=hadamard_stages(head_dim) if view_rotate else 0, ROTATE_NORM=hadamard_norm(head_dim))
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import MIN_TOKEN_SCALE, code_offsets, encode, encoding, round_up_to_bf16
+from .triton_common import MIN_TOKEN_SCALE, code_offsets, encode, encoding, hadamard, rotation, round_up_to_bf16
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, coded_end, scale_dtypes
 
@@ -28,14 +28,16 @@ NEW, LEAVING = 0, 1  # what a launch stores: the new tokens, or the recent buffe
 
 @triton.jit
 def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st, d, tiled, capacity,
-                   VALUE_TILED: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, IS_FLOAT: tl.constexpr,
-                   MAX: tl.constexpr,
+                   VALUE_TILED: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr,
+                   ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, IS_FLOAT: tl.constexpr, MAX: tl.constexpr,
                    ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
                    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
                    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr):  # fmt: skip
     """Quantize rows `x` `[T, D]` (fp32) into codes at `slot` `[T]`; `rows_ok` `[T]`, `valid` `[T, D]`;
     `stats_ptr` at this program's (keys or values) counters: clipped, then non-finite; `tiled`: the codes are
-    tiled values (VALUE_TILED buffers' value plane, of `capacity` slots)."""
+    tiled values (VALUE_TILED buffers' value plane, of `capacity` slots); rotated first with ROTATE_STAGES."""
+    if ROTATE_STAGES > 0:
+        x = hadamard(x, ROTATE_STAGES, ROTATE_NORM)
     if PER_TOKEN:
         magnitude = tl.abs(x)
         amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
@@ -68,7 +70,8 @@ def _write_kernel(
     heads, new_tokens, head_dim, end, recent_start, offset, slots, capacity, recent_slots,
     VALUE_TILED: tl.constexpr, MODE: tl.constexpr, EVICT: tl.constexpr, HAS_RECENT: tl.constexpr, STATIC: tl.constexpr,
     RING: tl.constexpr,
-    PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
@@ -105,8 +108,9 @@ def _write_kernel(
                     other=0.0).to(tl.float32)  # fmt: skip
         slot = (t % slots if RING else t - offset).to(tl.int64)
         _quantize_rows(x, ok, ok[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st,
-                       d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
-                       NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                       d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP, ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX,
+                       ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
+                       SIGNED_ZERO)  # fmt: skip
     else:
         t = end + i
         row_ok = i < new_tokens
@@ -120,16 +124,16 @@ def _write_kernel(
                 slot_old = (old % slots if RING else old - offset).to(tl.int64)
                 _quantize_rows(x_old, leaving, leaving[:, None] & d_ok[None, :], slot_old, codes_ptr, scale_ptr,
                                stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP,
-                               IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC,
-                               SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                               ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET,
+                               MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
         x_raw = tl.load(src + b * sb + h * sh + i.to(tl.int64)[:, None] * st + d[None, :] * sd,
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         direct = row_ok & (t < new_recent_start)
         slot = (t % slots if RING else t - offset).to(tl.int64)
         _quantize_rows(x_raw.to(tl.float32), direct, direct[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr,
-                       stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP, IS_FLOAT,
-                       MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
-                       SIGNED_ZERO)  # fmt: skip
+                       stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP,
+                       ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL,
+                       SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
         if HAS_RECENT:
             kept = row_ok & (t >= new_recent_start)
             tl.store(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
@@ -169,6 +173,7 @@ class WritePlan:
             EVICT=0 < new_tokens <= self.recent_slots, HAS_RECENT=self.recent_slots > 0, STATIC=view.static, RING=view.ring,
             VALUE_TILED=view.value_tiled,
             PER_TOKEN=view.per_token, CLIP=view.fmt.clip_bound, BLOCK_D=block_d, **encoding(view.fmt),
+            **rotation(view.rotate, head_dim),
         )  # fmt: skip
         modes = [(LEAVING, self.recent_slots)] if new_tokens > self.recent_slots > 0 else []
         modes.append((NEW, new_tokens))

@@ -7,7 +7,8 @@ included). A layer stores:
   `(t - offset) % slots` (a linear buffer when the tokens fit, a ring for static sliding-window layers: it holds
   the last `slots` tokens before `recent_start`), only for the tokens before `recent_start` (the recent ones have
   none: each token is stored once),
-  with scales `[2, 1 | batch, kv_heads, 1 | slots]` (one per KV head, or per token and KV head). Keys are
+  with scales `[2, 1 | batch, kv_heads, 1 | slots]` (one per KV head, or per token and KV head), of each token's
+  K/V or (`rotate`) of them times a Hadamard matrix (`rotation.py`). Keys are
   token-major; values too, or (`value_tiled`, the Triton backend's buffers) head_dim-major in blocks of
   `VALUE_TILE` slots, the last block as wide as the slots left: a (batch, head) plane's slot s, channel d is at
   element `first * head_dim + d * width + (s - first)` of the plane, `first` the block's first slot, `width`
@@ -71,6 +72,7 @@ class KVView:
     sink_count: torch.Tensor | None = None
     sink_rows: list[int] | None = None  # host positions: each row's first sink token (-1: none yet)
     key_channel_scale: torch.Tensor | None = None
+    rotate: bool = False  # the codes hold each token's K/V times a Hadamard matrix (`rotation.py`)
     has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
     value_tiled: bool = False  # value codes head_dim-major in blocks of VALUE_TILE slots (else token-major)
     positions: torch.Tensor | None = None  # device positions: int64 [2] holding `end`, `recent_start`
@@ -96,7 +98,7 @@ class KVView:
         return (
             self.fmt.name, shape[:3], shape[4], self.per_token, static, self.ring,
             None if self.recent is None else self.recent.shape[3], None if self.sinks is None else self.sinks.shape[3],
-            self.key_channel_scale is not None, self.has_nan,
+            self.key_channel_scale is not None, self.has_nan, self.rotate,
             self.value_tiled and (shape[3] - static) % VALUE_TILE == 0,  # (tiled values in whole blocks)
         )  # fmt: skip
 

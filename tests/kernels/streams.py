@@ -13,6 +13,7 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import FORMATS
+from hf_fp8kv.kernels.rotation import hadamard
 from hf_fp8kv.kernels.view import VALUE_TILE, KVView
 
 
@@ -32,6 +33,7 @@ class Stream:
     dtype: torch.dtype = torch.float32
     scale_dtype: torch.dtype = torch.bfloat16  # of per-token scales (the layers'; pages hold fp32)
     tiled: bool = False  # value codes tiled (the Triton backend's layout, `KVView.value_tiled`)
+    rotate: bool = False  # codes of the rotated keys and values (`KVView.rotate`)
 
     @property
     def length(self) -> int:
@@ -79,7 +81,7 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
         codes=codes.to(device), scales=scales.to(device), fmt=fmt, per_token=stream.scales == "dynamic",
         end=positions[0] if stream.static else 0, recent_start=positions[1] if stream.static else 0,
         recent=None if recent is None else recent.to(device), ring=stream.ring, positions=positions,
-        value_tiled=stream.tiled, columns=stream.static,
+        value_tiled=stream.tiled, columns=stream.static, rotate=stream.rotate,
     )  # fmt: skip
     return view
 
@@ -134,15 +136,19 @@ def fill(stream: Stream, write, generator: torch.Generator, device="cpu", edges=
 
 def expected_kv(stream: Stream, kv: torch.Tensor, view: KVView) -> torch.Tensor:
     """Each token's keys and values as the cache must serve them: quantized once (with the scale it had when it
-    left the window) unless it is among the newest `recent` or a row's sinks. `[2, batch, heads, length, D]`."""
+    left the window) unless it is among the newest `recent` or a row's sinks; rotated codes rotated back.
+    `[2, batch, heads, length, D]`."""
     fmt = FORMATS[stream.fmt]
     x = kv.float()
+    coded = hadamard(x) if stream.rotate else x
     if stream.scales == "dynamic":
-        scale = reference.dynamic_scale(x, fmt, stream.scale_dtype)[..., None]
+        scale = reference.dynamic_scale(coded, fmt, stream.scale_dtype)[..., None]
     else:
         scale = view.scales.cpu()[..., None]
-    codes, _, _ = reference.quantize(x, scale, fmt)
+    codes, _, _ = reference.quantize(coded, scale, fmt)
     out = reference.dequantize(codes, scale, fmt)
+    if stream.rotate:
+        out = hadamard(out)
     end = stream.length
     if stream.recent:
         out[:, :, :, max(end - stream.recent, 0) :] = x[:, :, :, max(end - stream.recent, 0) :]

@@ -77,6 +77,12 @@ STREAMS = [
     Stream(sinks=2, scales="per-head", updates=[1, 1, 9, 1]),  # sinks without a window
     Stream(static=64, recent=4, sinks=2, sink_rows=[2, 0], updates=[20, 1, 1, 6, 1]),
     Stream(static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]),  # wraps twice
+    # rotated codes (blocks of 16 channels at head_dim 80; one block of 64)
+    Stream(rotate=True),
+    Stream(rotate=True, head_dim=64, recent=6, sinks=3, sink_rows=[0, 5], scales="per-tensor", fmt="fp8_e5m2"),
+    Stream(rotate=True, recent=5, fmt="int8_per_token_head", dtype=torch.bfloat16),
+    Stream(rotate=True, static=64, recent=4, sinks=2, sink_rows=[2, 0], updates=[20, 1, 1, 6, 1]),
+    Stream(rotate=True, static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
 ]
 
 

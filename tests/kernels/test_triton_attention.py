@@ -50,6 +50,23 @@ PREFILL_TILES = [
     Case(Stream(head_dim=32, recent=40, sinks=4, sink_rows=[4, 0], updates=[100, 200], tiled=True), q_len=200,
          group=1, mask="padding"),  # fmt: skip
 ]
+ROTATED_CASES = [
+    Case(Stream(rotate=True)),  # blocks of 16 channels at head_dim 80
+    Case(Stream(rotate=True, updates=[129, 1], head_dim=128, fmt="fp8_e5m2", scales="per-head"), group=8, splits=2),
+    Case(Stream(rotate=True, recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, options=dict(window=40)),
+    Case(Stream(rotate=True, recent=8, sinks=2, updates=[100, 1]), options=dict(window=40, channel=True)),
+    Case(Stream(rotate=True, static=80, recent=4, sinks=2, updates=[30, 1, 1], head_dim=64), splits=2,
+         mask="padding"),  # fmt: skip
+    Case(Stream(rotate=True, static=64, ring=True, recent=3, updates=[60, 1, 1, 1, 1], tiled=True), mask="padding"),
+    Case(Stream(rotate=True, dtype=torch.bfloat16, recent=8, updates=[90, 1], tiled=True), dtype=torch.bfloat16,
+         splits=3),  # fmt: skip
+    Case(Stream(rotate=True, head_dim=32, recent=40, sinks=4, updates=[100, 200], tiled=True), q_len=200, group=1),
+    Case(Stream(rotate=True, head_dim=32, updates=[100, 200], tiled=True, scales="per-head"), q_len=200, group=1,
+         dtype=torch.bfloat16),  # fmt: skip
+    Case(Stream(rotate=True, head_dim=32, recent=40, sinks=4, updates=[299, 1], tiled=True), group=1,
+         dtype=torch.float16),  # fmt: skip
+    Case(Stream(rotate=True, fmt="int8_per_token_head", head_dim=96), group=8, q_len=3, mask="per-head"),
+]
 CASES = [
     Case(),  # decode, GQA 3, dynamic scales
     Case(splits=3),
@@ -111,6 +128,8 @@ CASES = [
     # a causal prefill's tiles (128 rows, 64 tokens): interior ones (every row sees them: no rule), diagonal ones,
     # partial ones at either end; the same tiles under a mask
     *PREFILL_TILES,
+    # rotated codes: the query rotated for them, their share of the output rotated back before the held tokens
+    *ROTATED_CASES,
 ]
 
 
@@ -166,6 +185,18 @@ def test_attention_matches_reference(case):
     assert_close(got, expected, case.dtype)
     if case.mask == "padding":  # batch 1's rows see no token: exactly 0, not NaN
         assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("case", [
+    Case(Stream(recent=8, updates=[5, 1]), splits=2),
+    Case(Stream(recent=16, sinks=2, updates=[9, 4], dtype=torch.bfloat16, tiled=True), q_len=4, dtype=torch.bfloat16),
+], ids=str)  # fmt: skip
+def test_rotation_changes_nothing_while_every_token_is_held(case):
+    """No codes yet (a context within the recent window): the rotated cache's output is the plain one's, bit for
+    bit (the codes' empty share is rotated, nothing else)."""
+    plain = run(case)[0]
+    case.stream.rotate = True
+    assert torch.equal(run(case)[0], plain)
 
 
 def test_splits_agree_with_one_split():
