@@ -162,7 +162,7 @@ def test_bad_buffers_are_named():
 
 
 def _static_stream_view():
-    stream = Stream(static=24, recent=4, updates=[7, 1], tiled=True)  # the Triton layers' layout
+    stream = Stream(static=24, recent=4, updates=[7, 1], tiled=True, rotate=True)  # the Triton layers' layout
     return stream, *fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
 
 
@@ -176,7 +176,7 @@ def test_registered_op_is_the_launcher_on_a_static_view():
         key = torch.randn(2, 2, 1, 80, generator=torch.Generator().manual_seed(1)).to(DEVICE)
         if use_op:
             ops.triton_ops().write(key, -key, view.codes, view.scales, view.recent, stats, view.positions,
-                                   view.fmt.name, True, False)  # fmt: skip
+                                   view.fmt.name, True, False, True)  # fmt: skip
         else:
             write_kv(key, -key, view, stats)
         buffers.append((view.codes.view(torch.uint8)[:, :, :, :8], view.scales[..., :8], view.recent, stats))
@@ -190,7 +190,8 @@ def test_registered_op_traces_for_torch_compile():
 
     _, view, _, stats = _static_stream_view()
     key = torch.randn(2, 2, 1, 80, device=DEVICE)
-    args = (key, -key, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name, True, False)
+    args = (key, -key, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name, True, False,
+            True)
     torch.library.opcheck(ops.triton_ops().write.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
