@@ -49,6 +49,10 @@ VARIANTS = dict([
     _recent(DEFAULTS["recent_tokens"], DEFAULTS["sink_tokens"], scales="auto"),
     ("int8 per-token-head (recent 0 + sinks 0)",
      dict(kv_cache_dtype="int8_per_token_head", scales="dynamic", recent_tokens=0, sink_tokens=0)),
+    # rotated codes (issue 35): pure FP8 and the recommended window
+    ("fp8 e4m3 per-token-head (recent 0 + sinks 0), rotated",
+     dict(scales="dynamic", recent_tokens=0, sink_tokens=0, rotate=True)),
+    ("recent 128 + sinks 4, rotated", dict(scales="dynamic", recent_tokens=128, sink_tokens=4, rotate=True)),
 ])  # fmt: skip
 # Texts unlike the bundled sample (the held-out measurements of docs/recent.md): Python's own source code and the
 # Apache License 2.0 as transformers ships it, wherever they are installed; any other file by its path

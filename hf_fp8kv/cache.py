@@ -67,6 +67,10 @@ class QuantizedFP8Cache(Cache):
         fp8_prefill: run a prefill's attention dots over e4m3 codes on FP8 tensor cores (the Triton backend, fp16
             or bf16 models): the query and the probabilities rounded to e4m3. Off by default: it cost SmolLM2's
             prefill a mean KL of 3e-3 (docs/benchmarks.md, issue 21 round 3); not timed on a GPU yet.
+        rotate: store each coded token's keys and values times a Hadamard matrix over the head dimension
+            (FlashAttention-3's "incoherent processing": outlier channels spread before FP8 rounds them); the
+            attention rotates the query once and the output back, the recent and sink tokens stay as they came.
+            Needs per-token scales (`scales="dynamic"`) or the uncalibrated 1.0. Measurements: docs/recent.md.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class QuantizedFP8Cache(Cache):
         max_batch_size: int | None = None,
         offloading: bool = False,
         fp8_prefill: bool = False,
+        rotate: bool = False,
     ):
         if model is None and config is None:
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
@@ -92,7 +97,7 @@ class QuantizedFP8Cache(Cache):
         settings = resolve_settings(
             config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers, backend=backend,
             recent_tokens=recent_tokens, sink_tokens=sink_tokens, block_size=block_size, max_cache_len=max_cache_len,
-            max_batch_size=max_batch_size, offloading=offloading, fp8_prefill=fp8_prefill,
+            max_batch_size=max_batch_size, offloading=offloading, fp8_prefill=fp8_prefill, rotate=rotate,
         )  # fmt: skip
         self.fmt = settings.fmt
         if settings.fp8_prefill and model is not None:
@@ -125,7 +130,7 @@ class QuantizedFP8Cache(Cache):
         return dynamic(
             settings.fmt, settings.scales[i], settings.block_size, settings.backend, self._uses_fp8_attention, i,
             recent_tokens=settings.recent_tokens, sink_tokens=settings.sink_tokens, fp8_prefill=settings.fp8_prefill,
-            **extra, **kwargs,
+            rotate=settings.rotate, **extra, **kwargs,
         )  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

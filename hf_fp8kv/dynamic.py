@@ -56,7 +56,7 @@ class DynamicFP8Layer(FP8Layer):
             offset=self.offset, recent=self.recent, sinks=self.sinks if tracker.rows else None,
             sink_start=self.sink_start, sink_count=self.sink_count, sink_rows=tracker.rows,
             key_channel_scale=self.key_channel_scale, has_nan=self.has_nan, memo=self.kernels.memo,
-            value_tiled=self.kernels.value_tiled,
+            value_tiled=self.kernels.value_tiled, rotate=self.rotate,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:

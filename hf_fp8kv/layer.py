@@ -80,6 +80,7 @@ class FP8Layer(CacheLayerMixin):
         recent_tokens: int = 0,
         sink_tokens: int = 0,
         fp8_prefill: bool = False,
+        rotate: bool = False,
     ):
         super().__init__()
         self.fmt = fmt
@@ -91,6 +92,7 @@ class FP8Layer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.recent_tokens = recent_tokens
         self.fp8_prefill = fp8_prefill
+        self.rotate = rotate
         self.sink_tracker = SinkTracker(sink_tokens)
         self.stats = torch.zeros(2, 2, dtype=torch.int64)  # keys / values x clipped / non-finite
         self.has_nan = False

@@ -15,6 +15,7 @@ import torch
 from hf_fp8kv import compat
 from hf_fp8kv.kernels.formats import StorageFormat, get_format
 from hf_fp8kv.kernels.ops import check_backend
+from hf_fp8kv.kernels.rotation import hadamard_block
 from hf_fp8kv.kernels.targets import device_target
 from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, UncalibratedScalesWarning, resolve_scales
 
@@ -43,6 +44,7 @@ class CacheSettings:
     kv_heads: int
     head_dim: int
     fp8_prefill: bool = False  # a prefill's dots over e4m3 codes on FP8 tensor cores (the Triton backend)
+    rotate: bool = False  # codes of the keys and values times a Hadamard matrix (`kernels/rotation.py`)
 
     def stored(self, layer: int) -> bool:
         """Whether `layer` is stored as codes (not skipped, not a dummy layer)."""
@@ -63,6 +65,7 @@ def resolve_settings(
     max_batch_size: int | None = None,
     offloading: bool = False,
     fp8_prefill: bool = False,
+    rotate: bool = False,
 ) -> CacheSettings:
     """Resolve and check a cache's arguments for the model of `config` (warns when the scales fall back to 1.0)."""
     text_config = config.get_text_config(decoder=True)
@@ -82,6 +85,8 @@ def resolve_settings(
     fmt = get_format(platform_dtype(kv_cache_dtype))
     if not isinstance(fp8_prefill, bool):
         raise ValueError(f"fp8_prefill={fp8_prefill!r} must be True or False")
+    if not isinstance(rotate, bool):
+        raise ValueError(f"rotate={rotate!r} must be True or False")
     if fp8_prefill and fmt.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_prefill=True runs its dots on e4m3fn codes (kv_cache_dtype='fp8_e4m3'), not {fmt.name!r}")
     layer_types, layer_kwargs = compat.layer_types_and_kwargs(text_config)
@@ -92,12 +97,28 @@ def resolve_settings(
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     checkpoint = getattr(config, "_name_or_path", "") or None
     layer_scales, uncalibrated = resolve_scales(scales, fmt, stored, len(layer_types), kv_heads, checkpoint)
+    if rotate:
+        check_rotation(head_dim, layer_scales, uncalibrated)
     if uncalibrated:
         warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=3)
     return CacheSettings(
         fmt, list(layer_types), list(layer_kwargs), frozenset(skip), layer_scales, backend, recent_tokens, sink_tokens,
-        block_size, max_cache_len, max_batch_size, kv_heads, head_dim, fp8_prefill,
+        block_size, max_cache_len, max_batch_size, kv_heads, head_dim, fp8_prefill, rotate,
     )  # fmt: skip
+
+
+def check_rotation(head_dim: int, layer_scales: dict[int, LayerScales], uncalibrated: bool) -> None:
+    """Refuse `rotate=True` where it cannot work: an odd head_dim (no Hadamard block), static scales measured on
+    unrotated keys and values (a rotated token's amax may be up to sqrt(block) times its own: they would clip)."""
+    if hadamard_block(head_dim) < 2:
+        raise ValueError(f"rotate=True needs an even head_dim (Hadamard blocks of 2^k channels); this model's is {head_dim}")
+    static = sorted({s.source for s in layer_scales.values() if not s.per_token})
+    if static and not uncalibrated:
+        raise ValueError(
+            f"rotate=True with static scales ({', '.join(static)}): they were measured on unrotated keys and values, "
+            "which a rotation spreads (a token's amax may grow up to sqrt(head_dim)x and clip); use scales='dynamic' "
+            "(per token and head) with rotate=True, or rotate=False"
+        )
 
 
 def platform_dtype(kv_cache_dtype: str) -> str:

@@ -136,7 +136,7 @@ class StaticFP8Layer(FP8Layer):
             recent_start=recent_start, ring=self.is_sliding, recent=self.recent,
             sinks=self.sinks if tracker.rows else None, sink_start=self.sink_start, sink_count=self.sink_count,
             key_channel_scale=self.key_channel_scale, positions=self.positions, memo=self.kernels.memo,
-            value_tiled=self.kernels.value_tiled, columns=self.ring_slots,
+            value_tiled=self.kernels.value_tiled, columns=self.ring_slots, rotate=self.rotate,
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -307,6 +307,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         linear = KVView(
             codes=codes, scales=scales, fmt=self.fmt, per_token=self.per_token, start=first, end=end,
             recent_start=recent_start, offset=first, recent=self.recent, key_channel_scale=self.key_channel_scale,
+            rotate=self.rotate,
         )  # fmt: skip
         stored_key = self._write(key_states, value_states, linear)
         linear.end, linear.recent_start = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens)

@@ -32,9 +32,14 @@ def generate(model, backend, batch, **cache_kwargs):
 
 @pytest.mark.parametrize(
     "batch,cache_kwargs",
-    [(2, dict(scales="dynamic")), (1, dict(scales=0.05)), (1, dict(kv_cache_dtype="int8_per_token_head"))],
-    ids=["fp8-dynamic-left-padded", "fp8-static", "int8"],
-)
+    [
+        (2, dict(scales="dynamic")), (1, dict(scales=0.05)), (1, dict(kv_cache_dtype="int8_per_token_head")),
+        (2, dict(scales="dynamic", rotate=True, recent_tokens=3, sink_tokens=1)),
+        (1, dict(kv_cache_dtype="fp8_e5m2", scales="dynamic", rotate=True, recent_tokens=0, sink_tokens=0)),
+        (2, dict(scales="dynamic", rotate=True, recent_tokens=2, sink_tokens=1, max_cache_len=16)),
+    ],
+    ids=["fp8-dynamic-left-padded", "fp8-static", "int8", "rotated-left-padded", "rotated-e5m2", "rotated-static"],
+)  # fmt: skip
 def test_triton_backend_generates_what_torch_generates(model, batch, cache_kwargs):
     tokens, logits = generate(model, "torch", batch, **cache_kwargs)
     triton_tokens, triton_logits = generate(model, "triton", batch, **cache_kwargs)

@@ -24,14 +24,15 @@ def generate(model, cache, **kwargs):
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("static", [False, True])
-def test_a_window_over_every_token_is_the_full_precision_cache(model_type, static):
+@pytest.mark.parametrize("rotate", [False, True])
+def test_a_window_over_every_token_is_the_full_precision_cache(model_type, static, rotate):
     """Nothing leaves a window wider than the whole generation: greedy tokens and logits are DynamicCache's,
-    through padding, sinks, sliding layers and static buffers alike."""
+    through padding, sinks, sliding layers and static buffers alike, rotated codes or not (there are none)."""
     extra = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"]) if model_type != "llama" else {}
     model = tiny_model(model_type, **extra)
     tokens, logits = generate(model, DynamicCache(config=model.config))
     window = dict(recent_tokens=32, sink_tokens=2, max_cache_len=24 if static else None)
-    cache = QuantizedFP8Cache(model, scales="dynamic", **window)
+    cache = QuantizedFP8Cache(model, scales="dynamic", rotate=rotate, **window)
     ours, our_logits = generate(model, cache)
     assert torch.equal(ours, tokens)
     torch.testing.assert_close(our_logits, logits, rtol=1e-5, atol=1e-5)
