@@ -115,12 +115,14 @@ class Case:
     waves: bool = True  # decode: judge the last wave over the batch x context grid
     page_size: int = 256  # paged: tokens per page (transformers' default; not a multiple of 16: read token by token)
     sliding: int = 0  # paged: a sliding layer's window (its ring of slots); 0: a full-attention layer
+    rotate: bool = False  # rotated codes (`QuantizedFP8Cache(rotate=True)`)
 
     @property
     def name(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]
         scales = "per-token" if self.per_token else "static"
         scales += "" if self.fmt == "fp8_e4m3" else f" {self.fmt.removeprefix('fp8_')}"
+        scales += " rotated" if self.rotate else ""
         if self.kind == "write":
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
         if self.kind == "paged":
@@ -203,7 +205,12 @@ def every_case(quick: bool = False) -> list[Case]:
         for p in (False, True)
     ]
     paged += [Case("paged", batch=4, q_len=256, per_token=True, context=4096, waves=False, recent=32, sinks=4)]
-    return decode + no_split + few_heads + prefill + window + write + paged
+    # rotated codes (issue 35): the query and the codes' output rotated once per program, each write rotated
+    rotated = [dataclasses.replace(case, rotate=True) for case in (
+        *(Case("decode", head_dim=d, per_token=True) for d in (64, 128, 256)), *window[:4], window[6], window[7],
+        Case("prefill", q_len=500, context=500, per_token=True), *write[2:],
+    )]  # fmt: skip
+    return decode + no_split + few_heads + prefill + window + write + paged + rotated
 
 
 def plan(case: Case, gpu: GpuTarget, device: str = "cpu", slots: int | None = None) -> list[Launch]:
@@ -228,7 +235,8 @@ def plan(case: Case, gpu: GpuTarget, device: str = "cpu", slots: int | None = No
     # no NaN written (what a layer tracks: NaN codes add a select, and masked columns' values zeroed); the value
     # layout the Triton backend's layers allocate
     view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
-                  positions=positions, has_nan=False, value_tiled=ops.TritonLayerKernels.value_tiled)  # fmt: skip
+                  positions=positions, has_nan=False, value_tiled=ops.TritonLayerKernels.value_tiled,
+                  rotate=case.rotate)  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:

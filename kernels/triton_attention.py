@@ -54,7 +54,7 @@ REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sink_logits_ptr, channel_ptr,
-    out_ptr, part_acc_ptr, part_stats_ptr,
+    out_ptr, part_acc_ptr, part_stats_ptr, q_scratch_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
@@ -114,7 +114,7 @@ def _attention_kernel(
     query_args = (q_ptr, q_sh, q_sl, q_sd, head, row_pos, row_ok, d, d_ok, q_scale, channel_ptr)
     q = _scaled_query(query_args, HAS_CHANNEL_SCALE)
     if ROTATE_STAGES > 0:  # rotated codes: the codes' scores are those of the rotated query
-        q = hadamard(q, ROTATE_STAGES, ROTATE_NORM)
+        q = _rotated_query(q, q_scratch_ptr, ROTATE_STAGES, ROTATE_NORM)
     if FP8_QK:  # the codes' scores on FP8 tensor cores: the query in e4m3, one scale per row (its amax to the max)
         q_row = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / E4M3_MAX
         q_codes = to_e4m3(q / q_row[:, None], HW_CONVERT)
@@ -341,6 +341,20 @@ def _scaled_query(query_args, HAS_CHANNEL_SCALE: tl.constexpr):
     if HAS_CHANNEL_SCALE:
         q = q * tl.load(channel_ptr + d, mask=d_ok, other=0.0)[None, :]
     return q
+
+
+@triton.jit
+def _rotated_query(q, scratch_ptr, STAGES: tl.constexpr, NORM: tl.constexpr):
+    """`q` rotated, read back from this program's rows of `scratch_ptr`: computed in registers, the rotated query
+    stayed there through the loop as the dot's operand (head_dim 128 per-token decode: 141 -> 190 registers, 3 -> 2
+    blocks per SM); read from memory it is staged in shared memory as the plain query is (gpu_static)."""
+    ROWS: tl.constexpr = q.shape[0]
+    D: tl.constexpr = q.shape[1]
+    program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    offsets = program.to(tl.int64) * (ROWS * D) + tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(scratch_ptr + offsets, hadamard(q, STAGES, NORM))
+    tl.debug_barrier()  # every thread's rows written before any is read
+    return tl.load(scratch_ptr + offsets)
 
 
 @triton.jit
@@ -626,6 +640,7 @@ class AttentionPlan:
         self.out_shape = (batch, q_heads, q_len, head_dim)
         self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
         self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
+        self.scratch: torch.Tensor | None = None  # the rotated query of each program, reused
         self.num_splits = num_splits
         self.resident_slots = resident_slots
         if num_splits is None and self.row_blocks == 1 and target is not None and not resident_slots:
@@ -649,6 +664,13 @@ class AttentionPlan:
             sizes = (rows * self.block_d, rows * 2)  # fp32 whatever torch's default dtype
             self.parts = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
         return out, *self.parts
+
+    def _query_scratch(self, query: torch.Tensor, splits: int) -> torch.Tensor:
+        """fp32 rows for each program's rotated query (`_rotated_query`), kept from call to call."""
+        size = self.row_blocks * self.out_shape[0] * self.kv_heads * splits * self.block_m * self.block_d
+        if self.scratch is None or self.scratch.numel() < size:
+            self.scratch = torch.empty(size, dtype=torch.float32, device=query.device)
+        return self.scratch
 
     def splits(self, query: torch.Tensor, view: KVView) -> int:
         """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
@@ -704,6 +726,7 @@ class AttentionPlan:
         tensors, channel, strides, slots, fp_slots, _, words = stored  # (unpacked: the step's hot path)
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
+            self._query_scratch(query, splits) if view.rotate else query,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
             *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
             *self.scalars,

@@ -62,9 +62,8 @@ def hadamard(x, STAGES: tl.constexpr, NORM: tl.constexpr):
     butterflies, then `NORM`), in its order of operations: the same bits."""
     ROWS: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
-    for stage in tl.static_range(STAGES):
-        H: tl.constexpr = 1 << stage
-        pairs = tl.permute(tl.reshape(x, [ROWS, D // (2 * H), 2, H]), [0, 1, 3, 2])  # (channel, channel + H) last
+    for stage in tl.static_range(STAGES):  # channels h = 2^stage apart: (c, c + h) last
+        pairs = tl.permute(tl.reshape(x, [ROWS, D >> (stage + 1), 2, 1 << stage]), [0, 1, 3, 2])
         a, b = tl.split(pairs)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
     return x * NORM
