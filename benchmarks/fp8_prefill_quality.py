@@ -23,15 +23,17 @@ from hf_fp8kv.kernels import reference
 from hf_fp8kv.table import format_table
 from recent_quality import MODELS, TEXTS
 
-VARIANTS = {  # (values' dot in FP8, e4m3 terms per operand); None: the reference
+VARIANTS = {  # (values' dot in FP8, e4m3 terms per operand, rotated); None: the reference
     "exact (fp32)": None,
-    "FP8 QK (fp8_prefill, per-token V scales)": (False, 1),
-    "FP8 QK + PV (fp8_prefill, per-head V scales)": (True, 1),
-    "FP8 QK + PV, two e4m3 terms per operand": (True, 2),
+    "FP8 QK (fp8_prefill, per-token V scales)": (False, 1, False),
+    "FP8 QK + PV (fp8_prefill, per-head V scales)": (True, 1, False),
+    "FP8 QK + PV, two e4m3 terms per operand": (True, 2, False),
+    "FP8 QK, rotated (rotate=True)": (False, 1, True),
+    "FP8 QK + PV, rotated (rotate=True)": (True, 1, True),
 }
 
 
-def attention_with(fp8: tuple[bool, int] | None):
+def attention_with(fp8: tuple[bool, int, bool] | None):
     """An attention function (transformers' interface) over the model's K/V: exact, or the FP8 dots' arithmetic."""
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
@@ -41,9 +43,9 @@ def attention_with(fp8: tuple[bool, int] | None):
         if fp8 is None:
             out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
         else:
-            fp8_pv, terms = fp8
+            fp8_pv, terms, rotate = fp8
             out = reference.fp8_dots_attention(query, key, value, scaling=scaling, mask=mask, fp8_pv=fp8_pv,
-                                               terms=terms)  # fmt: skip
+                                               terms=terms, rotate=rotate)  # fmt: skip
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attend

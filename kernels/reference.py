@@ -164,13 +164,19 @@ def fp8_dots_attention(
     fp8_pv: bool = True,
     terms: int = 1,
     block: int = 64,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """`attention` (causal, or `mask`) with the FP8 prefill's arithmetic (`triton_attention.fp8_dots`), tile by
     tile as the kernel runs it: each query row in e4m3 under a scale mapping its amax to 448, scores from exact
     products; the online softmax over `block`-token tiles and, with `fp8_pv`, each tile's probabilities (relative
     to the running max) times 256 in e4m3 for the values' dot. `terms=2`: both operands as two e4m3 terms
     (`fp8_terms`), an alternative the benchmark measures. `keys`/`values` as given: the cache's e4m3 codes times
-    their scales are exact in fp32. fp32 `[batch, q_heads, q_len, D]`."""
+    their scales are exact in fp32. `rotate`: query, keys and values times the Hadamard matrix first (rotated
+    codes: the query is rounded to e4m3 rotated), the output rotated back. fp32 `[batch, q_heads, q_len, D]`."""
+    if rotate:
+        out = fp8_dots_attention(hadamard(query), hadamard(keys), hadamard(values), scaling=scaling, mask=mask,
+                                 fp8_pv=fp8_pv, terms=terms, block=block)  # fmt: skip
+        return hadamard(out)
     q_heads, q_len, kv_heads, kv_len = query.shape[1], query.shape[2], keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)

@@ -453,6 +453,7 @@ FP8_CASES = [
     Case(Stream(updates=[150, 130], tiled=True), q_len=130, group=1, dtype=torch.bfloat16),  # per-token V: QK only
     Case(Stream(scales="per-tensor", updates=[100, 130], tiled=True), q_len=130, group=1, dtype=torch.float16,
          options=dict(window=70)),  # fmt: skip
+    Case(Stream(updates=[150, 130], tiled=True, rotate=True), q_len=130, group=1, dtype=torch.float16),
 ]
 
 
@@ -469,7 +470,8 @@ def test_fp8_prefill_computes_the_fp8_arithmetic(case):
     window, scaling = case.options.get("window"), stream.head_dim**-0.5
     keys, values = reference.materialize(view)
     mask = reference.causal_mask(case.q_len, keys.shape[2], window, DEVICE)
-    emulated = reference.fp8_dots_attention(query, keys, values, scaling=scaling, mask=mask, fp8_pv=not view.per_token)
+    emulated = reference.fp8_dots_attention(query, keys, values, scaling=scaling, mask=mask, fp8_pv=not view.per_token,
+                                            rotate=view.rotate)  # fmt: skip
     exact = reference.attend(query.float(), view, scaling=scaling, window=window)
     got = attention(query, view, scaling=scaling, window=window, fp8_prefill=True).float()
     fp16 = attention(query, view, scaling=scaling, window=window).float()
