@@ -11,6 +11,8 @@ from hf_fp8kv import ATTENTION_NAME, CacheReuseError, QuantizedFP8Cache
 from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.dynamic import DynamicFP8Layer
 from hf_fp8kv.layer import QuantizedKV
+from hf_fp8kv.scales import UncalibratedScalesWarning
+from hf_fp8kv.settings import check_rotation
 from tests.models import PURE_FP8, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 99, 23, 64, 11]])
@@ -245,3 +247,14 @@ def test_left_padded_half_precision_batch_reads_each_prompt_alone(dtype, window,
     padded_gap = (scores(batch, mask)[1] - alone).abs().max().item()
     unmasked_gap = (scores(batch, torch.ones_like(mask))[1] - alone).abs().max().item()
     assert padded_gap < unmasked_gap / 10, (padded_gap, unmasked_gap)
+
+
+def test_rotation_refuses_an_odd_head_dim_and_static_scales():
+    with pytest.raises(ValueError, match="even head_dim.*this model's is 15"):  # (no RoPE model has one)
+        check_rotation(15, {}, uncalibrated=False)
+    with pytest.raises(ValueError, match=r"rotate=True with static scales \(.+\).*scales='dynamic'"):
+        QuantizedFP8Cache(tiny_model(), scales=0.5, rotate=True)
+    with pytest.raises(ValueError, match="rotate='yes' must be True or False"):
+        QuantizedFP8Cache(tiny_model(), scales="dynamic", rotate="yes")
+    with pytest.warns(UncalibratedScalesWarning):  # the 1.0 fallback: nothing measured on unrotated K/V to clip
+        assert QuantizedFP8Cache(tiny_model(), rotate=True).layers[0].rotate
