@@ -26,7 +26,11 @@ VARIANTS = {
     "transformers QuantizedCache(fp8)": lambda m: QuantizedCache(backend="fp8", config=m.config),
     "ours fp8_e4m3 static": lambda m: QuantizedFP8Cache(m, scales=1.0, recent_tokens=0, sink_tokens=0),
     "ours fp8_e4m3 dynamic": lambda m: QuantizedFP8Cache(m, scales="dynamic", recent_tokens=0, sink_tokens=0),
-    "ours fp8_e4m3 dynamic + recent 32 + sinks 4 (default)": lambda m: QuantizedFP8Cache(m, scales="dynamic"),
+    "ours fp8_e4m3 dynamic, rotated": lambda m: QuantizedFP8Cache(m, scales="dynamic", recent_tokens=0, sink_tokens=0,
+                                                                 rotate=True),
+    "ours fp8_e4m3 dynamic + recent 128 + sinks 4 (default)": lambda m: QuantizedFP8Cache(m, scales="dynamic"),
+    "ours fp8_e4m3 dynamic + recent 128 + sinks 4, rotated": lambda m: QuantizedFP8Cache(m, scales="dynamic",
+                                                                                        rotate=True),
 }
 
 
