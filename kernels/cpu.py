@@ -245,7 +245,8 @@ class HostPositions:
         """`write_stacked` of tokens `[first, first + n)` (`rows`, `[2, batch, kv_heads, n, head_dim]`)."""
         n, slot = rows.shape[3], first - view.offset
         scale = _scale_columns(view)
-        return write_stacked(hadamard(rows) if view.rotate else rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if view.per_token else scale,
+        rows = hadamard(rows) if view.rotate else rows
+        return write_stacked(rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if view.per_token else scale,
                              view.fmt, view.per_token, stats)  # fmt: skip
 
     @staticmethod

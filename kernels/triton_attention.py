@@ -596,7 +596,7 @@ class AttentionPlan:
         target = target or query_target(query)
         held = view.recent is not None or view.sinks is not None
         self.block_m, self.block_n, self.block_d, options = block_sizes(
-            group * q_len, head_dim, mask is not None, target, view.per_token and held
+            group * q_len, head_dim, mask is not None, target, view.per_token and (held or view.rotate)
         )
         if stages is not None:
             options["STAGES"] = stages

@@ -356,10 +356,11 @@ def attend_full_precision(
 
 
 def block_sizes(
-    rows: int, head_dim: int, masked: bool = False, target: GpuTarget | None = None, per_token_held: bool = False
+    rows: int, head_dim: int, masked: bool = False, target: GpuTarget | None = None, per_token_crowded: bool = False
 ) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` for `rows` query rows per KV head on `target` (None: the
-    interpreter, sm_90's sizes); `per_token_held`: per-token scales, and recent or sink tokens in full precision."""
+    interpreter, sm_90's sizes); `per_token_crowded`: per-token scales, with recent or sink tokens in full precision
+    or rotated codes (more values live in a prefill)."""
     block_d = next_power_of_2(head_dim)
     stages = 3 if target is None else target.pipeline_stages
     if target is not None and target.is_amd:  # one wave per SIMD (4 warps) may hold 512 VGPRs, two 256 each: 8
@@ -370,8 +371,8 @@ def block_sizes(
         # prefill: 128 rows, a distinct 64-row half per warpgroup; K/V decoded once per 128 rows
         # a [128, 64] mask tile spilled; so did the per-token prefill with recent 128 + sinks 4, at 255 registers,
         # 72 B of values live across its loops (32 tokens: 243 registers, no spill, 0.277 -> 0.375 instructions
-        # per KV byte) (gpu_static)
-        block_n = 32 if masked or block_d > 128 or per_token_held else 64
+        # per KV byte); so did the rotated per-token prefill, 56 B at 255 registers (gpu_static)
+        block_n = 32 if masked or block_d > 128 or per_token_crowded else 64
         return PREFILL_ROWS, block_n, block_d, dict(num_warps=8, STAGES=stages)
     if rows > 64:  # with mma.sync's operands in registers, 128-row tiles spilled 956-5648 B on sm_80 / sm_86; 64
         # rows of 8 warps at 2 stages: none on sm_80, sm_86, sm_89, sm_120, 1 block per SM (gpu_static)
