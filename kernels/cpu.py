@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -191,14 +191,24 @@ def attend(
     """`reference.attend`: the visible tokens decoded (the full-precision ones laid beside or over them), then
     `reference.attention`; `[batch, q_heads, q_len, head_dim]` in the query's dtype."""
     path = _path(view)
-    kv = path.materialize(view)
+    rotated = _attends_rotated(view)
+    kv = HostPositions.materialize(view, rotated=True) if rotated else path.materialize(view)
     if view.key_channel_scale is not None:
         kv[0] *= view.key_channel_scale[None, :, None, :]
     keys, values = kv.unbind()
     mask, window = path.mask(query, view, mask, window, keys.shape[2])
-    out = attention(query, keys, values, scaling=scaling, mask=mask, window=window, softcap=softcap,
-                    sink_logits=sink_logits)  # fmt: skip
+    out = attention(hadamard(query) if rotated else query, keys, values, scaling=scaling, mask=mask, window=window,
+                    softcap=softcap, sink_logits=sink_logits)  # fmt: skip
+    out = hadamard(out) if rotated else out
     return out if out.dtype == query.dtype else out.to(query.dtype)  # `to` costs 2 us even when it is a no-op
+
+
+def _attends_rotated(view: KVView) -> bool:
+    """Whether `attend` works in the rotated space: rotated codes with host positions, some of them held. There
+    it rotates the query and the output, and the few full-precision tokens into it, not every decoded code back
+    (SmolLM2 at 2k tokens, one CPU thread: 2.6x DynamicCache's decode step the latter way). With no codes held
+    nothing is rotated: a window over every token stays bit for bit the full-precision cache."""
+    return view.rotate and not view.static and (view.recent is None or view.recent_start > view.start)
 
 
 def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,8 +260,9 @@ class HostPositions:
                              view.fmt, view.per_token, stats)  # fmt: skip
 
     @staticmethod
-    def materialize(view: KVView) -> torch.Tensor:
-        """The fp32 K/V of tokens `[start, end)`: the sinks every row shares (no padding) copied first, the codes
+    def materialize(view: KVView, rotated: bool = False) -> torch.Tensor:
+        """The fp32 K/V of tokens `[start, end)` (`rotated`: all of them times the Hadamard matrix, the codes as
+        they are decoded): the sinks every row shares (no padding) copied first, the codes
         between them and the recent tokens decoded straight into the result (the recent tokens have no codes),
         the recent tokens copied after them; when the rows' sinks differ, each row's are laid over afterwards.
         Decoding only the codes it needs took a layer-step with recent tokens from 108 to 103-105 us at the tiny
@@ -259,7 +270,8 @@ class HostPositions:
         of the pieces was 98 us at the first but 5.0 ms at the second (one more pass over the result)."""
         start, end = view.start, view.end
         if view.recent is None and view.sinks is None:  # pure FP8: the decoded codes are the result
-            return HostPositions._decode(view, start, end, out=None)
+            return HostPositions._decode(view, start, end, None, rotated)
+        as_held = hadamard if rotated else torch.Tensor.float  # the full-precision tokens, in the result's space
         sinks = view.shared_sink_count()
         shared = sinks or 0
         codes = view.codes
@@ -267,36 +279,37 @@ class HostPositions:
         coded_start = start + shared
         coded_end = end if view.recent is None else min(max(view.recent_start, coded_start), end)
         if shared:
-            kv.narrow(3, 0, shared).copy_(view.sinks.narrow(3, 0, shared))
+            kv.narrow(3, 0, shared).copy_(as_held(view.sinks.narrow(3, 0, shared)))
         if coded_end > coded_start:
-            HostPositions._decode(view, coded_start, coded_end, out=kv.narrow(3, shared, coded_end - coded_start))
+            HostPositions._decode(view, coded_start, coded_end, kv.narrow(3, shared, coded_end - coded_start), rotated)
         for first, stop, slot in ring_pieces(coded_end, end, view.recent.shape[3]) if view.recent is not None else ():
-            kv.narrow(3, first - start, stop - first).copy_(view.recent.narrow(3, slot, stop - first))
+            kv.narrow(3, first - start, stop - first).copy_(as_held(view.recent.narrow(3, slot, stop - first)))
         if sinks is None:
-            HostPositions._lay_sinks(kv, view)
+            HostPositions._lay_sinks(kv, view, as_held)
         return kv
 
     @staticmethod
-    def _decode(view: KVView, first: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
-        """fp32 K/V of the codes of tokens `[first, stop)`, into `out` when given."""
+    def _decode(view: KVView, first: int, stop: int, out: torch.Tensor | None, rotated: bool = False) -> torch.Tensor:
+        """fp32 K/V of the codes of tokens `[first, stop)`, into `out` when given (`rotated`: rotated codes left in
+        the rotated space)."""
         slot, scales = first - view.offset, _scale_columns(view)
         codes = view.codes.narrow(3, slot, stop - first)
         values = dequantize_stacked(codes, scales.narrow(3, slot, stop - first) if view.per_token else scales,
                                     view.fmt, view.has_nan, out)  # fmt: skip
-        if not view.rotate:
+        if rotated or not view.rotate:
             return values
         return hadamard(values) if out is None else out.copy_(hadamard(values))
 
     @staticmethod
-    def _lay_sinks(kv: torch.Tensor, view: KVView) -> None:
-        """Replace the decoded codes of each row's sink tokens by their full-precision values: one copy per
-        distinct span of rows."""
+    def _lay_sinks(kv: torch.Tensor, view: KVView, as_held: Callable = torch.Tensor.float) -> None:
+        """Replace the decoded codes of each row's sink tokens by their full-precision values (`as_held` of them):
+        one copy per distinct span of rows."""
         if view.sinks is None:
             return
         for (first, count), rows in view.sink_spans().items():
             index = torch.tensor(rows, device=kv.device) if len(rows) < kv.shape[1] else slice(None)
             column = slice(first - view.start, first - view.start + count)
-            kv[:, index, :, column] = view.sinks[:, index, :, :count].float()
+            kv[:, index, :, column] = as_held(view.sinks[:, index, :, :count])
 
     @staticmethod
     def mask(query, view: KVView, mask, window, columns: int):

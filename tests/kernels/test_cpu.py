@@ -105,10 +105,15 @@ def test_write_serve_and_attend_as_the_oracle(stream):
     if ours.static:  # the mask of a static cache covers [0, max_cache_len) (a ring's is longer than the ring)
         columns = stream.length + 4 if ours.ring else ours.columns
         mask = torch.cat([mask, torch.zeros(*mask.shape[:3], columns - stream.length, dtype=torch.bool)], -1)
+    # rotated codes: the torch path attends in the rotated space (the query and the output rotated, not the codes),
+    # the same attention up to the fp32 rounding of the rotations, which these outlier keys' peaked scores amplify,
+    # and an ulp of the output's dtype where that rounding crosses one
+    rotated = dict(rtol=max(1e-4, torch.finfo(stream.dtype).eps), atol=5e-4)
+    tolerance = rotated if stream.rotate else dict(rtol=1e-6, atol=1e-6)
     for kwargs in (dict(mask=mask), {}):
         got = cpu.attend(query, ours, scaling=0.3, **kwargs)
         want = reference.attend(query, oracle, scaling=0.3, **kwargs)
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
 def test_materialize_is_fp32_whatever_the_default_dtype():
