@@ -92,12 +92,12 @@ def _program_rows(q_start, q_len, first_row, BLOCK_M: tl.constexpr, GROUP: tl.co
 
 
 @triton.jit
-def _scaled_query(query_args, q_rows, member, row_ok, q_scale, DOT: tl.constexpr, Q_HEADS: tl.constexpr,
+def _scaled_query(q_ptr, query_args, q_rows, member, row_ok, q_scale, DOT: tl.constexpr, Q_HEADS: tl.constexpr,
                   ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr):  # fmt: skip
     """The rows' queries times `q_scale`, rotated with ROTATE_STAGES, in the dots' type. The rotated rows are read
     back from the scratch (`rotated_query`) at their own (token, query head): a scratch of the query's size, where
     one per program is sized by the grid of the longest request's rows."""
-    q_ptr, q_st, q_sh, scratch_ptr, d, d_ok = query_args
+    q_st, q_sh, scratch_ptr, d, d_ok = query_args
     q = tl.load(q_ptr + q_rows[:, None] * q_st + member[:, None] * q_sh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * q_scale  # fmt: skip
     if ROTATE_STAGES > 0:
@@ -322,7 +322,7 @@ def _paged_attention_kernel(
     k_first = tl.load(k_first_ptr + request).to(tl.int64)
 
     # the group's first query head in an int64 base (query heads x their stride can pass 2^31), the rest from there
-    q_ptr += (kv_head * GROUP).to(tl.int64) * q_sh
+    q_group_ptr = q_ptr + (kv_head * GROUP).to(tl.int64) * q_sh
     q_scratch_ptr += (kv_head * GROUP).to(tl.int64) * BLOCK_D
     pos, member, row_ok, q_rows = _program_rows(q_start, q_len, first_row, BLOCK_M, GROUP)
     d = tl.arange(0, BLOCK_D)
@@ -330,8 +330,9 @@ def _paged_attention_kernel(
     q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
     if not PER_TOKEN:
         q_scale *= tl.load(k_scale_ptr + kv_head)
-    query_args = (q_ptr, q_st, q_sh, q_scratch_ptr, d, d_ok)
-    q = _scaled_query(query_args, q_rows, member, row_ok, q_scale, DOT, KV_HEADS * GROUP, ROTATE_STAGES, ROTATE_NORM)
+    query_args = (q_st, q_sh, q_scratch_ptr, d, d_ok)
+    q = _scaled_query(q_group_ptr, query_args, q_rows, member, row_ok, q_scale, DOT, KV_HEADS * GROUP, ROTATE_STAGES,
+                      ROTATE_NORM)  # fmt: skip
     q_pos = past if ONE_POSITION else past + pos  # each query's own key index (a decode step: one for all)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -437,8 +438,10 @@ def _paged_attention_kernel(
         # (loaded again: kept across the codes' loop, they spilled at head_dim 128 with static scales, gpu_static)
         sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
         k_head = 1.0 if PER_TOKEN else tl.load(k_scale_ptr + kv_head)
-        if ROTATE_STAGES > 0:  # their scores: the query as it came, loaded again
-            q = _scaled_query(query_args, q_rows, member, row_ok, score_scale * k_head, DOT, KV_HEADS * GROUP, 0, 1.0)
+        if ROTATE_STAGES > 0:  # their scores: the query as it came, loaded again from `q_ptr` itself (the group's
+            # base kept across the loops: d128 decode with recent 32 + sinks 4 spilled 32 B, gpu_static)
+            q = _scaled_query(q_ptr, query_args, q_rows, (kv_head * GROUP + member).to(tl.int64), row_ok,
+                              score_scale * k_head, DOT, KV_HEADS * GROUP, 0, 1.0)  # fmt: skip
         acc, m_i, l_i = _attend_held(
             q, acc, m_i, l_i, recent_ptr + recent_slot * recent_rows_per_slot * 2 * KV_HEADS * HEAD_DIM, kv_head,
             recent_slots, sink_end, recent_lo, key_start, k_end, 1.0 / (k_head * code_factor), q_pos, row_ok, d,
@@ -450,17 +453,22 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
-def paged_attention_tiles(rows: int, head_dim: int, target: GpuTarget | None = None) -> tuple[int, int, int, dict]:
+def paged_attention_tiles(
+    rows: int, head_dim: int, target: GpuTarget | None = None, crowded: bool = False
+) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` of the paged kernel for `rows` rows per KV head: those of
     `_attention_kernel` for decode, but 32-token tiles of 4 warps at head_dim 256, and 32-row prefill programs. The
     paged loop carries each token's page arithmetic and the next tile's page indices besides the codes.
     gpu_static, sm_90, GQA 8, 3 stages: at head_dim 256, 64-token tiles of 4 warps spilled 248 B and 8 warps fit
     one block per SM (32 tokens, 4 warps: 2 blocks, 0.24-0.27 instructions per KV byte); in prefill, 128 rows of 8
     warps spilled 68-308 B, 64 rows of 4 warps 208-308 B (32 rows of 4 warps: no spill, 2 blocks per SM, 0.37 at
-    head_dim 128; at 256 with 32-token tiles, 0.32-0.35, where 64-token ones spilled 364 B)."""
+    head_dim 128; at 256 with 32-token tiles, 0.32-0.35, where 64-token ones spilled 364 B). `crowded`: rotated
+    codes with held tokens, whose prefill runs 32-token tiles (64: 255 registers and a 184 B spill at head_dim 128;
+    32: 210, none, 0.192 -> 0.244 instructions per KV byte)."""
     block_m, block_n, block_d, options = block_sizes(min(rows, 64), head_dim, target=target)
     if rows > 64:
         block_m, options = 32, dict(options, num_warps=4)
+        block_n = 32 if crowded else block_n
         if target is not None and not target.is_amd:  # ptxas capped sm_100's at 168 registers and spilled 12 B;
             options["maxnreg"] = 255  # 188 under 255, 2 blocks per SM (sm_90's: 186 without a cap; gpu_static)
     if block_d > 128:
@@ -560,7 +568,8 @@ def plan_paged_attention(
         return out, None
     group = q_heads // kv_heads
     target = target or query_target(query)
-    block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim, target)
+    block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim, target,
+                                                               rotate and recent is not None)  # fmt: skip
     block_d = max(block_d, 16)
     page_tile = page_tile_tokens(block_n, page_size, window)
     block_n = page_tile or block_n

@@ -98,7 +98,8 @@ def test_paged_attention_matches_reference(dtype, case, rotate):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case, recent, rotate", [(*case, False) for case in RECENT_CASES]
-                         + [(*RECENT_CASES[i], True) for i in (0, 1, 4)], ids=str)  # fmt: skip
+                         + [(*RECENT_CASES[i], True) for i in (0, 1, 4)] + [(CASES[5], (8, 2, 0), True)],
+                         ids=str)  # fmt: skip (the last: 160 rows of prefill, its crowded 32-token tiles)
 def test_recent_and_sink_tokens_are_read_in_full_precision(dtype, case, recent, rotate):
     """Each request's held recent and sink tokens (its unheld rows NaN) read from the model-dtype rows, the others
     from the codes, in one softmax: the oracle over exactly those values (rotated codes: their share of the output
