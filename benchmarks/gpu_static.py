@@ -205,10 +205,12 @@ def every_case(quick: bool = False) -> list[Case]:
         for p in (False, True)
     ]
     paged += [Case("paged", batch=4, q_len=256, per_token=True, context=4096, waves=False, recent=32, sinks=4)]
-    # rotated codes (issue 35): the query and the codes' output rotated once per program, each write rotated
+    # rotated codes (issue 35): the query and the codes' output rotated once per program, each write rotated; the
+    # paged cases with per-token scales (what rotation takes)
     rotated = [dataclasses.replace(case, rotate=True) for case in (
         *(Case("decode", head_dim=d, per_token=True) for d in (64, 128, 256)), *window[:4], window[6], window[7],
         Case("prefill", q_len=500, context=500, per_token=True), *write[2:],
+        *(case for case in paged if case.per_token and not case.sliding),
     )]  # fmt: skip
     return decode + no_split + few_heads + prefill + window + write + paged + rotated
 
@@ -287,12 +289,12 @@ def plan_paged(case: Case, gpu: GpuTarget, fmt, dtype: torch.dtype, device: str)
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
         layer_offset=geometry.layer_offset, bytes_per_block=bytes_per_block, block_stride=geometry.block_stride,
         page_size=case.page_size, scaling=case.head_dim**-0.5, window=case.sliding or None, static_scales=static,
-        max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, target=gpu,
+        max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, rotate=case.rotate, target=gpu,
     )  # fmt: skip
     states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
     write_index = torch.empty(tokens, dtype=torch.int64, device=device)
-    _, write = triton_paged.plan_write_rows(states, fmt, stats, static, pages, geometry, write_index)
+    _, write = triton_paged.plan_write_rows(states, fmt, stats, static, pages, geometry, write_index, case.rotate)
     return [attend, write]
 
 

@@ -171,12 +171,14 @@ def enable(
     recent_tokens: int | None = None,
     sink_tokens: int | None = None,
     max_requests: int | None = None,
+    rotate: bool = False,
 ) -> PagedSettings:
     """Make `model.generate_batch(...)` and `model.init_continuous_batching(...)` store K/V pages in FP8.
 
     The arguments are `QuantizedFP8Cache`'s (`kv_cache_dtype`, `scales`, `skip_layers`, `backend`,
-    `recent_tokens`, `sink_tokens`; None: its default): each request keeps its newest and first tokens in the
-    model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is pure FP8, as vLLM serves it.
+    `recent_tokens`, `sink_tokens`, `rotate`; None: its default): each request keeps its newest and first tokens in
+    the model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is pure FP8, as vLLM serves it; `rotate`:
+    the pages' codes hold the keys and values times a Hadamard matrix (rotated codes).
     `max_requests`: requests in flight at once, each holding its recent and sink tokens (default: as many as an
     eighth of the KV memory holds; others wait, as for pages). Calling `enable` again replaces the settings;
     `disable(model)` restores transformers' own pages. Returns the resolved settings.
@@ -196,10 +198,12 @@ def enable(
     config = model.config.get_text_config(decoder=True)
     groups = group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
     resolved = resolve_settings(model.config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers,
-                                backend=backend, recent_tokens=recent_tokens, sink_tokens=sink_tokens)  # fmt: skip
+                                backend=backend, recent_tokens=recent_tokens, sink_tokens=sink_tokens,
+                                rotate=rotate)  # fmt: skip
     layouts = {
         i: RowLayout(resolved.fmt if resolved.stored(i) else None, resolved.stored(i) and resolved.scales[i].per_token,
-                     resolved.kv_heads, resolved.head_dim, model.dtype, getattr(resolved.scales.get(i), "key_channel", None))
+                     resolved.kv_heads, resolved.head_dim, model.dtype, getattr(resolved.scales.get(i), "key_channel", None),
+                     resolved.rotate)
         for i in range(config.num_hidden_layers)
     }  # fmt: skip
     fixed = {i: torch.stack((scheme.key, scheme.value)) for i, scheme in resolved.scales.items() if not scheme.per_token}

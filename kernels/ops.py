@@ -200,7 +200,7 @@ class TritonBackend(TorchBackend):
         from .triton_paged import write_rows
 
         pair = None if static_scales is None else (static_scales[0], static_scales[1])
-        rows = write_rows(states, layout.fmt, stats, pair, pages, geometry, index)
+        rows = write_rows(states, layout.fmt, stats, pair, pages, geometry, index, layout.rotate)
         return rows, True  # (non-finite inputs: not known without a sync)
 
     def paged_attend(
@@ -222,7 +222,7 @@ class TritonBackend(TorchBackend):
             query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=layout.fmt, kv_heads=layout.kv_heads,
             layer_offset=geometry.layer_offset, bytes_per_block=geometry.bytes_per_block,
             block_stride=geometry.block_stride, page_size=geometry.page_size, scaling=scaling, window=window,
-            static_scales=pair, max_q_len=max_q_len, recent=recent, new_in_pages=new_in_pages,
+            static_scales=pair, max_q_len=max_q_len, recent=recent, new_in_pages=new_in_pages, rotate=layout.rotate,
         )  # fmt: skip
         return out.to(query.dtype)
 

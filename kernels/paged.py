@@ -20,6 +20,10 @@ request's rows are gathered, decoded and attended in turn, never the whole cache
 With recent and sink tokens (`RecentRows`), each request also holds its newest and first tokens in the model's
 dtype beside its pages, and those keys are read from there instead of from their codes, as the dense cache reads
 its recent and sink buffers.
+
+Rotated codes (`RowLayout.rotate`): the codes hold each token's keys and values times a Hadamard matrix
+(`rotation.py`), as the dense cache's do; they are rotated back when decoded. The held recent and sink tokens stay
+as they came.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from .cpu import dequantize_stacked, write_stacked
 from .formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
 from .reference import attention
+from .rotation import hadamard
 
 ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
 # instructions per KV byte in the paged decode loop and no pipelining, before)
@@ -52,6 +57,7 @@ class RowLayout:
     head_dim: int
     dtype: torch.dtype  # the model dtype
     key_channel: torch.Tensor | None = None  # static per-channel key scales [kv_heads, head_dim] (keys divided by)
+    rotate: bool = False  # codes of the keys and values times a Hadamard matrix (`rotation.py`)
 
     @property
     def value_bytes(self) -> int:
@@ -156,8 +162,8 @@ def encode_rows(
 ) -> tuple[torch.Tensor, bool]:
     """Page rows `[tokens, 2, row bytes]` of `states` (`[2, kv_heads, tokens, head_dim]`, keys divided by the
     per-channel key scales already): codes and scales as `cpu.write_stacked` writes them (the bits the dense cache
-    stores; `static_scales`: `[2, kv_heads]`, None for per-token ones), or the model-dtype values of a layer kept
-    in it; and whether an input was non-finite."""
+    stores; `static_scales`: `[2, kv_heads]`, None for per-token ones; rotated first with `layout.rotate`), or the
+    model-dtype values of a layer kept in it; and whether an input (rotated) was non-finite."""
     tokens = states.shape[2]
     rows = torch.zeros(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
     codes = _stored_values(rows, layout)
@@ -168,6 +174,8 @@ def encode_rows(
         scale = rows[..., layout.scale_bytes].view(torch.float32).permute(1, 2, 0)[..., None]
     else:
         scale = static_scales[:, :, None, None]
+    if layout.rotate:
+        states = hadamard(states)
     return rows, write_stacked(states, codes, scale, layout.fmt, static_scales is None, stats, PER_TOKEN_SCALE_DTYPE)
 
 
@@ -179,7 +187,8 @@ def _stored_values(rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
 
 
 def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static_scales: torch.Tensor | None) -> torch.Tensor:
-    """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]`."""
+    """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]` (rotated back
+    with `layout.rotate`, before the per-channel key scales, the inverse of `encode_rows`)."""
     codes = _stored_values(rows, layout)
     if layout.fmt is None:
         return codes.float()
@@ -188,6 +197,8 @@ def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static_sca
     else:
         scale = static_scales[:, :, None, None]
     kv = dequantize_stacked(codes, scale, layout.fmt, has_nan)
+    if layout.rotate:
+        kv = hadamard(kv)
     if layout.key_channel is not None:
         kv[0] *= layout.key_channel.to(kv.device)[:, None, :]
     return kv

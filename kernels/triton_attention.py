@@ -31,7 +31,7 @@ import triton.language as tl
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
     attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, hadamard, load_token_scales,
-    query_target, rotation, tile_tokens, to_e4m3, visibility, zero_columns,
+    program_scratch, query_target, rotated_query, rotation, tile_tokens, to_e4m3, visibility, zero_columns,
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
@@ -114,7 +114,7 @@ def _attention_kernel(
     query_args = (q_ptr, q_sh, q_sl, q_sd, head, row_pos, row_ok, d, d_ok, q_scale, channel_ptr)
     q = _scaled_query(query_args, HAS_CHANNEL_SCALE)
     if ROTATE_STAGES > 0:  # rotated codes: the codes' scores are those of the rotated query
-        q = _rotated_query(q, q_scratch_ptr, ROTATE_STAGES, ROTATE_NORM)
+        q = rotated_query(q, program_scratch(q_scratch_ptr, BLOCK_M, BLOCK_D), True, ROTATE_STAGES, ROTATE_NORM)
     if FP8_QK:  # the codes' scores on FP8 tensor cores: the query in e4m3, one scale per row (its amax to the max)
         q_row = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / E4M3_MAX
         q_codes = to_e4m3(q / q_row[:, None], HW_CONVERT)
@@ -341,20 +341,6 @@ def _scaled_query(query_args, HAS_CHANNEL_SCALE: tl.constexpr):
     if HAS_CHANNEL_SCALE:
         q = q * tl.load(channel_ptr + d, mask=d_ok, other=0.0)[None, :]
     return q
-
-
-@triton.jit
-def _rotated_query(q, scratch_ptr, STAGES: tl.constexpr, NORM: tl.constexpr):
-    """`q` rotated, read back from this program's rows of `scratch_ptr`: computed in registers, the rotated query
-    stayed there through the loop as the dot's operand (head_dim 128 per-token decode: 141 -> 190 registers, 3 -> 2
-    blocks per SM); read from memory it is staged in shared memory as the plain query is (gpu_static)."""
-    ROWS: tl.constexpr = q.shape[0]
-    D: tl.constexpr = q.shape[1]
-    program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-    offsets = program.to(tl.int64) * (ROWS * D) + tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(scratch_ptr + offsets, hadamard(q, STAGES, NORM))
-    tl.debug_barrier()  # every thread's rows written before any is read
-    return tl.load(scratch_ptr + offsets)
 
 
 @triton.jit
@@ -666,7 +652,7 @@ class AttentionPlan:
         return out, *self.parts
 
     def _query_scratch(self, query: torch.Tensor, splits: int) -> torch.Tensor:
-        """fp32 rows for each program's rotated query (`_rotated_query`), kept from call to call."""
+        """fp32 rows for each program's rotated query (`rotated_query`), kept from call to call."""
         size = self.row_blocks * self.out_shape[0] * self.kv_heads * splits * self.block_m * self.block_d
         if self.scratch is None or self.scratch.numel() < size:
             self.scratch = torch.empty(size, dtype=torch.float32, device=query.device)

@@ -75,6 +75,24 @@ def rotation(view_rotate: bool, head_dim: int) -> dict:
 
 
 @triton.jit
+def rotated_query(q, scratch, ok, STAGES: tl.constexpr, NORM: tl.constexpr):
+    """`q` `[ROWS, D]` rotated, read back from `scratch` (fp32 pointers `[ROWS, D]`, those of `ok` this program's
+    alone): computed in registers, the rotated query stayed there through the loop as the dot's operand
+    (`_attention_kernel`, head_dim 128 per-token decode: 141 -> 190 registers, 3 -> 2 blocks per SM); read from
+    memory it is staged in shared memory as the plain query is (gpu_static)."""
+    tl.store(scratch, hadamard(q, STAGES, NORM), mask=ok)
+    tl.debug_barrier()  # every thread's rows written before any is read
+    return tl.load(scratch, mask=ok, other=0.0)
+
+
+@triton.jit
+def program_scratch(scratch_ptr, ROWS: tl.constexpr, D: tl.constexpr):
+    """This program's `[ROWS, D]` pointers in a scratch of `ROWS * D` fp32 per program of the grid."""
+    program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    return scratch_ptr + program.to(tl.int64) * (ROWS * D) + tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
 def round_up_to_bf16(x):
     """Positive finite fp32 `x` rounded up to a bf16 value (kept in fp32): the bits past bf16's carried, then
     dropped (a per-token scale held in 2 bytes, `formats.PER_TOKEN_SCALE_DTYPE`)."""

@@ -25,7 +25,8 @@ from .formats import StorageFormat
 from .paged import ROW_ALIGNMENT, PageGeometry, RecentRows, row_size
 from .triton_common import (
     LOG2E, MIN_TOKEN_SCALE, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
-    decode_settings, encode, encoding, query_target, register_room, round_up_to_bf16, tile_tokens, zero_columns,
+    decode_settings, encode, encoding, hadamard, query_target, register_room, rotated_query, rotation,
+    round_up_to_bf16, tile_tokens, zero_columns,
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, launch_all, next_power_of_2
@@ -88,6 +89,23 @@ def _program_rows(q_start, q_len, first_row, BLOCK_M: tl.constexpr, GROUP: tl.co
     rows = first_row + tl.arange(0, BLOCK_M)
     pos = rows // GROUP
     return pos, rows % GROUP, rows < q_len * GROUP, (q_start + pos).to(tl.int64)
+
+
+@triton.jit
+def _scaled_query(q_ptr, query_args, q_rows, member, row_ok, q_scale, DOT: tl.constexpr, Q_HEADS: tl.constexpr,
+                  ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr):  # fmt: skip
+    """The rows' queries times `q_scale`, rotated with ROTATE_STAGES, in the dots' type. The rotated rows are read
+    back from the scratch (`rotated_query`) at their own (token, query head): a scratch of the query's size, where
+    one per program is sized by the grid of the longest request's rows."""
+    q_st, q_sh, scratch_ptr, d, d_ok = query_args
+    q = tl.load(q_ptr + q_rows[:, None] * q_st + member[:, None] * q_sh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * q_scale  # fmt: skip
+    if ROTATE_STAGES > 0:
+        scratch = scratch_ptr + (q_rows * Q_HEADS + member)[:, None] * d.shape[0] + d[None, :]
+        q = rotated_query(q, scratch, row_ok[:, None], ROTATE_STAGES, ROTATE_NORM)
+    if DOT == tl.float16:
+        q = clamp_fp16(q)
+    return q.to(DOT)
 
 
 @triton.jit
@@ -180,11 +198,13 @@ def _write_rows_kernel(
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
-    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr, BLOCK_STRIDE: tl.constexpr,
+    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr, BLOCK_STRIDE: tl.constexpr, ROTATE_STAGES: tl.constexpr,
+    ROTATE_NORM: tl.constexpr,
 ):  # fmt: skip
     """One KV head of one plane (keys / values) of `BLOCK_T` tokens: codes (and per-token-head scale bytes)
     into the rows and into the pages at the physical indices `write_ptr` (`paged.PageGeometry`'s bytes: key rows,
-    transposed value planes); clipped and non-finite counts added to `stats_ptr` (int64 `[2, 2]`)."""
+    transposed value planes); clipped and non-finite counts added to `stats_ptr` (int64 `[2, 2]`). Rotated first
+    with ROTATE_STAGES (`triton_common.hadamard`)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     plane = tl.program_id(2)
@@ -193,6 +213,8 @@ def _write_rows_kernel(
     valid = t_ok[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(states_ptr + plane.to(tl.int64) * s_sp + head.to(tl.int64) * s_sh + t.to(tl.int64)[:, None] * s_st + d[None, :], mask=valid,
                 other=0.0).to(tl.float32)  # fmt: skip
+    if ROTATE_STAGES > 0:
+        x = hadamard(x, ROTATE_STAGES, ROTATE_NORM)
     row = rows_ptr + t.to(tl.int64) * 2 * ROW_BYTES + plane * ROW_BYTES
     # where each token's codes and scale go in its page: element e at `code_at + e * element_stride`
     phys = tl.load(write_ptr + t, mask=t_ok, other=0)
@@ -234,19 +256,21 @@ def write_rows(
     pages: torch.Tensor,
     geometry: PageGeometry,
     index: torch.Tensor,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """Page rows `[tokens, 2, row_bytes]` (uint8) of `states` (`[2, kv_heads, tokens, head_dim]`, keys then
     values): codes of every KV head, then (per-token-head scales, `static_scales` None) one fp32 scale per head;
     bit-identical to `paged.encode_rows`; also stored in `pages` at the int64 physical indices `index`, as
     `geometry.write` stores them. Adds clipped and non-finite counts to `stats` (int64 `[2, 2]`, on the states'
-    device)."""
-    rows, launch = plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index)
+    device). `rotate`: codes of the states times a Hadamard matrix (`paged.RowLayout.rotate`)."""
+    rows, launch = plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index, rotate)
     if launch is not None:
         launch_all([launch], states.device)
     return rows
 
 
-def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index) -> tuple[torch.Tensor, Launch | None]:
+def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index,
+                    rotate: bool = False) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
     """The rows of `write_rows` and the launch that fills them and the pages (None: no token)."""
     _, kv_heads, tokens, head_dim = states.shape
     if states.stride(-1) != 1:
@@ -263,7 +287,7 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index) -
         states.stride(2), tokens, geometry.layer_offset, geometry.bytes_per_block,
     ), dict(
         ROW_BYTES=row_bytes, VALUE_BYTES=value_bytes, PAGE_SIZE=geometry.page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, PER_TOKEN=per_token, CLIP=fmt.clip_bound,
-        BLOCK_STRIDE=geometry.block_stride, **encoding(fmt),
+        BLOCK_STRIDE=geometry.block_stride, **encoding(fmt), **rotation(rotate, head_dim),
     ))  # fmt: skip
     return rows, launch
 
@@ -271,7 +295,7 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index) -
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, pages_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
-    recent_ptr, recent_meta_ptr,
+    recent_ptr, recent_meta_ptr, q_scratch_ptr,
     q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, value_boost, out_factor,
     code_factor, new_offset, requests, recent_slots, recent_rows_per_slot,
     BLOCK_STRIDE: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_BYTES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -280,10 +304,13 @@ def _paged_attention_kernel(
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
     HAS_RECENT: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, PAGE_TILES: tl.constexpr, NEW_IN_PAGES: tl.constexpr, ONE_POSITION: tl.constexpr,
+    ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile. With HAS_RECENT,
-    the request's held recent and sink tokens are read from `recent_ptr`'s model-dtype rows after the codes."""
+    the request's held recent and sink tokens are read from `recent_ptr`'s model-dtype rows after the codes.
+    Rotated codes (ROTATE_STAGES): the codes' scores are those of the rotated query (`q_scratch_ptr`: fp32
+    `[tokens, q_heads, BLOCK_D]`), their share of the output is rotated back before the held tokens join it."""
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     first_row = tl.program_id(2) * BLOCK_M
@@ -295,19 +322,17 @@ def _paged_attention_kernel(
     k_first = tl.load(k_first_ptr + request).to(tl.int64)
 
     # the group's first query head in an int64 base (query heads x their stride can pass 2^31), the rest from there
-    q_ptr += (kv_head * GROUP).to(tl.int64) * q_sh
+    q_group_ptr = q_ptr + (kv_head * GROUP).to(tl.int64) * q_sh
+    q_scratch_ptr += (kv_head * GROUP).to(tl.int64) * BLOCK_D
     pos, member, row_ok, q_rows = _program_rows(q_start, q_len, first_row, BLOCK_M, GROUP)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + q_rows[:, None] * q_st + member[:, None] * q_sh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
     q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
     if not PER_TOKEN:
         q_scale *= tl.load(k_scale_ptr + kv_head)
-    q = q * q_scale
-    if DOT == tl.float16:
-        q = clamp_fp16(q)
-    q = q.to(DOT)
+    query_args = (q_st, q_sh, q_scratch_ptr, d, d_ok)
+    q = _scaled_query(q_group_ptr, query_args, q_rows, member, row_ok, q_scale, DOT, KV_HEADS * GROUP, ROTATE_STAGES,
+                      ROTATE_NORM)  # fmt: skip
     q_pos = past if ONE_POSITION else past + pos  # each query's own key index (a decode step: one for all)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -403,6 +428,8 @@ def _paged_attention_kernel(
     if not PER_TOKEN:
         out_scale *= tl.load(v_scale_ptr + kv_head)
     acc = acc * out_scale
+    if ROTATE_STAGES > 0:  # the codes' share rotated back, before the held tokens join it
+        acc = hadamard(acc, ROTATE_STAGES, ROTATE_NORM)
     # the rows worked out again after the codes' loops, from a fresh load (volatile: not merged with the first one;
     # kept across the loops, their token indices spilled 8 B at head_dim 128 with per-token scales, gpu_static)
     q_start = tl.load(cu_q_ptr + request, volatile=True)
@@ -411,6 +438,10 @@ def _paged_attention_kernel(
         # (loaded again: kept across the codes' loop, they spilled at head_dim 128 with static scales, gpu_static)
         sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
         k_head = 1.0 if PER_TOKEN else tl.load(k_scale_ptr + kv_head)
+        if ROTATE_STAGES > 0:  # their scores: the query as it came, loaded again from `q_ptr` itself (the group's
+            # base kept across the loops: d128 decode with recent 32 + sinks 4 spilled 32 B, gpu_static)
+            q = _scaled_query(q_ptr, query_args, q_rows, (kv_head * GROUP + member).to(tl.int64), row_ok,
+                              score_scale * k_head, DOT, KV_HEADS * GROUP, 0, 1.0)  # fmt: skip
         acc, m_i, l_i = _attend_held(
             q, acc, m_i, l_i, recent_ptr + recent_slot * recent_rows_per_slot * 2 * KV_HEADS * HEAD_DIM, kv_head,
             recent_slots, sink_end, recent_lo, key_start, k_end, 1.0 / (k_head * code_factor), q_pos, row_ok, d,
@@ -422,17 +453,22 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
-def paged_attention_tiles(rows: int, head_dim: int, target: GpuTarget | None = None) -> tuple[int, int, int, dict]:
+def paged_attention_tiles(
+    rows: int, head_dim: int, target: GpuTarget | None = None, crowded: bool = False
+) -> tuple[int, int, int, dict]:
     """`(BLOCK_M, BLOCK_N, BLOCK_D, launch options)` of the paged kernel for `rows` rows per KV head: those of
     `_attention_kernel` for decode, but 32-token tiles of 4 warps at head_dim 256, and 32-row prefill programs. The
     paged loop carries each token's page arithmetic and the next tile's page indices besides the codes.
     gpu_static, sm_90, GQA 8, 3 stages: at head_dim 256, 64-token tiles of 4 warps spilled 248 B and 8 warps fit
     one block per SM (32 tokens, 4 warps: 2 blocks, 0.24-0.27 instructions per KV byte); in prefill, 128 rows of 8
     warps spilled 68-308 B, 64 rows of 4 warps 208-308 B (32 rows of 4 warps: no spill, 2 blocks per SM, 0.37 at
-    head_dim 128; at 256 with 32-token tiles, 0.32-0.35, where 64-token ones spilled 364 B)."""
+    head_dim 128; at 256 with 32-token tiles, 0.32-0.35, where 64-token ones spilled 364 B). `crowded`: rotated
+    codes with held tokens, whose prefill runs 32-token tiles (64: 255 registers and a 184 B spill at head_dim 128;
+    32: 210, none, 0.192 -> 0.244 instructions per KV byte)."""
     block_m, block_n, block_d, options = block_sizes(min(rows, 64), head_dim, target=target)
     if rows > 64:
         block_m, options = 32, dict(options, num_warps=4)
+        block_n = 32 if crowded else block_n
         if target is not None and not target.is_amd:  # ptxas capped sm_100's at 168 registers and spilled 12 B;
             options["maxnreg"] = 255  # 188 under 255, 2 blocks per SM (sm_90's: 186 without a cap; gpu_static)
     if block_d > 128:
@@ -469,6 +505,7 @@ def paged_attention(
     max_q_len: int | None = None,
     recent: RecentRows | None = None,
     new_in_pages: bool = False,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """fp32 attention output `[tokens, q_heads, head_dim]` of `query` `[tokens, q_heads, head_dim]` (every
     request's rows, `cu_seq_lens_q` int32 `[requests + 1]`) over paged rows (see the module docstring).
@@ -479,13 +516,14 @@ def paged_attention(
     V scales (None: per-token-head scales stored in the rows); `recent`: the requests' recent and sink tokens in the
     model's dtype (contiguous rows); `new_in_pages`: each request's `read_index` entries go on after its past keys
     with this step's, whose rows are in the pages already (a full-attention layer: transformers writes the new
-    tokens before reading), and those keys are read there. Codes in the fp8 formats or int8.
+    tokens before reading), and those keys are read there; `rotate`: the codes hold the keys and values times a
+    Hadamard matrix (`paged.RowLayout.rotate`). Codes in the fp8 formats or int8.
     """
     out, launch = plan_paged_attention(
         query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=fmt, kv_heads=kv_heads,
         layer_offset=layer_offset, bytes_per_block=bytes_per_block, block_stride=block_stride, page_size=page_size,
         scaling=scaling, window=window, static_scales=static_scales, max_q_len=max_q_len, recent=recent,
-        new_in_pages=new_in_pages,
+        new_in_pages=new_in_pages, rotate=rotate,
     )  # fmt: skip
     if launch is not None:
         launch_all([launch], query.device)
@@ -497,7 +535,7 @@ def plan_paged_attention(
     layer_offset: int, bytes_per_block: int, block_stride: int, page_size: int, scaling: float,
     window: int | None = None, static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_q_len: int | None = None, recent: RecentRows | None = None, new_in_pages: bool = False,
-    target: GpuTarget | None = None,
+    rotate: bool = False, target: GpuTarget | None = None,
 ) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
     """The output of `paged_attention` and the launch that fills it (None: nothing to attend); `target` plans that
     GPU's code path for tensors that are not on it (`benchmarks/gpu_static.py`)."""
@@ -530,7 +568,9 @@ def plan_paged_attention(
         return out, None
     group = q_heads // kv_heads
     target = target or query_target(query)
-    block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim, target)
+    block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim, target,
+                                                               rotate and recent is not None)  # fmt: skip
+    block_d = max(block_d, 16)
     page_tile = page_tile_tokens(block_n, page_size, window)
     block_n = page_tile or block_n
     decode = decode_settings(fmt, query, per_token, target)
@@ -550,16 +590,18 @@ def plan_paged_attention(
     )  # fmt: skip  (placeholders the kernel never reads without HAS_RECENT)
     args = (
         query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2],
+        torch.empty(tokens, q_heads, block_d, device=query.device) if rotate else out,  # the rotated query's scratch
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E.value * code_factor,
         window or 0, layer_offset, bytes_per_block, value_boost, code_factor / value_boost, code_factor, new_offset,
         requests, *recent_args[2:],
     )  # fmt: skip
     constexprs = dict(
-        BLOCK_STRIDE=block_stride, PAGE_SIZE=page_size, ROW_BYTES=row_bytes, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(block_d, 16), BLOCK_M=block_m,
+        BLOCK_STRIDE=block_stride, PAGE_SIZE=page_size, ROW_BYTES=row_bytes, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=decode.hw_convert,
         CODE_TYPE=decode.code_type or tl.int8, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
         HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
-        PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1, **options,
+        PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1,
+        **rotation(rotate, head_dim), **options,
     )  # fmt: skip
     return out, Launch(_paged_attention_kernel, grid, args, constexprs)

@@ -29,6 +29,8 @@ GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_
 
 # the dense cache's default (recent and sink tokens), and pure FP8
 VARIANTS = {"recent+sinks": {}, "pure": PURE_FP8}
+# rotated codes (per-token scales only)
+ROTATED = {f"{name}, rotated": dict(settings, rotate=True) for name, settings in VARIANTS.items()}
 # request slots for every request of a test at once (the default, an eighth of these tiny page budgets, holds one)
 REQUESTS = 8
 
@@ -391,26 +393,33 @@ def test_static_per_channel_key_scales_match_generate():
         assert torch.allclose(batch, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "sliding"])
-def test_recent_and_sink_tokens_give_generates_logits(kind):
+def test_recent_and_sink_tokens_give_generates_logits(kind, rotate):
     """Recent and sink tokens on the pages (4 + 2, a 13-token prompt and 8 more: tokens leave the recent ones
     while decoding; on the sliding layer (window 8) the ring wraps): the batch's logits are generate's with
-    QuantizedFP8Cache of the same recent and sink tokens, step by step; pure FP8 pages give others."""
+    QuantizedFP8Cache of the same recent and sink tokens (and rotated codes or not), step by step; pure FP8 pages
+    give others."""
     model = tiny_model("llama") if kind == "llama" else tiny_model(
         "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
         max_window_layers=0,
     )  # fmt: skip
     ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(5)).tolist()
-    held = dict(scales="dynamic", recent_tokens=4, sink_tokens=2)
+    held = dict(scales="dynamic", recent_tokens=4, sink_tokens=2, rotate=rotate)
     batch, ref = batch_and_generate_logits(model, ids, held)
     assert torch.equal(batch, ref)
-    pure, _ = batch_and_generate_logits(model, ids, dict(scales="dynamic", **PURE_FP8))
+    pure, _ = batch_and_generate_logits(model, ids, dict(scales="dynamic", rotate=rotate, **PURE_FP8))
     assert (pure - ref).abs().max() > 1e-3
 
 
 def batch_and_generate_logits(model, ids: list[int], settings: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The last-position logits of each step of `generate_batch` (FP8 pages with `settings`) and of `generate`
     with `QuantizedFP8Cache(**settings)`, `[NEW_TOKENS, vocab]` each."""
+    return batch_logits(model, ids, settings), generate_logits(model, ids, settings)
+
+
+def batch_logits(model, ids: list[int], settings: dict) -> torch.Tensor:
+    """The last-position logits of each step of `generate_batch` (FP8 pages with `settings`), `[NEW_TOKENS, vocab]`."""
     cb.enable(model, max_requests=1, **settings)
     logits = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0, -1].float()))
@@ -420,7 +429,17 @@ def batch_and_generate_logits(model, ids: list[int], settings: dict) -> tuple[to
     finally:
         hook.remove()
         cb.disable(model)
-    return torch.stack(logits[:NEW_TOKENS]), generate_logits(model, ids, settings)
+    return torch.stack(logits[:NEW_TOKENS])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rotation_leaves_a_window_over_every_token_unchanged(backend):
+    """Every token among the held ones (recent 32 + sinks 2 over a 9-token prompt and its new tokens): no code is
+    read, and rotated pages give the unrotated ones' logits, bit for bit."""
+    model = tiny_model("llama").to(DEVICE)
+    ids = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    held = dict(scales="dynamic", recent_tokens=32, sink_tokens=2, backend=backend)
+    assert torch.equal(*(batch_logits(model, ids, dict(held, rotate=rotate)) for rotate in (False, True)))
 
 
 @pytest.mark.parametrize("backend, scales, dtype", [
@@ -493,20 +512,20 @@ def test_forked_requests_copy_the_recent_and_sink_tokens():
         assert output.generated_tokens == expected[request_id.split("__child#")[0]], request_id
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("scales", ["dynamic", 0.05])
 @pytest.mark.parametrize("page_size, window", [(4, 8), (16, 16)])
+@pytest.mark.parametrize("scales, variant", [(scales, variant) for scales in ("dynamic", 0.05) for variant in VARIANTS]
+                         + [("dynamic", variant) for variant in ROTATED])  # fmt: skip
 def test_triton_backend_reads_the_same_pages(scales, page_size, window, variant):
     """The Triton paged kernel (the interpreter here, CUDA on a GPU) through the whole batch: the torch path's
     logits at every step, on a sliding layer (its ring of slots wraps: pure FP8 reads it from the codes) and a
-    full layer; 4-token pages read token by token, 16-token ones in tiles of consecutive slots."""
+    full layer; 4-token pages read token by token, 16-token ones in tiles of consecutive slots; rotated codes."""
     model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=window,
                        use_sliding_window=True, max_window_layers=0).to(DEVICE)  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 11, 19, 37)]
     logits = {}
     for backend in ("torch", "triton"):
-        cb.enable(model, scales=scales, backend=backend, max_requests=4, **VARIANTS[variant])
+        cb.enable(model, scales=scales, backend=backend, max_requests=4, **{**VARIANTS, **ROTATED}[variant])
         steps = []
         hook = model.lm_head.register_forward_hook(lambda module, args, out: steps.append(out[0].float().cpu()))
         try:
@@ -601,6 +620,8 @@ def test_bad_input_errors(monkeypatch):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="recent_tokens=-4"):
         cb.enable(model, scales="dynamic", recent_tokens=-4)
+    with pytest.raises(ValueError, match="rotate=True with static scales"):
+        cb.enable(model, scales=0.05, rotate=True)
     with pytest.raises(ValueError, match="max_requests=0"):
         cb.enable(model, scales="dynamic", max_requests=0)
     with pytest.raises(ValueError, match="skip_layers"):

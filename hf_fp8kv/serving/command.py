@@ -70,6 +70,8 @@ def serve_command() -> click.Command:
                      help="Newest tokens of each request kept in the model dtype (0 with --sink-tokens 0: pure FP8)."),
         click.Option(["--sink-tokens"], type=click.IntRange(min=0), default=dense_default("sink_tokens"), show_default=True,
                      help="First tokens of each request kept in the model dtype."),
+        click.Option(["--rotate"], is_flag=True, default=False,
+                     help="Rotated codes: keys and values times a Hadamard matrix before FP8 (per-token --scales dynamic)."),
         click.Option(["--max-requests"], type=click.IntRange(min=1), default=None,
                      help="Requests in flight at once, each holding its recent and sink tokens (default: as many "
                           "as an eighth of the KV memory holds; the others wait)."),
@@ -82,8 +84,9 @@ def serve_command() -> click.Command:
     return command
 
 
-def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, max_requests,
-         kv_memory_mib, force_model, continuous_batching, non_blocking, **serve_kwargs) -> FP8Serve:  # fmt: skip
+def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, rotate,
+         max_requests, kv_memory_mib, force_model, continuous_batching, non_blocking,
+         **serve_kwargs) -> FP8Serve:  # fmt: skip
     """Build the options, default the model to the bundled SmolLM2, and run transformers' server on FP8 pages."""
     if not continuous_batching:
         raise click.UsageError("FP8 pages are continuous batching's: drop --no-continuous-batching")
@@ -91,8 +94,8 @@ def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_to
         from hf_fp8kv.bundled import smollm2_dir
 
         force_model = str(smollm2_dir())
-    options = FP8Options(kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, max_requests,
-                         kv_memory_mib)  # fmt: skip
+    options = FP8Options(kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, rotate,
+                         max_requests, kv_memory_mib)  # fmt: skip
     return FP8Serve(options, force_model=force_model, continuous_batching=True, blocking=not non_blocking,
                     **serve_kwargs)  # fmt: skip
 

@@ -42,6 +42,7 @@ class FP8Options:
     backend: str | None = None
     recent_tokens: int | None = None  # None: QuantizedFP8Cache's default
     sink_tokens: int | None = None
+    rotate: bool = False
     max_requests: int | None = None
     kv_memory_mib: float | None = None  # pages and recent/sink tokens; None: transformers' sizing (CPU: 256)
 
@@ -116,7 +117,7 @@ class FP8Serve(Serve):
             model, kv_cache_dtype=self.options.kv_cache_dtype, scales=self.options.scales,
             skip_layers=self.options.skip_layers, backend=self.options.backend,
             recent_tokens=self.options.recent_tokens, sink_tokens=self.options.sink_tokens,
-            max_requests=self.options.max_requests,
+            rotate=self.options.rotate, max_requests=self.options.max_requests,
         )  # fmt: skip
         self._set_page_budget(model, settings)
         for endpoint, handler in self.handlers().items():
@@ -205,6 +206,7 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
     token once) against model-dtype pages of the same memory."""
     layout = next(iter(settings.layouts.values()))
     scales = "per-token-head scales" if layout.per_token else "per-head scales"
+    scales += ", rotated codes" if layout.rotate else ""
     held = "pure FP8"
     if cache.request_slots is not None:
         held = (f"recent {settings.recent_tokens} + sinks {settings.sink_tokens} tokens in {layout.dtype} for up to "

@@ -6,13 +6,16 @@ import torch
 
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.paged import PageGeometry, RecentRows, RowLayout, row_size
+from hf_fp8kv.kernels.rotation import hadamard
 
 PAGE_SIZE = 4
 LAYERS = 2  # pages per block; the tested layer is the second one (a non-zero layer offset)
 
 
-def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `[tokens, row_bytes]` of `x` `[tokens, kv_heads, D]`, and its dequantized values."""
+def encode(x: torch.Tensor, fmt, static: torch.Tensor | None, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `[tokens, row_bytes]` of `x` `[tokens, kv_heads, D]` (rotated codes with `rotate`), and its dequantized
+    values (rotated back)."""
+    x = hadamard(x) if rotate else x
     scale = static[None, :] if static is not None else reference.dynamic_scale(x, fmt, torch.bfloat16)
     codes, _, _ = reference.quantize(x, scale[..., None], fmt)
     values = reference.dequantize(codes, scale[..., None], fmt)
@@ -21,11 +24,11 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None) -> tuple[torch.Ten
         parts.append(scale.contiguous().view(torch.uint8))
     rows = torch.cat(parts, dim=1)
     padding = row_size(codes[0].numel(), 0 if static is not None else x.shape[1]) - rows.shape[1]
-    return torch.nn.functional.pad(rows, (0, padding)), values
+    return torch.nn.functional.pad(rows, (0, padding)), hadamard(values) if rotate else values
 
 
 def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None,
-          recent=None, dtype=torch.float32, page_size=PAGE_SIZE, new_in_pages=False):  # fmt: skip
+          recent=None, dtype=torch.float32, page_size=PAGE_SIZE, new_in_pages=False, rotate=False):  # fmt: skip
     """Pages of `page_size` tokens and new rows of `requests` (`(past, q_len)` each), each request's tokens in its
     blocks' consecutive slots, as transformers' full-attention allocator places them; `garbage_before`: a window,
     whose cached rows before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed
@@ -33,7 +36,8 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
     (returned as the fifth item), every other request as if its prompt's first half came from another request (prefix
     sharing: neither those sinks nor those recent tokens held), its keys starting at position `key_start` (a sliding
     layer's window; sinks then apply to none). `new_in_pages`: each request's new tokens are in its pages too, their
-    read indices after its past ones (a full-attention layer's step)."""
+    read indices after its past ones (a full-attention layer's step). `rotate`: rotated codes (`RowLayout.rotate`),
+    the oracle's keys and values decoded and rotated back."""
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
@@ -52,8 +56,8 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
     for past, q_len in requests:
         keys = torch.randn(past + q_len, kv_heads, head_dim, generator=generator) * 3
         values = torch.randn(past + q_len, kv_heads, head_dim, generator=generator)
-        k_rows, k_values = encode(keys, fmt, static[0] if static else None)
-        v_rows, v_values = encode(values, fmt, static[1] if static else None)
+        k_rows, k_values = encode(keys, fmt, static[0] if static else None, rotate)
+        v_rows, v_values = encode(values, fmt, static[1] if static else None, rotate)
         k_first.append(len(read_index))
         stored = past + q_len if new_in_pages else past
         blocks = [free_blocks.pop() for _ in range(-(-stored // page_size))]

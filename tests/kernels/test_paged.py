@@ -2,27 +2,40 @@
 codec round-trips the CPU path's bits, and attention over rows read in place through the pages' geometry is each
 request's attention alone, whatever its rows before the window hold."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from hf_fp8kv.kernels import paged
 from hf_fp8kv.kernels.cpu import dequantize_stacked
 from hf_fp8kv.kernels.formats import FORMATS
+from hf_fp8kv.kernels.rotation import hadamard
 from pages import PAGE_SIZE, build, oracle
 from test_triton_paged import CASES, RECENT_CASES
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head"])
-def test_rows_round_trip_through_the_codec(name):
+def test_rows_round_trip_through_the_codec(name, rotate):
+    """Rows decode to their codes' values; rotated rows are the codes of the rotated states, decoded and rotated
+    back (close to the states)."""
     fmt = FORMATS[name]
     states = torch.randn(2, 3, 7, 24, generator=torch.Generator().manual_seed(0)) * 20
-    layout = paged.RowLayout(fmt, True, 3, 24, torch.float32)
+    layout = paged.RowLayout(fmt, True, 3, 24, torch.float32, rotate=rotate)
     stats = torch.zeros(2, 2, dtype=torch.int64)
     rows, nonfinite = paged.encode_rows(states, layout, stats, None)
     assert rows.shape == (7, 2, layout.nbytes) and layout.nbytes % paged.ROW_ALIGNMENT == 0 and not nonfinite
     codes = rows[..., : layout.value_bytes].view(fmt.dtype).unflatten(-1, (3, 24)).permute(1, 2, 0, 3)
     scales = rows[..., layout.scale_bytes].contiguous().view(torch.float32).permute(1, 2, 0)[..., None]
-    assert torch.equal(paged.decode_rows(rows, layout, False, None), dequantize_stacked(codes, scales, fmt, False))
+    values = dequantize_stacked(codes, scales, fmt, False)
+    decoded = paged.decode_rows(rows, layout, False, None)
+    if rotate:
+        plain = replace(layout, rotate=False)
+        assert torch.equal(rows, paged.encode_rows(hadamard(states), plain, None, None)[0])
+        values = hadamard(values)
+    assert torch.equal(decoded, values)
+    assert (decoded - states).norm() < 0.1 * states.norm()
 
 
 @pytest.mark.parametrize("per_token, dtype", [(True, None), (False, None), (False, torch.bfloat16)])
@@ -58,25 +71,27 @@ def test_pages_hold_key_rows_and_transposed_value_planes(per_token, dtype):
 ATTEND_CASES = [(case, False) for case in CASES] + [(case, True) for case in CASES if case[-1] is not None]
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("case,garbage", ATTEND_CASES, ids=lambda x: str(x) if isinstance(x, tuple) else str(x))
-def test_attend_is_each_requests_attention(case, garbage):
-    check(case, garbage_before=case[-1] if garbage else None)
+def test_attend_is_each_requests_attention(case, garbage, rotate):
+    check(case, garbage_before=case[-1] if garbage else None, rotate=rotate)
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("case, recent", RECENT_CASES, ids=str)
-def test_held_recent_and_sink_tokens_replace_their_codes(case, recent):
+def test_held_recent_and_sink_tokens_replace_their_codes(case, recent, rotate):
     """A request's held recent and sink tokens are read from its model-dtype rows (its unheld rows are NaN), every
-    other key from its codes."""
-    check(case, recent=recent)
+    other key from its codes (rotated codes: rotated back, the held tokens as they came)."""
+    check(case, recent=recent, rotate=rotate)
 
 
-def check(case, **options) -> None:
-    """`paged.attend` against the oracle on `case` (`options`: `pages.build`'s)."""
+def check(case, rotate=False, **options) -> None:
+    """`paged.attend` against the oracle on `case` (`options`: `pages.build`'s; `rotate`: rotated codes)."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
-    built = build(requests, fmt, 2, head_dim, group, dynamic, **options)
+    built = build(requests, fmt, 2, head_dim, group, dynamic, rotate=rotate, **options)
     (query, pages, new_rows, read_index, cu_q, k_first, past), geometry, static, expected = built[:4]
-    layout = paged.RowLayout(fmt, dynamic, 2, head_dim, torch.float32)
+    layout = paged.RowLayout(fmt, dynamic, 2, head_dim, torch.float32, rotate=rotate)
     out = paged.attend(
         query, pages, new_rows, read_index, cu_q, k_first, past, layout=layout,
         geometry=paged.PageGeometry(geometry["layer_offset"], geometry["bytes_per_block"], geometry["block_stride"],

@@ -11,7 +11,9 @@ import torch
 
 from hf_fp8kv.kernels import paged
 from hf_fp8kv.kernels.formats import FORMATS
+from hf_fp8kv.kernels.rotation import hadamard_stages
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
+from hf_fp8kv.kernels.triton_common import encoding
 from hf_fp8kv.kernels.triton_paged import page_tile_tokens, paged_attention, plan_paged_attention, write_rows
 from pages import PAGE_SIZE, build, oracle
 
@@ -52,16 +54,16 @@ RECENT_CASES = [
 
 
 def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None, page_size=PAGE_SIZE,
-          new_in_pages=False) -> dict:  # fmt: skip
+          new_in_pages=False, rotate=False) -> dict:  # fmt: skip
     """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window;
-    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`); returns the launch's
-    constexprs (what the kernel was told of its rows)."""
+    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`; `rotate`: rotated codes); returns
+    the launch's constexprs (what the kernel was told of its rows)."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
     built = build(requests, fmt, kv_heads, head_dim, group, dynamic, block_padding=block_padding,
                   garbage_before=window if garbage else None, recent=recent, dtype=dtype,
-                  page_size=page_size, new_in_pages=new_in_pages)  # fmt: skip
+                  page_size=page_size, new_in_pages=new_in_pages, rotate=rotate)  # fmt: skip
     tensors, layout, static, expected = built[:4]
     held = None if recent is None else replace(built[4], rows=built[4].rows.to(DEVICE),
                                                requests=built[4].requests.to(DEVICE))  # fmt: skip
@@ -74,7 +76,7 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
         new_rows = torch.full_like(new_rows, 0xFF)
     out, launch = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
                                        scaling=scaling, window=window, static_scales=static, recent=held,
-                                       new_in_pages=new_in_pages, **layout)  # fmt: skip
+                                       new_in_pages=new_in_pages, rotate=rotate, **layout)  # fmt: skip
     launch.run()
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
@@ -82,18 +84,43 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     return launch.kwargs
 
 
-@pytest.mark.parametrize("dtype, case", [(torch.float32, case) for case in CASES] + DTYPE_CASES)
-def test_paged_attention_matches_reference(dtype, case):
-    told = check(dtype, case)  # blocks of 8 padding bytes: byte-wise scale loads
+# rotated codes: decode and prefill, a head_dim of 8-channel Hadamard blocks, V tiles as columns, model dtypes
+ROTATED_CASES = [(torch.float32, CASES[i], True) for i in (0, 1, 2, 8)] + [(*case, True) for case in DTYPE_CASES]
+
+
+@pytest.mark.parametrize("dtype, case, rotate", [(torch.float32, case, False) for case in CASES]
+                         + [(*case, False) for case in DTYPE_CASES] + ROTATED_CASES)  # fmt: skip
+def test_paged_attention_matches_reference(dtype, case, rotate):
+    told = check(dtype, case, rotate=rotate)  # blocks of 8 padding bytes: byte-wise scale loads
     assert not told["ALIGNED"] and not told["PAGE_TILES"]  # 4-token pages: each token's slot read on its own
+    assert told["ROTATE_STAGES"] == (rotate and hadamard_stages(case[4]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case, recent", RECENT_CASES, ids=str)
-def test_recent_and_sink_tokens_are_read_in_full_precision(dtype, case, recent):
+@pytest.mark.parametrize("case, recent, rotate", [(*case, False) for case in RECENT_CASES]
+                         + [(*RECENT_CASES[i], True) for i in (0, 1, 4)] + [(CASES[5], (8, 2, 0), True)],
+                         ids=str)  # fmt: skip (the last: 160 rows of prefill, its crowded 32-token tiles)
+def test_recent_and_sink_tokens_are_read_in_full_precision(dtype, case, recent, rotate):
     """Each request's held recent and sink tokens (its unheld rows NaN) read from the model-dtype rows, the others
-    from the codes, in one softmax: the oracle over exactly those values."""
-    check(dtype, case, recent=recent)
+    from the codes, in one softmax: the oracle over exactly those values (rotated codes: their share of the output
+    rotated back before the held tokens join it, whose scores take the query as it came)."""
+    check(dtype, case, recent=recent, rotate=rotate)
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_rotation_leaves_a_context_of_held_tokens_unchanged(q_len):
+    """Every key held in full precision (no codes read): the rotated kernel's output is the unrotated one's, bit
+    for bit."""
+    outputs = []
+    for rotate in (False, True):
+        built = build([(6, q_len), (0, q_len)], FORMATS["fp8_e4m3"], 2, 16, 2, True, recent=(16, 2, 0),
+                      dtype=torch.bfloat16)  # fmt: skip
+        (query, *tensors), layout = built[0], built[1]
+        out, launch = plan_paged_attention(query.to(torch.bfloat16), *tensors, fmt=FORMATS["fp8_e4m3"],
+                                           scaling=0.25, recent=built[4], rotate=rotate, **layout)  # fmt: skip
+        launch.run()
+        outputs.append(out)
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]])
@@ -123,20 +150,21 @@ def test_page_tiles_read_whole_value_tiles(dtype, case, page_size):
     assert told["PAGE_TILES"] and told["ALIGNED"] and page_size % told["BLOCK_N"] == 0
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_page_tiles_with_recent_and_sink_tokens(page_size):
+@pytest.mark.parametrize("page_size, rotate", [(16, False), (64, False), (16, True)])
+def test_page_tiles_with_recent_and_sink_tokens(page_size, rotate):
     """Held recent and sink tokens beside page tiles: the codes' first tile starts at the sinks' end, mid-tile."""
-    told = check(torch.float32, PAGE_TILE_CASES[0][0], block_padding=16, recent=(16, 5, 0), page_size=page_size)
+    told = check(torch.float32, PAGE_TILE_CASES[0][0], block_padding=16, recent=(16, 5, 0), page_size=page_size,
+                 rotate=rotate)  # fmt: skip
     assert told["PAGE_TILES"]
 
 
 @pytest.mark.parametrize("case, page_size", [*PAGE_TILE_CASES[:3], (CASES[1], PAGE_SIZE), (CASES[2], PAGE_SIZE)],
                          ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_this_steps_keys_read_from_the_pages(case, page_size, dtype):
+@pytest.mark.parametrize("dtype, rotate", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_this_steps_keys_read_from_the_pages(case, page_size, dtype, rotate):
     """A full-attention layer's step: the new tokens are written before the attention and listed in the read
     indices after the past ones; they are read from the pages (`new_rows` hold NaN codes here)."""
-    told = check(dtype, case, block_padding=16, page_size=page_size, new_in_pages=True)
+    told = check(dtype, case, block_padding=16, page_size=page_size, new_in_pages=True, rotate=rotate)
     assert told["NEW_IN_PAGES"]
 
 
@@ -159,11 +187,13 @@ def test_rows_of_the_wrong_size_are_refused():
 EDGES = [0.0, -0.0, 1e-30, -1e-30, 447.0, 449.0, 1e30, -1e30, math.inf, -math.inf, math.nan, 2.0**-10, 0.5, -2.5]
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("name, dynamic", [(name, dynamic) for name, fmt in FORMATS.items()
                                            for dynamic in (True, False) if dynamic or not fmt.per_token_only])
-def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic):
+def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic, rotate):
     """The Triton row writer against `paged.encode_rows` (the bits the CPU path stores): the same bytes, the same
-    clipped and non-finite counts, edge values included; the pages it writes are `PageGeometry.write`'s bytes."""
+    clipped and non-finite counts, edge values included; the pages it writes are `PageGeometry.write`'s bytes.
+    Rotated: the edges' inf - inf make NaN, whose sign IEEE leaves to the hardware, so NaN codes compare as one."""
     fmt = FORMATS[name]
     generator = torch.Generator().manual_seed(3)
     kv_heads, tokens, head_dim = 3, 21, 24
@@ -172,7 +202,7 @@ def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic):
     states[1, 2, 7] = 0.0  # an all-zero row: the tiny scale
     static = None if dynamic else (torch.tensor([0.5, 0.02, 1.0]), torch.tensor([0.1, 0.3, 0.05]))
     want_stats = torch.zeros(2, 2, dtype=torch.int64)
-    layout = paged.RowLayout(fmt, dynamic, kv_heads, head_dim, torch.float32)
+    layout = paged.RowLayout(fmt, dynamic, kv_heads, head_dim, torch.float32, rotate=rotate)
     want, _ = paged.encode_rows(states, layout, want_stats, None if dynamic else torch.stack(static))
     stats = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
     # 16-token pages of 2 layers in blocks of 3 (the second layer's), the tokens scattered over them
@@ -183,9 +213,22 @@ def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic):
     pages = want_pages.to(DEVICE)
     geometry.write(want_pages, layout, index, want)
     rows = write_rows(states.to(DEVICE), fmt, stats, tuple(s.to(DEVICE) for s in static) if static else None,
-                      pages, geometry, index.to(DEVICE))  # fmt: skip
-    assert torch.equal(rows.cpu(), want) and torch.equal(pages.cpu(), want_pages)
-    assert torch.equal(stats.cpu(), want_stats) and want_stats[0, 1] == 3  # inf, -inf, NaN
+                      pages, geometry, index.to(DEVICE), rotate)  # fmt: skip
+    rows, pages = rows.cpu(), pages.cpu()
+    if rotate:
+        rows, want = one_nan_code(rows, layout), one_nan_code(want, layout)
+        for written in (pages, want_pages):  # (the tokens' codes in the pages, read as rows and written back)
+            geometry.write(written, layout, index, one_nan_code(geometry.read(written, layout, index), layout))
+    assert torch.equal(rows, want) and torch.equal(pages, want_pages)
+    # inf, -inf, NaN; rotated: their Hadamard block of 8 channels
+    assert torch.equal(stats.cpu(), want_stats) and want_stats[0, 1] == (8 if rotate else 3)
+
+
+def one_nan_code(rows: torch.Tensor, layout: paged.RowLayout) -> torch.Tensor:
+    """Page rows with every NaN code of theirs (not of their scales) made the format's one NaN code."""
+    codes = rows[..., : layout.value_bytes]
+    nan = codes.view(layout.fmt.dtype).float().isnan()
+    return torch.cat((codes.masked_fill(nan, encoding(layout.fmt)["NAN_CODE"]), rows[..., layout.value_bytes :]), -1)
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if case[-1] is not None], ids=str)

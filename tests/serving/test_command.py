@@ -26,7 +26,8 @@ def test_help_lists_transformers_options_and_ours(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     for option in ("--cb-num-blocks", "--cb-block-size", "--port", "--dtype", "--kv-cache-dtype", "--scales",
-                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--max-requests", "--kv-memory-mib"):  # fmt: skip
+                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--rotate", "--max-requests",
+                   "--kv-memory-mib"):  # fmt: skip
         assert option in out, option
 
 
@@ -40,6 +41,7 @@ def test_defaults_serve_the_bundled_model_with_the_recommended_pages(started):
     options = call["options"]
     assert (options.kv_cache_dtype, options.scales, options.skip_layers) == ("fp8", "dynamic", "")
     assert (options.recent_tokens, options.sink_tokens, options.max_requests) == (128, 4, None)  # the cache's
+    assert options.rotate is False
 
 
 def test_the_cache_flags_reach_the_server(started):
@@ -50,7 +52,14 @@ def test_the_cache_flags_reach_the_server(started):
     options = call["options"]
     assert call["force_model"] == "org/model" and options.scales == 0.05 and options.kv_cache_dtype == "fp8_e5m2"
     assert (options.skip_layers, options.recent_tokens, options.sink_tokens) == ("0,3", 0, 0)
-    assert options.kv_memory_mib == 64
+    assert options.kv_memory_mib == 64 and options.rotate is False
+
+
+def test_the_rotate_flag_reaches_the_server(started):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--rotate"])
+    (call,) = started
+    assert call["options"].rotate is True
 
 
 def test_turning_continuous_batching_off_is_a_usage_error(started, capsys):
