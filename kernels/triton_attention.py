@@ -652,8 +652,12 @@ class AttentionPlan:
         return out, *self.parts
 
     def _query_scratch(self, query: torch.Tensor, splits: int) -> torch.Tensor:
-        """fp32 rows for each program's rotated query (`rotated_query`), kept from call to call."""
+        """fp32 rows for each program's rotated query (`rotated_query`): kept from call to call for decode steps
+        (one query token), made per call otherwise (a prompt's is the size of its query in fp32: kept in every
+        layer's plan, a long prompt's would stay held after its prefill)."""
         size = self.row_blocks * self.out_shape[0] * self.kv_heads * splits * self.block_m * self.block_d
+        if self.out_shape[2] > 1:
+            return torch.empty(size, dtype=torch.float32, device=query.device)
         if self.scratch is None or self.scratch.numel() < size:
             self.scratch = torch.empty(size, dtype=torch.float32, device=query.device)
         return self.scratch

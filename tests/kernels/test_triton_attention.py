@@ -199,6 +199,19 @@ def test_rotation_changes_nothing_while_every_token_is_held(case):
     assert torch.equal(run(case)[0], plain)
 
 
+def test_a_prompts_rotated_query_scratch_is_not_kept():
+    """The rotated query's scratch is the query's size in fp32: a decode step's plan keeps it (one allocation less
+    per step), a prompt's does not (kept in every layer's plan, it would hold a long prompt's query after it)."""
+    generator = torch.Generator().manual_seed(0)
+    view, _, _ = fill(Stream(updates=[60, 1], rotate=True), reference.write, generator, DEVICE)
+    plans = {}
+    for q_len in (20, 1):
+        query = torch.randn(2, 4, q_len, 80, generator=generator).to(DEVICE)
+        got = attention(query, view, scaling=0.1, plans=plans)
+        assert_close(got, reference.attend(query, view, scaling=0.1), torch.float32)
+    assert {plan.out_shape[2]: plan.scratch is not None for plan in plans.values()} == {20: False, 1: True}
+
+
 def test_splits_agree_with_one_split():
     case = Case(Stream(updates=[200, 1], recent=5), group=8, splits=1)
     one, _ = run(case)
