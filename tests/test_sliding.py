@@ -14,10 +14,11 @@ WINDOW, BLOCK, HEADS, DIM = 8, 4, 2, 16
 SCHEDULE = [5, 1, 1, 1, 1, 3, 12, 1, 1, 2, 1, 1, 1, 1, 1, 1]
 
 
-def fp8_layer(dynamic: bool, window: int = WINDOW, backend: str = "torch") -> DynamicFP8SlidingLayer:
+def fp8_layer(dynamic: bool, window: int = WINDOW, backend: str = "torch", rotate: bool = False) -> DynamicFP8SlidingLayer:
     ones = torch.ones(HEADS)
     scales = PerTokenScales() if dynamic else PerHeadScales(ones, ones, "per-tensor", "test")
-    return DynamicFP8SlidingLayer(get_format("fp8"), scales, BLOCK, backend, lambda: True, 0, sliding_window=window)
+    return DynamicFP8SlidingLayer(get_format("fp8"), scales, BLOCK, backend, lambda: True, 0, sliding_window=window,
+                                  rotate=rotate)  # fmt: skip
 
 
 def exact_states(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,11 +141,12 @@ def test_window_too_small_is_refused():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_triton_reads_the_sliding_view_like_torch(dynamic):
+@pytest.mark.parametrize("rotate", [False, True])
+def test_triton_reads_the_sliding_view_like_torch(dynamic, rotate):
     """Once the window wraps, the view starts inside the buffers: the Triton kernel (the interpreter on CPU) must
-    read it at that offset, as the torch reference does."""
+    read it at that offset, as the torch reference does (rotated codes too)."""
     generator = torch.Generator().manual_seed(7)
-    layers = {backend: fp8_layer(dynamic, backend=backend) for backend in ("torch", "triton")}
+    layers = {backend: fp8_layer(dynamic, backend=backend, rotate=rotate) for backend in ("torch", "triton")}
     offsets = []
     for tokens in [5, 1, 1, 1, 12, 1, 1]:
         key, value = torch.randn(2, 1, HEADS, tokens, DIM, generator=generator)
@@ -154,5 +156,6 @@ def test_triton_reads_the_sliding_view_like_torch(dynamic):
             view, _ = layer.update(key, value)
             outs[backend] = view.attend(query, scaling=0.25, window=WINDOW)
         offsets.append(view.view.start - view.view.offset)
+        assert view.view.rotate is rotate
         torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-5)
     assert max(offsets) > 0
