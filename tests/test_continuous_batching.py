@@ -398,8 +398,8 @@ def test_static_per_channel_key_scales_match_generate():
 def test_recent_and_sink_tokens_give_generates_logits(kind, rotate):
     """Recent and sink tokens on the pages (4 + 2, a 13-token prompt and 8 more: tokens leave the recent ones
     while decoding; on the sliding layer (window 8) the ring wraps): the batch's logits are generate's with
-    QuantizedFP8Cache of the same recent and sink tokens (and rotated codes or not), step by step; pure FP8 pages
-    give others."""
+    QuantizedFP8Cache of the same recent and sink tokens (and rotated codes or not: up to fp32 rounding), step by
+    step; pure FP8 pages give others."""
     model = tiny_model("llama") if kind == "llama" else tiny_model(
         "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
         max_window_layers=0,
@@ -407,7 +407,10 @@ def test_recent_and_sink_tokens_give_generates_logits(kind, rotate):
     ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(5)).tolist()
     held = dict(scales="dynamic", recent_tokens=4, sink_tokens=2, rotate=rotate)
     batch, ref = batch_and_generate_logits(model, ids, held)
-    assert torch.equal(batch, ref)
+    if rotate:  # the dense cache's torch path attends in the rotated space, the pages' rotates their codes back
+        torch.testing.assert_close(batch, ref, rtol=0, atol=1e-5)
+    else:
+        assert torch.equal(batch, ref)
     pure, _ = batch_and_generate_logits(model, ids, dict(scales="dynamic", rotate=rotate, **PURE_FP8))
     assert (pure - ref).abs().max() > 1e-3
 
