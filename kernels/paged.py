@@ -29,6 +29,7 @@ as they came.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -144,17 +145,22 @@ class RecentRows:
     requests: torch.Tensor
     host: tuple[list[int], list[int], list[int], list[int]]
 
-    def lay_over(self, kv: torch.Tensor, request: int) -> None:
+    def lay_over(self, kv: torch.Tensor, request: int, as_held: Callable = torch.Tensor.float) -> None:
         """Replace, in request `request`'s decoded keys and values `kv` (`[2, kv_heads, keys, head_dim]`), the
-        codes of its held recent and sink tokens by their model-dtype rows."""
+        codes of its held recent and sink tokens by their model-dtype rows (`as_held` of them)."""
         slot, sinks, recent_start, key_start = (column[request] for column in self.host)
         base, keys = slot * (self.recent + self.sinks), kv.shape[2]
         if sinks:  # (full-attention layers only: their keys start at position 0)
-            kv[:, :, :sinks] = self.rows[base + self.recent : base + self.recent + sinks].permute(1, 2, 0, 3)
+            kv[:, :, :sinks] = as_held(self.rows[base + self.recent : base + self.recent + sinks].permute(1, 2, 0, 3))
         first = max(recent_start - key_start, 0)
         if first < keys:
             ring = base + torch.arange(key_start + first, key_start + keys, device=self.rows.device) % self.recent
-            kv[:, :, first:] = self.rows[ring].permute(1, 2, 0, 3)
+            kv[:, :, first:] = as_held(self.rows[ring].permute(1, 2, 0, 3))
+
+    def codes_read(self, request: int) -> bool:
+        """Whether request `request` reads any key from its codes (one before its recent tokens, not a sink)."""
+        _, sinks, recent_start, key_start = (column[request] for column in self.host)
+        return recent_start - key_start > sinks
 
 
 def encode_rows(
@@ -186,9 +192,12 @@ def _stored_values(rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
     return values.permute(1, 2, 0, 3)
 
 
-def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static_scales: torch.Tensor | None) -> torch.Tensor:
+def decode_rows(
+    rows: torch.Tensor, layout: RowLayout, has_nan: bool, static_scales: torch.Tensor | None, rotated: bool = False
+) -> torch.Tensor:
     """fp32 keys and values `[2, kv_heads, tokens, head_dim]` of page rows `[tokens, 2, row bytes]` (rotated back
-    with `layout.rotate`, before the per-channel key scales, the inverse of `encode_rows`)."""
+    with `layout.rotate`, before the per-channel key scales, the inverse of `encode_rows`; `rotated`: left in the
+    rotated space)."""
     codes = _stored_values(rows, layout)
     if layout.fmt is None:
         return codes.float()
@@ -197,7 +206,7 @@ def decode_rows(rows: torch.Tensor, layout: RowLayout, has_nan: bool, static_sca
     else:
         scale = static_scales[:, :, None, None]
     kv = dequantize_stacked(codes, scale, layout.fmt, has_nan)
-    if layout.rotate:
+    if layout.rotate and not rotated:
         kv = hadamard(kv)
     if layout.key_channel is not None:
         kv[0] *= layout.key_channel.to(kv.device)[:, None, :]
@@ -225,7 +234,8 @@ def attend(
 ) -> torch.Tensor:
     """Attention `[tokens, q_heads, head_dim]` (the query's dtype) of `query` `[tokens, q_heads, head_dim]`: each
     request's queries over its own rows (see the module docstring), one request at a time; the held recent and
-    sink tokens from `recent`."""
+    sink tokens from `recent`. Rotated codes are attended in the rotated space, as the dense torch path does
+    (`cpu.attend`): the query and the output rotated, the held tokens rotated in, where the request reads codes."""
     out = torch.zeros_like(query)
     cu_q, firsts, pasts = cu_seq_lens_q.tolist(), k_first.tolist(), past.tolist()
     for r, (first, count) in enumerate(zip(firsts, pasts)):
@@ -235,11 +245,14 @@ def attend(
         rows = new_rows[q_first : q_first + q_len]
         if count:
             rows = torch.cat((geometry.read(pages, layout, read_index[first : first + count]), rows))
-        kv = decode_rows(rows, layout, has_nan, static_scales)
+        rotated = (layout.rotate and layout.fmt is not None and layout.key_channel is None
+                   and (recent is None or recent.codes_read(r)))  # fmt: skip
+        kv = decode_rows(rows, layout, has_nan, static_scales, rotated)
         if recent is not None:
-            recent.lay_over(kv, r)
-        out[q_first : q_first + q_len] = attention(
-            query[q_first : q_first + q_len].transpose(0, 1)[None], kv[0][None], kv[1][None], scaling=scaling,
-            window=window, softcap=softcap, sink_logits=sink_logits,
-        )[0].transpose(0, 1).to(query.dtype)  # fmt: skip
+            recent.lay_over(kv, r, hadamard if rotated else torch.Tensor.float)
+        queries = query[q_first : q_first + q_len].transpose(0, 1)[None]
+        attended = attention(hadamard(queries) if rotated else queries, kv[0][None], kv[1][None], scaling=scaling,
+                             window=window, softcap=softcap, sink_logits=sink_logits)  # fmt: skip
+        attended = hadamard(attended) if rotated else attended
+        out[q_first : q_first + q_len] = attended[0].transpose(0, 1).to(query.dtype)
     return out
