@@ -167,4 +167,7 @@ def test_each_token_stored_once_up_to_max_cache_len(backend, dtype):
     sliding, full = cache.layers
     tiled = -(length - 4) % 64 if backend == "triton" else 0  # whole blocks of tiled values
     assert full.codes.shape[3] == length - 4 + tiled + 1 and sliding.codes.shape[3] == 8 - 4 + 1  # (+ the spare)
-    torch.testing.assert_close(scores["static"], scores["dynamic"], rtol=1e-4, atol=1e-4)
+    # a column more or fewer in the attention flips an fp16 output's last bit now and then: on a CPU with fp16
+    # arithmetic (AVX512-FP16) the logits moved by up to 2.4e-4, an fp16 ulp at 0.25
+    tolerance = 1e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(scores["static"], scores["dynamic"], rtol=tolerance, atol=tolerance)
