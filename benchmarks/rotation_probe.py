@@ -1,0 +1,126 @@
+"""Where rotated codes help and where they hurt: one prefill of a bundled model with every layer's keys and values
+stored as per-token-head FP8 (bf16 scales, as the cache stores them), rotated or not, against exact attention.
+The rows of docs/recent.md's "Which part hurts" paragraph.
+
+Variants: no rotation; keys and values rotated in Hadamard blocks of 16, 64, ... up to head_dim (the cache's
+rotation is the largest); keys only; values only; and the layers chosen by a rounding-error proxy measured on
+another text (`--choose-on`): the mean over (query, key) pairs of `sum_i q_i^2 k_i^2` rotated over unrotated, the
+variance of q.k's error when each key element is rounded with the same relative error. Above 1, rotating that
+layer's keys makes its scores' rounding error larger.
+
+    python benchmarks/rotation_probe.py --model gemma3 --text code --choose-on sample
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AttentionInterface
+
+from hf_fp8kv.evaluate import quality
+from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.kernels.rotation import hadamard
+from hf_fp8kv.table import format_table
+from recent_quality import MODELS, TEXTS
+
+FORMAT = get_format("fp8_e4m3")
+PAIRS = 256  # (query, key) pairs per layer for the proxy
+
+
+def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`x` times the block-diagonal Hadamard matrix of `block`-channel blocks (its own inverse)."""
+    return hadamard(x.unflatten(-1, (-1, block))).flatten(-2)
+
+
+def stored(x: torch.Tensor, block: int | None) -> torch.Tensor:
+    """`x` as the cache reads it back: rotated (`block`), per-token-head e4m3 codes under a bf16 scale, rotated
+    back."""
+    x = rotate(x, block) if block else x.float()
+    scale = reference.dynamic_scale(x, FORMAT, torch.bfloat16)[..., None]
+    x = reference.dequantize(reference.quantize(x, scale, FORMAT)[0], scale, FORMAT)
+    return rotate(x, block) if block else x
+
+
+def proxy(query: torch.Tensor, keys: torch.Tensor) -> float:
+    """Rotated over unrotated mean of `sum_i q_i^2 k_i^2` over random (query, earlier key) pairs of the second
+    half of the text."""
+    q = query.float()[0]
+    k = keys.float()[0].repeat_interleave(q.shape[0] // keys.shape[1], 0)
+    generator = torch.Generator().manual_seed(0)
+    length = q.shape[1]
+    rows = torch.randint(length // 2, length, (PAIRS,), generator=generator)
+    columns = (torch.rand(PAIRS, generator=generator) * rows).long()
+    q, k = q[:, rows], k[:, columns]
+    plain, rotated = (q**2 * k**2).sum(-1).mean(), (hadamard(q) ** 2 * hadamard(k) ** 2).sum(-1).mean()
+    return (rotated / plain).item()
+
+
+class Probe:
+    """An attention function (transformers' interface) storing K/V as `self.setting` says; records the proxy."""
+
+    def __init__(self) -> None:
+        self.setting: dict | None = None  # None: exact; else key_block, value_block, layers (None: every layer)
+        self.proxies: dict[int, float] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                 **kwargs):  # fmt: skip
+        layer, length = module.layer_idx, query.shape[2]
+        self.proxies[layer] = proxy(query, key)
+        if self.setting is not None:
+            chosen = self.setting["layers"] is None or layer in self.setting["layers"]
+            key = stored(key, self.setting["key_block"] if chosen else None)
+            value = stored(value, self.setting["value_block"] if chosen else None)
+        mask = reference.causal_mask(length, length, sliding_window, query.device)
+        out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--text", default="code", help=f"one of {sorted(TEXTS)}")
+    parser.add_argument("--choose-on", default="sample", help="the text the proxy chooses the rotated layers on")
+    parser.add_argument("--tokens", type=int, default=512)
+    args = parser.parse_args()
+    label, load = MODELS[args.model]
+    model, tokenizer = load()
+    probe = Probe()
+    AttentionInterface.register("fp8kv_rotation_probe", probe)
+    model.set_attn_implementation("fp8kv_rotation_probe")
+
+    def logits(text: str, setting: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = tokenizer(TEXTS[text](), return_tensors="pt").input_ids[:, : args.tokens]
+        probe.setting = setting
+        return model(input_ids=ids).logits[0, :-1].float(), ids[0, 1:]
+
+    logits(args.choose_on, None)
+    chosen = sorted(layer for layer, ratio in probe.proxies.items() if ratio < 1)
+    reference_logits, targets = logits(args.text, None)
+    proxies = dict(probe.proxies)
+    head_dim = model.config.get_text_config(decoder=True).head_dim
+    blocks = [b for b in (16, 64, 128, 256) if b <= head_dim and head_dim % b == 0]
+    settings = {"no rotation": dict(key_block=None, value_block=None, layers=None)}
+    settings |= {f"keys and values, blocks of {b}": dict(key_block=b, value_block=b, layers=None) for b in blocks}
+    settings |= {
+        "keys only": dict(key_block=head_dim, value_block=None, layers=None),
+        "values only": dict(key_block=None, value_block=head_dim, layers=None),
+        f"layers the proxy chose on '{args.choose_on}'": dict(key_block=head_dim, value_block=head_dim, layers=chosen),
+    }
+    rows = []
+    for name, setting in settings.items():
+        q = quality(reference_logits, logits(args.text, setting)[0], targets)
+        rows.append({"stored as e4m3": name, "KL mean": f"{q.kl_mean:.2e}", "KL p99": f"{q.kl_p99:.2e}",
+                     "top-1 agreement": f"{q.top1_agreement:.4f}"})  # fmt: skip
+    print(f"{label}, {len(targets) + 1} tokens of '{args.text}', one prefill; every layer's K/V per-token-head e4m3 "
+          f"(bf16 scales), against exact attention")  # fmt: skip
+    print(format_table(rows))
+    print("proxy (rotated / unrotated) per layer on this text:",
+          " ".join(f"{proxies[layer]:.2f}" for layer in sorted(proxies)))  # fmt: skip
+    print(f"layers rotated by the proxy on '{args.choose_on}': {chosen}")
+
+
+if __name__ == "__main__":
+    main()
