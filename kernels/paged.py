@@ -33,9 +33,8 @@ from typing import Callable
 
 import torch
 
-from .cpu import dequantize_stacked, write_stacked
+from .cpu import attention_in_space, dequantize_stacked, write_stacked
 from .formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
-from .reference import attention
 from .rotation import hadamard
 
 ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
@@ -250,9 +249,8 @@ def attend(
         kv = decode_rows(rows, layout, has_nan, static_scales, rotated)
         if recent is not None:
             recent.lay_over(kv, r, hadamard if rotated else torch.Tensor.float)
-        queries = query[q_first : q_first + q_len].transpose(0, 1)[None]
-        attended = attention(hadamard(queries) if rotated else queries, kv[0][None], kv[1][None], scaling=scaling,
-                             window=window, softcap=softcap, sink_logits=sink_logits)  # fmt: skip
-        attended = hadamard(attended) if rotated else attended
-        out[q_first : q_first + q_len] = attended[0].transpose(0, 1).to(query.dtype)
+        out[q_first : q_first + q_len] = attention_in_space(
+            rotated, query[q_first : q_first + q_len].transpose(0, 1)[None], kv[0][None], kv[1][None],
+            scaling=scaling, window=window, softcap=softcap, sink_logits=sink_logits,
+        )[0].transpose(0, 1).to(query.dtype)  # fmt: skip
     return out
