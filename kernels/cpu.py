@@ -213,9 +213,10 @@ def attention_in_space(rotated: bool, query: torch.Tensor, keys: torch.Tensor, v
 
 def _attends_rotated(view: KVView) -> bool:
     """Whether `attend` works in the rotated space (`attention_in_space`): rotated codes with host positions, some
-    of them held. With no codes held nothing is rotated: a window over every token stays bit for bit the
-    full-precision cache."""
-    return view.rotate and not view.static and (view.recent is None or view.recent_start > view.start)
+    of them held, no per-channel key scales (they apply to the keys rotated back). With no codes held nothing is
+    rotated: a window over every token stays bit for bit the full-precision cache."""
+    return (view.rotate and not view.static and view.key_channel_scale is None
+            and (view.recent is None or view.recent_start > view.start))  # fmt: skip
 
 
 def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,6 +116,18 @@ def test_write_serve_and_attend_as_the_oracle(stream):
         torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
+@pytest.mark.parametrize("recent", [0, 5])
+def test_rotated_codes_with_per_channel_key_scales_attend_as_the_oracle(recent):
+    """Per-channel key scales apply to the keys rotated back: the torch path does not attend those in the rotated
+    space."""
+    generator = torch.Generator().manual_seed(3)
+    view, _, _ = fill(Stream(rotate=True, recent=recent, scales="per-head"), cpu.write, generator)
+    view.key_channel_scale = torch.rand(view.codes.shape[2], view.codes.shape[4], generator=generator) + 0.5
+    query = torch.randn(2, 6, 3, 80, generator=generator)
+    torch.testing.assert_close(cpu.attend(query, view, scaling=0.3), reference.attend(query, view, scaling=0.3),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
 def test_materialize_is_fp32_whatever_the_default_dtype():
     """The K/V built for the attention are fp32 even when a user made bf16 torch's default dtype."""
     view, _, _ = fill(Stream(recent=6, sinks=3, updates=[60, 1]), cpu.write, torch.Generator().manual_seed(0))
