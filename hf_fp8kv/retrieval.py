@@ -213,23 +213,28 @@ def run_probe(
 # --- reading the answers -------------------------------------------------------------------------------------
 
 
-def cells(trials: Sequence[RetrievalTrial]) -> dict[tuple[int, float], dict[str, list[bool]]]:
-    """Each (length, depth) cell in probe order: every variant's outcomes there, trial by trial."""
-    table: dict[tuple[int, float], dict[str, list[bool]]] = {}
+def cells(
+    trials: Sequence[RetrievalTrial], by_depth: bool = True
+) -> dict[tuple[int, float | None], dict[str, list[bool]]]:
+    """Each (length, depth) cell in probe order, or each length (depth None) with `by_depth=False`: every
+    variant's outcomes there, trial by trial."""
+    table: dict[tuple[int, float | None], dict[str, list[bool]]] = {}
     for t in trials:
-        table.setdefault((t.length, t.depth), {}).setdefault(t.variant, []).append(t.found)
+        table.setdefault((t.length, t.depth if by_depth else None), {}).setdefault(t.variant, []).append(t.found)
     return table
 
 
-def retrieval_rows(trials: Sequence[RetrievalTrial]) -> list[dict]:
-    """One row per cell, then one for all: the trials and each variant's keys found ("found/trials")."""
+def retrieval_rows(trials: Sequence[RetrievalTrial], by_depth: bool = True) -> list[dict]:
+    """One row per cell (a length and key depth; a length with `by_depth=False`), then one for all: the trials
+    and each variant's keys found ("found/trials")."""
     rows = []
     totals: dict[str, list[bool]] = {}
-    for (length, depth), outcomes in cells(trials).items():
-        rows.append({"length": length, "depth_%": round(100 * depth), **_counts(outcomes)})
+    for (length, depth), outcomes in cells(trials, by_depth).items():
+        where = {"length": length, "depth_%": round(100 * depth)} if by_depth else {"length": length}
+        rows.append({**where, **_counts(outcomes)})
         for variant, found_there in outcomes.items():
             totals.setdefault(variant, []).extend(found_there)
-    return [*rows, {"length": "all", "depth_%": "", **_counts(totals)}]
+    return [*rows, {"length": "all", **({"depth_%": ""} if by_depth else {}), **_counts(totals)}]
 
 
 def _counts(outcomes: dict[str, list[bool]]) -> dict[str, str | int]:
@@ -263,6 +268,19 @@ def missed(trials: Sequence[RetrievalTrial], reference: str, variant: str) -> li
     """The prompts (length, depth, trial) whose key `reference` found and `variant` missed."""
     ours, theirs = _outcomes(trials, variant), _outcomes(trials, reference)
     return [prompt for prompt, hit in ours.items() if theirs[prompt] and not hit]
+
+
+def missed_where_reference_retrieves(
+    trials: Sequence[RetrievalTrial], reference: str, variant: str, share: float
+) -> dict[int, list[tuple[int, float, int]]]:
+    """Per length at which `reference` found at least `share` of its keys (RULER-style cells: a length, every
+    depth): the prompts whose key it found and `variant` missed (empty lists where the variant kept them all)."""
+    lost = missed(trials, reference, variant)
+    return {
+        length: [prompt for prompt in lost if prompt[0] == length]
+        for (length, _), outcomes in cells(trials, by_depth=False).items()
+        if sum(outcomes[reference]) >= share * len(outcomes[reference])
+    }
 
 
 def _outcomes(trials: Sequence[RetrievalTrial], variant: str) -> dict[tuple[int, float, int], bool]:

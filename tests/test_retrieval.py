@@ -22,6 +22,7 @@ from hf_fp8kv.retrieval import (
     filler_sentences,
     found,
     found_rate,
+    missed_where_reference_retrieves,
     passkey_prompt,
     probe_prompts,
     retrieval_rows,
@@ -151,6 +152,20 @@ def test_table_counts_keys_found_per_cell_and_in_all():
         {"length": "all", "depth_%": "", "trials": 6, "native": "4/6", "fp8": "3/6"},
     ]
     assert found_rate(SYNTHETIC, "fp8") == 0.5
+    assert retrieval_rows(SYNTHETIC, by_depth=False) == [
+        {"length": 1024, "trials": 4, "native": "3/4", "fp8": "3/4"},
+        {"length": 4096, "trials": 2, "native": "1/2", "fp8": "0/2"},
+        {"length": "all", "trials": 6, "native": "4/6", "fp8": "3/6"},
+    ]
+
+
+def test_keys_missed_only_at_lengths_where_the_reference_retrieves_enough():
+    assert missed_where_reference_retrieves(SYNTHETIC, "native", "fp8", 0.75) == {1024: [(1024, 0.0, 1)]}
+    assert missed_where_reference_retrieves(SYNTHETIC, "native", "fp8", 0.5) == {
+        1024: [(1024, 0.0, 1)], 4096: [(4096, 0.0, 0)],
+    }  # fmt: skip
+    assert missed_where_reference_retrieves(SYNTHETIC, "native", "fp8", 1.0) == {}
+    assert missed_where_reference_retrieves(SYNTHETIC, "fp8", "native", 0.75) == {1024: [(1024, 1.0, 0)]}
 
 
 def test_against_the_reference_pairs_the_prompts():
