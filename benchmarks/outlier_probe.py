@@ -21,11 +21,15 @@ fills up on whatever comes first and needs a threshold per model.) KVSink (Su an
 sinks from the massive activations in one layer's residual stream, not from K/V: a cache that sees only K/V cannot
 apply it, so it is not measured here.
 
+`--recent R` keeps each query's R newest keys exact too, as the cache does (R = 128 by default there); a token
+then enters the race when it leaves the window, when the cache would quantize it.
+
 Columns: mean and p99 KL and top-1 agreement against exact attention; "exact attention on kept", the share of the
-exact attention (mean over layers, KV heads and queries) on the tokens the last query reads exact, which says
-whether a rule finds sink-like tokens. Then the positions each rule keeps most often, with their tokens.
+exact attention (mean over layers, KV heads and queries) on the sinks and outliers the last query reads exact,
+which says whether a rule finds sink-like tokens. Then the positions each rule keeps most often, with their tokens.
 
     python benchmarks/outlier_probe.py --model gemma3 --text code
+    python benchmarks/outlier_probe.py --model gemma3 --text code --recent 128
 """
 
 from __future__ import annotations
@@ -62,13 +66,15 @@ def scores(key: torch.Tensor, rule: str, sinks: int, seed: int) -> torch.Tensor:
     return score
 
 
-def kept(score: torch.Tensor, count: int) -> torch.Tensor:
+def kept(score: torch.Tensor, count: int, recent: int) -> torch.Tensor:
     """`[kv_heads, query, key]`: whether query t reads key j exact, j being among the `count` best scores of the
-    tokens up to t (a running top-`count`: j leaves the set once `count` later tokens outscore it)."""
+    tokens up to t - `recent` (a running top-`count` of the tokens out of the recent window, so decided when the
+    cache quantizes them: j leaves the set once `count` later tokens outscore it)."""
     outscored = (score[:, :, None] > score[:, None, :]).cumsum(1)  # [h, t, j]: tokens i <= t scoring above j
-    length = score.shape[1]
+    heads, length = score.shape
     visible = torch.ones(length, length, dtype=torch.bool).tril()
-    return (outscored < count) & visible & score.isfinite()[:, None, :]
+    keep = (outscored < count) & visible & score.isfinite()[:, None, :]
+    return torch.cat([torch.zeros(heads, recent, length, dtype=torch.bool), keep[:, : length - recent]], dim=1)
 
 
 @dataclass(frozen=True)
@@ -79,22 +85,29 @@ class Setting:
     count: int = 0
     rule: str | None = None
     seed: int = 0
+    recent: int = 0  # and each query's newest keys (itself included): the cache's recent window
 
     @property
     def name(self) -> str:
+        recent = f"recent {self.recent} + " if self.recent else ""
         if not self.sinks and not self.count:
-            return "none (pure FP8)"
-        return f"sinks {self.sinks}" + (f" + {self.count}, {self.rule}" if self.count else "")
+            return recent + "sinks 0" if self.recent else "none (pure FP8)"
+        return recent + f"sinks {self.sinks}" + (f" + {self.count}, {self.rule}" if self.count else "")
 
-    def exact(self, key: torch.Tensor, layer: int) -> torch.Tensor:
-        """`[kv_heads, query, key]`: whether each query reads each key exact."""
+    def chosen(self, key: torch.Tensor, layer: int) -> torch.Tensor:
+        """`[kv_heads, query, key]`: whether each query reads each key exact as a sink or an outlier."""
         heads, length = key.shape[1], key.shape[2]
         if self.count:
-            exact = kept(scores(key, self.rule, self.sinks, seed=self.seed * 1000 + layer), self.count)
+            score = scores(key, self.rule, self.sinks, seed=self.seed * 1000 + layer)
+            chosen = kept(score, self.count, min(self.recent, length))
         else:
-            exact = torch.zeros(heads, length, length, dtype=torch.bool)
-        exact[..., : self.sinks] = True
-        return exact
+            chosen = torch.zeros(heads, length, length, dtype=torch.bool)
+        chosen[..., : self.sinks] = True
+        return chosen
+
+    def window(self, length: int) -> torch.Tensor:
+        """`[query, key]`: whether each key is among the query's `recent` newest."""
+        return torch.ones(length, length, dtype=torch.bool).tril().triu(1 - self.recent)
 
 
 def attention_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, mask: torch.Tensor) -> torch.Tensor:
@@ -124,8 +137,9 @@ class Probe:
             self.mass[layer] = attention_mass(query, key, scaling, causal)
             mask = causal
         else:
-            exact = self.setting.exact(key, layer)
-            self.final[layer] = exact[:, -1]
+            chosen = self.setting.chosen(key, layer)
+            self.final[layer] = chosen[:, -1]
+            exact = chosen | self.setting.window(length)
             # each key twice, stored then exact; the mask lets each query see one of the two
             mask = torch.cat([causal & ~exact, causal & exact], dim=-1)
             mask = mask.repeat_interleave(query.shape[1] // key.shape[1], 0)[None]
@@ -135,7 +149,8 @@ class Probe:
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     def share_kept(self) -> float:
-        """Mean over layers and KV heads of the exact attention mass on the set the last query reads."""
+        """Mean over layers and KV heads of the exact attention mass on the sinks and outliers the last query
+        reads exact."""
         shares = [(self.mass[layer] * kept).sum(-1).mean() for layer, kept in self.final.items()]
         return torch.stack(shares).mean().item()
 
@@ -152,13 +167,13 @@ def average(qualities: list[Quality]) -> Quality:
     return Quality(**means, first_flip=None)
 
 
-def settings(sinks: int, counts: list[int], seeds: int) -> list[list[Setting]]:
+def settings(sinks: int, counts: list[int], seeds: int, recent: int) -> list[list[Setting]]:
     """The rows, each a list of settings whose metrics are averaged (the random control's seeds)."""
-    rows = [[Setting()], [Setting(sinks)]]
+    rows = [[Setting(recent=recent)], [Setting(sinks, recent=recent)]]
     for count in counts:
-        rows.append([Setting(sinks + count)])
-        rows += [[Setting(sinks, count, rule)] for rule in NORMS]
-        rows.append([Setting(sinks, count, "random", seed) for seed in range(seeds)])
+        rows.append([Setting(sinks + count, recent=recent)])
+        rows += [[Setting(sinks, count, rule, recent=recent)] for rule in NORMS]
+        rows.append([Setting(sinks, count, "random", seed, recent) for seed in range(seeds)])
     return rows
 
 
@@ -169,6 +184,7 @@ def main() -> None:
     parser.add_argument("--text", default="code", help=f"one of {sorted(TEXTS)}")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--recent", type=int, default=0, help="each query's newest keys kept exact too (cache: 128)")
     parser.add_argument("--counts", type=int, nargs="+", default=[4, 8, 16, 32], help="N: outlier tokens kept")
     parser.add_argument("--seeds", type=int, default=3, help="random control: sets drawn, averaged")
     parser.add_argument("--show", type=int, default=12, help="positions listed per rule (at the smallest N)")
@@ -180,7 +196,7 @@ def main() -> None:
     model.set_attn_implementation("fp8kv_outlier_probe")
     reference_logits, targets = prefill(model, tokenizer, args.text, args.tokens)
     rows, picked, spread = [], {}, []
-    for row in settings(args.sinks, args.counts, args.seeds):
+    for row in settings(args.sinks, args.counts, args.seeds, args.recent):
         runs = []
         for setting in row:
             probe.setting = setting
@@ -195,7 +211,8 @@ def main() -> None:
         rows.append({"kept exact": name} | quality_columns(q) | {"exact attention on kept": f"{share:.3f}"})
         print(rows[-1], flush=True)
     print(f"{label}, {len(targets) + 1} tokens of '{args.text}', one prefill; every layer's K/V per-token-head e4m3 "
-          f"(bf16 scales) but the tokens kept exact (per layer and KV head), against exact attention")  # fmt: skip
+          f"(bf16 scales) but the tokens kept exact (per layer and KV head), against exact attention"
+          + (f"; each query's {args.recent} newest keys exact too" if args.recent else ""))  # fmt: skip
     print(format_table(rows))
     print("random control, KL mean per seed:", "; ".join(spread))
     tokens = [None] + targets.tolist()  # the first token is a sink: never listed
