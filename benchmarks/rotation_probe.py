@@ -18,7 +18,7 @@ import argparse
 import torch
 from transformers import AttentionInterface
 
-from hf_fp8kv.evaluate import quality
+from hf_fp8kv.evaluate import Quality, quality
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.rotation import hadamard
@@ -41,6 +41,11 @@ def stored(x: torch.Tensor, block: int | None) -> torch.Tensor:
     scale = reference.dynamic_scale(x, FORMAT, torch.bfloat16)[..., None]
     x = reference.dequantize(reference.quantize(x, scale, FORMAT)[0], scale, FORMAT)
     return rotate(x, block) if block else x
+
+
+def quality_columns(q: Quality) -> dict[str, str]:
+    """The probes' three quality columns: mean and p99 KL against exact attention, top-1 agreement."""
+    return {"KL mean": f"{q.kl_mean:.2e}", "KL p99": f"{q.kl_p99:.2e}", "top-1 agreement": f"{q.top1_agreement:.4f}"}
 
 
 def proxy(query: torch.Tensor, keys: torch.Tensor) -> float:
@@ -77,6 +82,13 @@ class Probe:
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def prefill(model, tokenizer, text: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits `[tokens - 1, vocab]` of one prefill of the first `tokens` tokens of TEXTS[`text`], and the
+    tokens they predict."""
+    ids = tokenizer(TEXTS[text](), return_tensors="pt").input_ids[:, :tokens]
+    return model(input_ids=ids).logits[0, :-1].float(), ids[0, 1:]
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,9 +104,8 @@ def main() -> None:
     model.set_attn_implementation("fp8kv_rotation_probe")
 
     def logits(text: str, setting: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = tokenizer(TEXTS[text](), return_tensors="pt").input_ids[:, : args.tokens]
         probe.setting = setting
-        return model(input_ids=ids).logits[0, :-1].float(), ids[0, 1:]
+        return prefill(model, tokenizer, text, args.tokens)
 
     logits(args.choose_on, None)
     chosen = sorted(layer for layer, ratio in probe.proxies.items() if ratio < 1)
@@ -112,8 +123,7 @@ def main() -> None:
     rows = []
     for name, setting in settings.items():
         q = quality(reference_logits, logits(args.text, setting)[0], targets)
-        rows.append({"stored as e4m3": name, "KL mean": f"{q.kl_mean:.2e}", "KL p99": f"{q.kl_p99:.2e}",
-                     "top-1 agreement": f"{q.top1_agreement:.4f}"})  # fmt: skip
+        rows.append({"stored as e4m3": name} | quality_columns(q))
     print(f"{label}, {len(targets) + 1} tokens of '{args.text}', one prefill; every layer's K/V per-token-head e4m3 "
           f"(bf16 scales), against exact attention")  # fmt: skip
     print(format_table(rows))
