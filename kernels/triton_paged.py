@@ -624,14 +624,17 @@ def plan_paged_attention(
     recent_args = (out, out, 1, 1) if recent is None else (
         recent.rows, recent.requests, recent.recent or 1, recent.recent + recent.sinks
     )  # fmt: skip  (placeholders the kernel never reads without HAS_RECENT)
-    args = [
-        query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2],
-        torch.empty(tokens, q_heads, block_d, device=query.device) if rotate else out,  # the rotated query's scratch
-        out, out,  # the splits' partial results (placeholders without splits)
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E.value * code_factor,
-        window or 0, layer_offset, bytes_per_block, value_boost, code_factor / value_boost, code_factor, new_offset,
-        requests, *recent_args[2:], 1,
-    ]  # fmt: skip
+    scratch = torch.empty(tokens, q_heads, block_d, device=query.device) if rotate else out  # the rotated query's
+
+    def arguments(part_acc: torch.Tensor = out, part_stats: torch.Tensor = out, splits: int = 1) -> tuple:
+        """The kernel's arguments; `part_acc` / `part_stats`: the splits' partial results (placeholders without)."""
+        return (
+            query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2], scratch,
+            part_acc, part_stats, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            scaling * LOG2E.value * code_factor, window or 0, layer_offset, bytes_per_block, value_boost,
+            code_factor / value_boost, code_factor, new_offset, requests, *recent_args[2:], splits,
+        )  # fmt: skip
+
     constexprs = dict(
         BLOCK_STRIDE=block_stride, PAGE_SIZE=page_size, ROW_BYTES=row_bytes, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=decode.hw_convert,
@@ -641,7 +644,7 @@ def plan_paged_attention(
         PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1,
         **rotation(rotate, head_dim), SPLIT=False, **options,
     )  # fmt: skip
-    attention = Launch(_paged_attention_kernel, grid, tuple(args), constexprs)
+    attention = Launch(_paged_attention_kernel, grid, arguments(), constexprs)
     split_options = dict(constexprs, SPLIT=True)
     if target is not None and not target.is_amd and "maxnreg" not in split_options:
         split_options["maxnreg"] = SPLIT_MAX_REGISTERS
@@ -650,7 +653,7 @@ def plan_paged_attention(
         splits = max(1, num_splits)
     elif can_split and max_k_len and target is not None:
         if resident_slots is None:  # the split kernel's (the grid does not change its code)
-            probe = Launch(_paged_attention_kernel, (requests, kv_heads, 2), tuple(args), split_options)
+            probe = Launch(_paged_attention_kernel, (requests, kv_heads, 2), arguments(), split_options)
             resident_slots = target.sms * _blocks_per_sm(probe, target, query.device)
         held_tiles = cdiv((recent.recent + recent.sinks) * recent.rows.element_size(), block_n) if recent else 0
         splits = split_count(tokens * kv_heads, cdiv(max_k_len, block_n) + held_tiles, resident_slots)
@@ -659,8 +662,8 @@ def plan_paged_attention(
     rows = tokens * q_heads
     part_acc = torch.empty(rows * splits * block_d, dtype=torch.float32, device=query.device)
     part_stats = torch.empty(rows * splits * 2, dtype=torch.float32, device=query.device)
-    args[12:14], args[-1] = (part_acc, part_stats), splits
-    split = Launch(_paged_attention_kernel, (requests, kv_heads, splits), tuple(args), split_options)
+    split = Launch(_paged_attention_kernel, (requests, kv_heads, splits), arguments(part_acc, part_stats, splits),
+                   split_options)  # fmt: skip
     reduce_rows, chunk, warps = reduce_blocks(rows, block_d)
     reduce = Launch(_reduce_kernel, (cdiv(rows, reduce_rows), block_d // chunk), (
         part_acc, part_stats, out, out, out.stride(0), out.stride(1), 0, out.stride(2), rows, q_heads, 1, head_dim,
@@ -673,8 +676,9 @@ def plan_paged_attention(
 
 
 def _blocks_per_sm(launch: Launch, target: GpuTarget, device: torch.device) -> int:
-    """Resident blocks per SM of `launch`'s kernel on `device`, compiled once per constexprs and device (a fact of
-    the compiled code, the same for every caller)."""
+    """Resident blocks per SM of `launch`'s kernel on `device`, read once per constexprs and device: a fact of the
+    compiled code (as Triton's own cache of compiled kernels), the same for every caller and thread; a decode step
+    would otherwise pay a compile lookup per layer."""
     key = (device, tuple(sorted(launch.kwargs.items())))
     if key not in _BLOCKS_PER_SM:
         _BLOCKS_PER_SM[key] = compiled_occupancy(launch, target, device)
