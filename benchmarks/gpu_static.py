@@ -83,6 +83,7 @@ D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
 # the NaN codes' select is about 0.12 (0.323 -> 0.202 on sm_80 without it, head_dim 128, static scales)
 BIT_DECODE_MAX_INSTR_PER_BYTE = 0.40
 MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce spread over at least this many programs
+MIN_PAGED_WAVES = 2  # the paged decode of 16 requests x 32k keys: at least this many programs per SM (issue 34)
 # head_dim 128 prefill with fp8_prefill: FP8 tensor-core dots (each dot's sum promoted): wgmma, mma.sync, tcgen05
 FP8_DOTS = ("QGMMA", "QMMA", "UTCQMMA")
 CACHE_BLOCK = 64  # QuantizedFP8Cache's default block_size: code buffers grow 64 tokens at a time
@@ -205,6 +206,9 @@ def every_case(quick: bool = False) -> list[Case]:
         for p in (False, True)
     ]
     paged += [Case("paged", batch=4, q_len=256, per_token=True, context=4096, waves=False, recent=32, sinks=4)]
+    # few long requests (serving's long-context case): split over the keys, then the reduce
+    paged += [Case("paged", batch=16, per_token=p, context=32768, waves=False, recent=r, sinks=4 if r else 0)
+              for p, r in ((False, 0), (True, 0), (True, 128))]  # fmt: skip
     # rotated codes (issue 35): the query and the codes' output rotated once per program, each write rotated; the
     # paged cases with per-token scales (what rotation takes)
     rotated = [dataclasses.replace(case, rotate=True) for case in (
@@ -215,14 +219,16 @@ def every_case(quick: bool = False) -> list[Case]:
     return decode + no_split + few_heads + prefill + window + write + paged + rotated
 
 
-def plan(case: Case, gpu: GpuTarget, device: str = "cpu", slots: int | None = None) -> list[Launch]:
+def plan(
+    case: Case, gpu: GpuTarget, device: str = "cpu", slots: int | None = None, num_splits: int | None = None
+) -> list[Launch]:
     """The launches the kernel modules plan for `case` on `gpu` (tensors on `device`: "cpu" to compile, "meta" to
     count), the split count from the launcher's own rule for `slots` resident blocks (SMs x blocks per SM;
-    default 2 per SM)."""
+    default 2 per SM), or `num_splits` (paged)."""
     fmt = FORMATS[case.fmt]
     dtype = getattr(torch, case.dtype)
     if case.kind == "paged":
-        return plan_paged(case, gpu, fmt, dtype, device)
+        return plan_paged(case, gpu, fmt, dtype, device, slots, num_splits)
     # a static cache's buffers have a spare slot; per-token scale rows are allocated on whole 4-byte words
     capacity = case.static_cache + 1 if case.static_cache else -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
     codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
@@ -265,9 +271,12 @@ def plan(case: Case, gpu: GpuTarget, device: str = "cpu", slots: int | None = No
 LAYERS = 30
 
 
-def plan_paged(case: Case, gpu: GpuTarget, fmt, dtype: torch.dtype, device: str) -> list[Launch]:
+def plan_paged(
+    case: Case, gpu: GpuTarget, fmt, dtype: torch.dtype, device: str, slots: int | None, num_splits: int | None
+) -> list[Launch]:
     """The launches of `triton_paged.paged_attention` for `case.batch` requests of `case.q_len` new tokens after
-    `case.context` cached ones each, and of `write_rows` for those new tokens."""
+    `case.context` cached ones each (a decode step split over the keys by the launcher's rule for `slots`
+    resident blocks, default 2 per SM), and of `write_rows` for those new tokens."""
     row_bytes = paged.row_size(case.kv_heads * case.head_dim, case.kv_heads if case.per_token else 0)
     tokens = case.batch * case.q_len
     query = torch.empty(tokens, case.kv_heads * case.group, case.head_dim, dtype=dtype, device=device)
@@ -289,13 +298,14 @@ def plan_paged(case: Case, gpu: GpuTarget, fmt, dtype: torch.dtype, device: str)
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
         layer_offset=geometry.layer_offset, bytes_per_block=bytes_per_block, block_stride=geometry.block_stride,
         page_size=case.page_size, scaling=case.head_dim**-0.5, window=case.sliding or None, static_scales=static,
-        max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, rotate=case.rotate, target=gpu,
+        max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, rotate=case.rotate,
+        max_k_len=case.context + case.q_len, num_splits=num_splits, resident_slots=slots or gpu.sms * 2, target=gpu,
     )  # fmt: skip
     states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
     write_index = torch.empty(tokens, dtype=torch.int64, device=device)
     _, write = triton_paged.plan_write_rows(states, fmt, stats, static, pages, geometry, write_index, case.rotate)
-    return [attend, write]
+    return [*attend, write]
 
 
 # --- compiling --------------------------------------------------------------------------------------------------
@@ -716,8 +726,15 @@ def analyze_case(job: tuple[Case, str]) -> list[dict]:
     case, arch = job
     gpu = EXAMPLE_GPUS[arch]
     rows = []
-    for launch in plan(case, gpu):
-        compiled = compile_launch(launch, gpu)
+    launches, known = plan(case, gpu), {}
+    if case.kind == "paged" and case.q_len == 1:  # split as `paged_attention` splits it on that GPU: by the
+        # occupancy of its split kernel
+        split = plan(case, gpu, num_splits=2)[0]
+        known[_launch_key(split)] = compiled = compile_launch(split, gpu)
+        launches = plan(case, gpu, slots=gpu.sms * max(1, gpu.blocks_per_sm(compiled.registers, compiled.warps,
+                                                                          compiled.shared)))  # fmt: skip
+    for launch in launches:
+        compiled = known.get(_launch_key(launch)) or compile_launch(launch, gpu)
         fits = gpu.blocks_per_sm(compiled.registers, compiled.warps, compiled.shared)
         tile_tokens = launch.kwargs.get("BLOCK_N")  # tokens of K and V one iteration of the KV loop loads
         loaded = tile_tokens and tile_bytes(case, tile_tokens)
@@ -746,6 +763,11 @@ def analyze_case(job: tuple[Case, str]) -> list[dict]:
     return rows
 
 
+def _launch_key(launch: Launch) -> tuple:
+    """What a launch's compiled code depends on here (the grid aside)."""
+    return launch.kernel, tuple(sorted(launch.kwargs.items()))
+
+
 def budget_failures(row: dict) -> list[str]:
     """The budgets `row` misses, each with its reason."""
     failures = []
@@ -767,6 +789,12 @@ def budget_failures(row: dict) -> list[str]:
         programs = math.prod(row["grid"])
         if programs < MIN_REDUCE_PROGRAMS:
             failures.append(f"reduce on {programs} programs < {MIN_REDUCE_PROGRAMS} at batch 1, {case['context']} tokens")
+    if row["kernel"] == "_paged_attention_kernel" and case["q_len"] == 1 and case["batch"] <= 16 \
+            and case["context"] >= 32768:  # fmt: skip
+        least = MIN_PAGED_WAVES * EXAMPLE_GPUS[row["arch"]].sms
+        if math.prod(row["grid"]) < least:
+            failures.append(f"paged decode of {case['batch']} requests x {case['context']} keys on "
+                            f"{math.prod(row['grid'])} programs < {least}")  # fmt: skip
     if row["kind"] != "decode" or loop is None:
         return failures
     step = row.get("step")

@@ -523,10 +523,13 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             raise RuntimeError("FP8 pages are read through read indices: the block-table decode path must be off")
         if self.request_slots is not None:
             self.request_slots.start_step()
+        max_length_k = kwargs.get("max_length_k")  # per layer type (an int in older transformers)
+        if isinstance(max_length_k, dict):
+            max_length_k = max_length_k.get(allocator.layer_type)
         paged = allocator.write_and_view(
             key_states, value_states, layer_idx, kwargs["read_index"][allocator.index],
             kwargs["write_index"][allocator.index], kwargs["cu_seq_lens_q"],
-            kwargs["cu_seq_lens_k"][allocator.layer_type], kwargs["max_length_q"],
+            kwargs["cu_seq_lens_k"][allocator.layer_type], kwargs["max_length_q"], max_length_k,
         )  # fmt: skip
         return paged, paged
 
@@ -592,10 +595,11 @@ class FP8PagesMixin:
         raise NotImplementedError("FP8 pages have no block-table view: they are read through read indices")
 
     def write_and_view(self, key, value, layer_idx, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
-                       max_length_q):  # fmt: skip
+                       max_length_q, max_length_k=None):  # fmt: skip
         """Encode the new tokens (`[1, kv_heads, q, head_dim]`) into page rows at `write_index` (storing each token
         once: the tokens leaving the recent ones and the new ones already older) and return what the attention
-        reads: per request, its past rows (by `read_index`) and its new rows."""
+        reads: per request, its past rows (by `read_index`) and its new rows (`max_length_k`: an upper bound of a
+        request's keys, which the Triton kernel's split rule reads)."""
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
         recent = None
         if layer_idx in self.recent_rows:
@@ -605,7 +609,7 @@ class FP8PagesMixin:
         else:
             rows = self._encode(states, layer_idx, write_index)
         return PagedKV(self, layer_idx, rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
-                       recent)  # fmt: skip
+                       recent, max_length_k)  # fmt: skip
 
     def _encode(self, states: torch.Tensor, layer_idx: int, index: torch.Tensor) -> torch.Tensor:
         """Encode `states` (`[2, kv_heads, tokens, head_dim]`, in the model's dtype) into the page rows at physical
@@ -778,11 +782,11 @@ class PagedKV(FP8KeyStates):
     `attend`, which reads each request's past rows through its read indices and its new rows."""
 
     def __init__(self, allocator, layer_idx, new_rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
-                 max_length_q, recent):  # fmt: skip
+                 max_length_q, recent, max_length_k=None):  # fmt: skip
         self.allocator, self.layer_idx, self.new_rows = allocator, layer_idx, new_rows
         self.read_index, self.write_index = read_index, write_index
         self.cu_seq_lens_q, self.cu_seq_lens_k = cu_seq_lens_q, cu_seq_lens_k
-        self.max_length_q, self.recent = max_length_q, recent
+        self.max_length_q, self.max_length_k, self.recent = max_length_q, max_length_k, recent
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -811,8 +815,7 @@ class PagedKV(FP8KeyStates):
             layout=allocator.settings.layouts[self.layer_idx], geometry=allocator.geometry[self.layer_idx],
             scaling=scaling, window=allocator.window, softcap=softcap, sink_logits=sink_logits,
             static_scales=allocator.fixed_scales.get(self.layer_idx), has_nan=allocator.has_nan[self.layer_idx],
-            max_q_len=self.max_length_q, recent=self.recent,
-            new_in_pages=full,
+            max_q_len=self.max_length_q, max_k_len=self.max_length_k, recent=self.recent, new_in_pages=full,
         )  # fmt: skip
         return out.transpose(0, 1)[None]
 

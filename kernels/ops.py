@@ -134,12 +134,13 @@ class TorchBackend:
         return rows, nonfinite
 
     def paged_attend(
-        self, query: torch.Tensor, *pages_args, max_q_len: int | None = None, new_in_pages: bool = False, **kwargs
-    ) -> torch.Tensor:
+        self, query: torch.Tensor, *pages_args, max_q_len: int | None = None, max_k_len: int | None = None,
+        new_in_pages: bool = False, **kwargs,
+    ) -> torch.Tensor:  # fmt: skip
         """Attention over paged rows read in place (see `paged.attend` for the arguments; `max_q_len`, the longest
-        request's queries, sizes the Triton kernel's grid; `new_in_pages`: the read indices list this step's
-        tokens too, already written, and the Triton kernel reads them there, the torch path from `new_rows`, the
-        same bytes)."""
+        request's queries, sizes the Triton kernel's grid, `max_k_len`, at least its keys, its KV splits;
+        `new_in_pages`: the read indices list this step's tokens too, already written, and the Triton kernel reads
+        them there, the torch path from `new_rows`, the same bytes)."""
         return paged.attend(query, *pages_args, **kwargs)
 
 
@@ -206,8 +207,8 @@ class TritonBackend(TorchBackend):
     def paged_attend(
         self, query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, layout: paged.RowLayout,
         geometry: paged.PageGeometry, scaling: float, window=None, softcap=None, sink_logits=None, static_scales=None,
-        has_nan: bool = True, max_q_len: int | None = None, recent: paged.RecentRows | None = None,
-        new_in_pages: bool = False,
+        has_nan: bool = True, max_q_len: int | None = None, max_k_len: int | None = None,
+        recent: paged.RecentRows | None = None, new_in_pages: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         if layout.fmt is None or softcap is not None or sink_logits is not None or layout.key_channel is not None:
             return super().paged_attend(
@@ -223,6 +224,7 @@ class TritonBackend(TorchBackend):
             layer_offset=geometry.layer_offset, bytes_per_block=geometry.bytes_per_block,
             block_stride=geometry.block_stride, page_size=geometry.page_size, scaling=scaling, window=window,
             static_scales=pair, max_q_len=max_q_len, recent=recent, new_in_pages=new_in_pages, rotate=layout.rotate,
+            max_k_len=max_k_len,
         )  # fmt: skip
         return out.to(query.dtype)
 

@@ -23,15 +23,19 @@ import triton.language as tl
 
 from .formats import StorageFormat
 from .paged import ROW_ALIGNMENT, PageGeometry, RecentRows, row_size
+from .triton_attention import REDUCE_SPLITS, _reduce_kernel, reduce_blocks, split_count
 from .triton_common import (
     LOG2E, MIN_TOKEN_SCALE, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
     decode_settings, encode, encoding, hadamard, query_target, register_room, rotated_query, rotation,
     round_up_to_bf16, tile_tokens, zero_columns,
 )
 from .targets import GpuTarget
-from .triton_launch import Launch, cdiv, check_grid, launch_all, next_power_of_2
+from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2
 
 BLOCK_T = 16  # tokens per program of the row writer
+# registers of the split decode kernel (NVIDIA): ptxas' own choice for the per-token head_dim 128 one, 128 for 4
+# blocks per SM, spilled 8 B / 12 B; under 168, 148 and 3 blocks, no spill (gpu_static, sm_90)
+SPLIT_MAX_REGISTERS = 168
 # head_dim (its power of 2) from which the paged kernel loads the new rows' V tiles as columns, as K's: each
 # token's row is then worked out in one register layout, where two layouts each did it for their tokens
 # (gpu_static, sm_90, 64 decode requests, static / per-token scales, measured when every key was read from rows:
@@ -295,25 +299,28 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index,
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, pages_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
-    recent_ptr, recent_meta_ptr, q_scratch_ptr,
+    recent_ptr, recent_meta_ptr, q_scratch_ptr, part_acc_ptr, part_stats_ptr,
     q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, value_boost, out_factor,
-    code_factor, new_offset, requests, recent_slots, recent_rows_per_slot,
+    code_factor, new_offset, requests, recent_slots, recent_rows_per_slot, num_splits,
     BLOCK_STRIDE: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_BYTES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
     HAS_RECENT: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, PAGE_TILES: tl.constexpr, NEW_IN_PAGES: tl.constexpr, ONE_POSITION: tl.constexpr,
-    ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
+    ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile. With HAS_RECENT,
     the request's held recent and sink tokens are read from `recent_ptr`'s model-dtype rows after the codes.
     Rotated codes (ROTATE_STAGES): the codes' scores are those of the rotated query (`q_scratch_ptr`: fp32
-    `[tokens, q_heads, BLOCK_D]`), their share of the output is rotated back before the held tokens join it."""
+    `[tokens, q_heads, BLOCK_D]`), their share of the output is rotated back before the held tokens join it.
+    SPLIT (decode steps, one row block): program (request, KV head, KV split); each split reads its share of the
+    pages' keys (the last one the new rows and held tokens too) and writes its partial result (the output before
+    the softmax's division, running max and sum) for `_reduce_kernel` to merge."""
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
-    first_row = tl.program_id(2) * BLOCK_M
+    first_row = 0 if SPLIT else tl.program_id(2) * BLOCK_M
     q_start = tl.load(cu_q_ptr + request)
     q_len = tl.load(cu_q_ptr + request + 1) - q_start
     if first_row >= q_len * GROUP:
@@ -366,11 +373,28 @@ def _paged_attention_kernel(
     # ahead, into registers: loaded in the iteration that uses them, the codes' copies waited for them (gpu_static:
     # `DEPBAR.LE SB0, 0`, one tile in flight), two this way
     read_ptr += k_first
-    tile_args = (read_ptr, k_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block,
+    # the keys read from the pages by this program: [pages_lo, pages_end); with SPLIT, the split's share, in whole
+    # tiles from the one holding `k_lo` (the codes' loops as they are, over a narrower range)
+    pages_lo = k_lo
+    new_end = codes_end  # the end of the keys read from the new rows, and of the held ones: the last split's
+    held_end = k_end
+    if SPLIT:
+        split = tl.program_id(2)
+        origin = k_lo
+        if PAGE_TILES:
+            origin -= tl.load(read_ptr + k_lo, mask=k_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
+        span = tl.cdiv(tl.cdiv(tl.maximum(pages_end - origin, 0), BLOCK_N), num_splits) * BLOCK_N
+        # (the split's first key in int64, narrowed once it is a key index: no 32-bit product reaches an offset)
+        split_lo = (origin + split.to(tl.int64) * span).to(tl.int32)
+        pages_lo = tl.maximum(k_lo, split_lo)
+        pages_end = tl.minimum(pages_end, split_lo + span)
+        new_end = tl.where(split == num_splits - 1, codes_end, 0)
+        held_end = tl.where(split == num_splits - 1, k_end, 0)
+    tile_args = (read_ptr, pages_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block,
                  ROW_BYTES, PAGE_SIZE, KV_HEADS * HEAD_DIM, value_boost, kv_head, q_pos, row_ok, window)  # fmt: skip
     if PAGE_TILES:
-        tile_lo = k_lo - tl.load(read_ptr + k_lo, mask=k_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
-        whole_lo = tile_lo + tl.where(tile_lo < k_lo, BLOCK_N, 0)
+        tile_lo = pages_lo - tl.load(read_ptr + pages_lo, mask=pages_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
+        whole_lo = tile_lo + tl.where(tile_lo < pages_lo, BLOCK_N, 0)
         whole_hi = tl.maximum(tile_lo + (pages_end - tile_lo) // BLOCK_N * BLOCK_N, whole_lo)
         phys_next = tl.load(read_ptr + whole_lo, mask=whole_lo < whole_hi, other=0)
         for n0 in tl.range(whole_lo, whole_hi, BLOCK_N, num_stages=STAGES):
@@ -383,15 +407,15 @@ def _paged_attention_kernel(
         before = (tile_lo < tl.minimum(whole_lo, pages_end)).to(tl.int32)  # a partial tile before the whole ones
         for i in tl.range(0, before + tl.cdiv(pages_end - whole_hi, BLOCK_N), num_stages=1):
             n0 = tl.where(i < before, tile_lo, whole_hi + (i - before) * BLOCK_N)
-            first = tl.maximum(n0, k_lo)  # the tile's first slot, from its first key read
+            first = tl.maximum(n0, pages_lo)  # the tile's first slot, from its first key read
             phys = (tl.load(read_ptr + first) - (first - n0)).to(tl.int32)
             acc, m_i, l_i = _page_tile(
                 q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
                 NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, False, ONE_POSITION,
             )  # fmt: skip
     else:
-        phys_next = tl.load(read_ptr + k_lo + n, mask=k_lo + n < pages_end, other=0)
-        for n0 in tl.range(k_lo, pages_end, BLOCK_N, num_stages=STAGES):
+        phys_next = tl.load(read_ptr + pages_lo + n, mask=pages_lo + n < pages_end, other=0)
+        for n0 in tl.range(pages_lo, pages_end, BLOCK_N, num_stages=STAGES):
             phys = phys_next.to(tl.int32)
             phys_next = tl.load(read_ptr + n0 + BLOCK_N + n, mask=n0 + BLOCK_N + n < pages_end, other=0)
             acc, m_i, l_i = _page_tile(
@@ -399,9 +423,9 @@ def _paged_attention_kernel(
                 NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, False, False, ONE_POSITION,
             )  # fmt: skip
     if not NEW_IN_PAGES:  # this step's keys, from the new rows (token-major values)
-        for n0 in tl.range(tl.maximum(k_lo, past), codes_end, BLOCK_N, num_stages=STAGES):
+        for n0 in tl.range(tl.maximum(k_lo, past), new_end, BLOCK_N, num_stages=STAGES):
             t = n0 + n
-            t_ok = t < codes_end
+            t_ok = t < new_end
             k_row = new_offset + (q_start + t - past).to(tl.int64) * 2 * ROW_BYTES
             v_row = k_row + ROW_BYTES
             if ALIGNED:
@@ -444,13 +468,19 @@ def _paged_attention_kernel(
                               score_scale * k_head, DOT, KV_HEADS * GROUP, 0, 1.0)  # fmt: skip
         acc, m_i, l_i = _attend_held(
             q, acc, m_i, l_i, recent_ptr + recent_slot * recent_rows_per_slot * 2 * KV_HEADS * HEAD_DIM, kv_head,
-            recent_slots, sink_end, recent_lo, key_start, k_end, 1.0 / (k_head * code_factor), q_pos, row_ok, d,
+            recent_slots, sink_end, recent_lo, key_start, held_end, 1.0 / (k_head * code_factor), q_pos, row_ok, d,
             d_ok, n, window, KV_HEADS, HEAD_DIM, HAS_WINDOW, PRECISION, DOT, ONE_POSITION,
         )  # fmt: skip
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_ptr += (kv_head * GROUP).to(tl.int64) * o_sh  # (here: a base kept across the loops costs registers)
-    tl.store(out_ptr + q_rows[:, None] * o_st + member[:, None] * o_sh + d[None, :], out,
-             mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+    if SPLIT:  # rows (token, query head) as `_reduce_kernel` reads them, each split's in turn
+        part = (q_rows * (KV_HEADS * GROUP) + kv_head * GROUP + member) * num_splits + tl.program_id(2)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_ptr += (kv_head * GROUP).to(tl.int64) * o_sh  # (here: a base kept across the loops costs registers)
+        tl.store(out_ptr + q_rows[:, None] * o_st + member[:, None] * o_sh + d[None, :], out,
+                 mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
 def paged_attention_tiles(
@@ -506,6 +536,8 @@ def paged_attention(
     recent: RecentRows | None = None,
     new_in_pages: bool = False,
     rotate: bool = False,
+    max_k_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """fp32 attention output `[tokens, q_heads, head_dim]` of `query` `[tokens, q_heads, head_dim]` (every
     request's rows, `cu_seq_lens_q` int32 `[requests + 1]`) over paged rows (see the module docstring).
@@ -517,16 +549,17 @@ def paged_attention(
     model's dtype (contiguous rows); `new_in_pages`: each request's `read_index` entries go on after its past keys
     with this step's, whose rows are in the pages already (a full-attention layer: transformers writes the new
     tokens before reading), and those keys are read there; `rotate`: the codes hold the keys and values times a
-    Hadamard matrix (`paged.RowLayout.rotate`). Codes in the fp8 formats or int8.
+    Hadamard matrix (`paged.RowLayout.rotate`). Codes in the fp8 formats or int8. A decode step (one query per
+    request) is split over the keys (flash-decoding, then `_reduce_kernel`) when `num_splits` says so, else by
+    `split_count` on a GPU when `max_k_len` (an upper bound of the requests' keys) is given.
     """
-    out, launch = plan_paged_attention(
+    out, launches = plan_paged_attention(
         query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=fmt, kv_heads=kv_heads,
         layer_offset=layer_offset, bytes_per_block=bytes_per_block, block_stride=block_stride, page_size=page_size,
         scaling=scaling, window=window, static_scales=static_scales, max_q_len=max_q_len, recent=recent,
-        new_in_pages=new_in_pages, rotate=rotate,
+        new_in_pages=new_in_pages, rotate=rotate, max_k_len=max_k_len, num_splits=num_splits,
     )  # fmt: skip
-    if launch is not None:
-        launch_all([launch], query.device)
+    launch_all(launches, query.device)
     return out
 
 
@@ -535,10 +568,12 @@ def plan_paged_attention(
     layer_offset: int, bytes_per_block: int, block_stride: int, page_size: int, scaling: float,
     window: int | None = None, static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_q_len: int | None = None, recent: RecentRows | None = None, new_in_pages: bool = False,
-    rotate: bool = False, target: GpuTarget | None = None,
-) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
-    """The output of `paged_attention` and the launch that fills it (None: nothing to attend); `target` plans that
-    GPU's code path for tensors that are not on it (`benchmarks/gpu_static.py`)."""
+    rotate: bool = False, max_k_len: int | None = None, num_splits: int | None = None,
+    resident_slots: int | None = None, target: GpuTarget | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:  # fmt: skip
+    """The output of `paged_attention` and the launches that fill it (none: nothing to attend; with KV splits, the
+    attention's and the reduce's); `target` plans that GPU's code path for tensors that are not on it, with
+    `resident_slots` its resident blocks of the kernel (`benchmarks/gpu_static.py`)."""
     tokens, q_heads, head_dim = query.shape
     row_bytes = new_rows.shape[-1]
     value_bytes = kv_heads * head_dim
@@ -565,7 +600,7 @@ def plan_paged_attention(
         max_q_len = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()) if requests else 0
     out = torch.zeros(tokens, q_heads, head_dim, dtype=torch.float32, device=query.device)
     if requests == 0 or max_q_len == 0:
-        return out, None
+        return out, []
     group = q_heads // kv_heads
     target = target or query_target(query)
     block_m, block_n, block_d, options = paged_attention_tiles(group * max_q_len, head_dim, target,
@@ -581,6 +616,7 @@ def plan_paged_attention(
     # (row blocks last: on the x axis, the d64 decode kernel with per-token scales held 150 registers, not 122)
     grid = (requests, kv_heads, cdiv(group * max_q_len, block_m))
     check_grid(grid, "paged attention (requests, KV heads, row blocks of the longest request's queries)")
+    can_split = max_q_len == 1 and grid[2] == 1  # a decode step: one row block per (request, KV head)
     # the new rows are read through `pages`' pointer, at their byte distance from it (one base for both)
     new_offset = new_rows.data_ptr() - pages.data_ptr()
     offsets = (row_bytes, layer_offset, bytes_per_block, new_offset)
@@ -588,13 +624,17 @@ def plan_paged_attention(
     recent_args = (out, out, 1, 1) if recent is None else (
         recent.rows, recent.requests, recent.recent or 1, recent.recent + recent.sinks
     )  # fmt: skip  (placeholders the kernel never reads without HAS_RECENT)
-    args = (
-        query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2],
-        torch.empty(tokens, q_heads, block_d, device=query.device) if rotate else out,  # the rotated query's scratch
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), scaling * LOG2E.value * code_factor,
-        window or 0, layer_offset, bytes_per_block, value_boost, code_factor / value_boost, code_factor, new_offset,
-        requests, *recent_args[2:],
-    )  # fmt: skip
+    scratch = torch.empty(tokens, q_heads, block_d, device=query.device) if rotate else out  # the rotated query's
+
+    def arguments(part_acc: torch.Tensor = out, part_stats: torch.Tensor = out, splits: int = 1) -> tuple:
+        """The kernel's arguments; `part_acc` / `part_stats`: the splits' partial results (placeholders without)."""
+        return (
+            query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2], scratch,
+            part_acc, part_stats, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            scaling * LOG2E.value * code_factor, window or 0, layer_offset, bytes_per_block, value_boost,
+            code_factor / value_boost, code_factor, new_offset, requests, *recent_args[2:], splits,
+        )  # fmt: skip
+
     constexprs = dict(
         BLOCK_STRIDE=block_stride, PAGE_SIZE=page_size, ROW_BYTES=row_bytes, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=decode.hw_convert,
@@ -602,6 +642,47 @@ def plan_paged_attention(
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
         HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
         PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1,
-        **rotation(rotate, head_dim), **options,
+        **rotation(rotate, head_dim), SPLIT=False, **options,
     )  # fmt: skip
-    return out, Launch(_paged_attention_kernel, grid, args, constexprs)
+    attention = Launch(_paged_attention_kernel, grid, arguments(), constexprs)
+    split_options = dict(constexprs, SPLIT=True)
+    if target is not None and not target.is_amd and "maxnreg" not in split_options:
+        split_options["maxnreg"] = SPLIT_MAX_REGISTERS
+    splits = 1
+    if can_split and num_splits is not None:
+        splits = max(1, num_splits)
+    elif can_split and max_k_len and target is not None:
+        if resident_slots is None:  # the split kernel's (the grid does not change its code)
+            probe = Launch(_paged_attention_kernel, (requests, kv_heads, 2), arguments(), split_options)
+            resident_slots = target.sms * _blocks_per_sm(probe, target, query.device)
+        held_tiles = cdiv((recent.recent + recent.sinks) * recent.rows.element_size(), block_n) if recent else 0
+        splits = split_count(tokens * kv_heads, cdiv(max_k_len, block_n) + held_tiles, resident_slots)
+    if splits == 1:
+        return out, [attention]
+    rows = tokens * q_heads
+    part_acc = torch.empty(rows * splits * block_d, dtype=torch.float32, device=query.device)
+    part_stats = torch.empty(rows * splits * 2, dtype=torch.float32, device=query.device)
+    split = Launch(_paged_attention_kernel, (requests, kv_heads, splits), arguments(part_acc, part_stats, splits),
+                   split_options)  # fmt: skip
+    reduce_rows, chunk, warps = reduce_blocks(rows, block_d)
+    reduce = Launch(_reduce_kernel, (cdiv(rows, reduce_rows), block_d // chunk), (
+        part_acc, part_stats, out, out, out.stride(0), out.stride(1), 0, out.stride(2), rows, q_heads, 1, head_dim,
+        splits,
+    ), dict(
+        BLOCK_R=reduce_rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_C=chunk, PART_D=block_d,
+        HAS_SINK_LOGITS=False, num_warps=warps,
+    ))  # fmt: skip
+    return out, [split, reduce]
+
+
+def _blocks_per_sm(launch: Launch, target: GpuTarget, device: torch.device) -> int:
+    """Resident blocks per SM of `launch`'s kernel on `device`, read once per constexprs and device: a fact of the
+    compiled code (as Triton's own cache of compiled kernels), the same for every caller and thread; a decode step
+    would otherwise pay a compile lookup per layer."""
+    key = (device, tuple(sorted(launch.kwargs.items())))
+    if key not in _BLOCKS_PER_SM:
+        _BLOCKS_PER_SM[key] = compiled_occupancy(launch, target, device)
+    return _BLOCKS_PER_SM[key]
+
+
+_BLOCKS_PER_SM: dict[tuple, int] = {}

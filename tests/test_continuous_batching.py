@@ -541,6 +541,42 @@ def test_triton_backend_reads_the_same_pages(scales, page_size, window, variant)
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("settings", [dict(recent_tokens=8, sink_tokens=2), dict(ROTATED["pure, rotated"])], ids=str)
+def test_split_decode_steps_read_the_same_pages(monkeypatch, settings):
+    """Decode steps split over the keys (3 ways: the Triton kernel's flash-decoding, then its reduce) through the
+    whole batch give the torch path's logits; every call's `max_k_len` (transformers' `max_length_k`, which the
+    split rule reads on a GPU) covers each request's keys."""
+    from hf_fp8kv.kernels import triton_paged
+
+    plain, bounds = triton_paged.paged_attention, []
+
+    def split_three_ways(query, pages, new_rows, read_index, cu_q, k_first, past, *, max_k_len=None, **kwargs):
+        bounds.append((max_k_len, int((past + cu_q[1:] - cu_q[:-1]).max())))
+        return plain(query, pages, new_rows, read_index, cu_q, k_first, past, max_k_len=max_k_len, num_splits=3,
+                     **kwargs)  # fmt: skip
+
+    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                       use_sliding_window=True, max_window_layers=0).to(DEVICE)  # fmt: skip
+    generator = torch.Generator().manual_seed(2)
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (5, 40, 70)]
+    logits = {}
+    for backend in ("torch", "triton"):
+        cb.enable(model, scales="dynamic", backend=backend, max_requests=4, **settings)
+        steps = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, out: steps.append(out[0].float().cpu()))
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(triton_paged, "paged_attention", split_three_ways)
+                model.generate_batch(inputs, generation_config=GREEDY,
+                                     continuous_batching_config=pages(page_size=16), warmup=False)  # fmt: skip
+        finally:
+            hook.remove()
+        logits[backend] = torch.cat(steps)
+    cb.disable(model)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+    assert bounds and all(bound is not None and bound >= keys for bound, keys in bounds)
+
+
 def test_fp8_pages_hold_twice_the_blocks_of_bf16_pages(monkeypatch, caplog):
     """Under one memory setting (transformers' max_memory_percent), FP8 pages give >= 1.9x the blocks of
     transformers' bf16 pages, and the scheduler admits correspondingly more requests."""

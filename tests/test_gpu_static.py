@@ -156,11 +156,14 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
         assert 0 < low <= fraction <= high < 1, point
     assert step["copy_fraction"]["b1_4k"] < step["copy_fraction"]["b1_32k"] < step["copy_fraction"]["b16_32k"]
     assert rows["_write_rows_kernel"]["loop"] is None
-    # GQA-packed rows: one program per request and KV head; pages read in tiles of slots, or token by token
+    # GQA-packed rows: programs per request and KV head (as many as the split rule's KV splits, then the reduce);
+    # pages read in tiles of slots, or token by token
     paged = {row["case"]["page_size"]: row for row in by_arch["sm_90"] if row["kernel"] == "_paged_attention_kernel"}
     assert set(paged) == {256, 24}
     for row in paged.values():
-        assert row["grid"] == [64, 8, 1] and row["loop"]["dots"] > 0
+        assert row["grid"][:2] == [64, 8] and row["loop"]["dots"] > 0
+        reduces = [r for r in by_arch["sm_90"] if r["kernel"] == "_reduce_kernel" and r["case"] == row["case"]]
+        assert len(reduces) == (row["grid"][2] > 1)
 
     # A100: the codes decoded in bit operations (Triton has no e4m3fn there), its 108 SMs in the split rule
     a100 = {row["kernel"]: row for row in by_arch["sm_80"]}["_attention_kernel"]

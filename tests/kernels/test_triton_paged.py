@@ -54,10 +54,11 @@ RECENT_CASES = [
 
 
 def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None, page_size=PAGE_SIZE,
-          new_in_pages=False, rotate=False) -> dict:  # fmt: skip
+          new_in_pages=False, rotate=False, num_splits=None) -> dict:  # fmt: skip
     """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window;
-    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`; `rotate`: rotated codes); returns
-    the launch's constexprs (what the kernel was told of its rows)."""
+    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`; `rotate`: rotated codes;
+    `num_splits`: KV splits of a decode step, then the reduce); returns the attention launch's constexprs (what the
+    kernel was told of its rows) and grid."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
@@ -74,14 +75,18 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     static = tuple(s.to(DEVICE) for s in static) if static else None
     if new_in_pages:  # the new rows' bytes are in the pages: the kernel must not read them from `new_rows`
         new_rows = torch.full_like(new_rows, 0xFF)
-    out, launch = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
-                                       scaling=scaling, window=window, static_scales=static, recent=held,
-                                       new_in_pages=new_in_pages, rotate=rotate, **layout)  # fmt: skip
-    launch.run()
+    out, launches = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
+                                         scaling=scaling, window=window, static_scales=static, recent=held,
+                                         new_in_pages=new_in_pages, rotate=rotate, num_splits=num_splits,
+                                         **layout)  # fmt: skip
+    for launch in launches:
+        launch.run()
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
     assert error < TOLERANCE[dtype], f"{name}: relative error {error}"
-    return launch.kwargs
+    # (with splits, the partial results' running sums: `[tokens x q_heads, splits]`)
+    sums = launches[0].args[13].view(-1, num_splits, 2)[..., 1].cpu() if len(launches) > 1 else None
+    return {**launches[0].kwargs, "grid": launches[0].grid, "launches": len(launches), "sums": sums}
 
 
 # rotated codes: decode and prefill, a head_dim of 8-channel Hadamard blocks, V tiles as columns, model dtypes
@@ -116,8 +121,8 @@ def test_rotation_leaves_a_context_of_held_tokens_unchanged(q_len):
         built = build([(6, q_len), (0, q_len)], FORMATS["fp8_e4m3"], 2, 16, 2, True, recent=(16, 2, 0),
                       dtype=torch.bfloat16)  # fmt: skip
         (query, *tensors), layout = built[0], built[1]
-        out, launch = plan_paged_attention(query.to(torch.bfloat16), *tensors, fmt=FORMATS["fp8_e4m3"],
-                                           scaling=0.25, recent=built[4], rotate=rotate, **layout)  # fmt: skip
+        out, (launch,) = plan_paged_attention(query.to(torch.bfloat16), *tensors, fmt=FORMATS["fp8_e4m3"],
+                                              scaling=0.25, recent=built[4], rotate=rotate, **layout)  # fmt: skip
         launch.run()
         outputs.append(out)
     assert torch.equal(*outputs)
@@ -166,6 +171,42 @@ def test_this_steps_keys_read_from_the_pages(case, page_size, dtype, rotate):
     indices after the past ones; they are read from the pages (`new_rows` hold NaN codes here)."""
     told = check(dtype, case, block_padding=16, page_size=page_size, new_in_pages=True, rotate=rotate)
     assert told["NEW_IN_PAGES"]
+
+
+# decode steps (one query per request) split over their keys: scattered slots and page tiles, held tokens, a
+# window, this step's keys in the pages or the new rows, rotated codes; more splits than tiles (empty splits)
+SPLIT_CASES = [
+    (dict(case=("fp8_e4m3", True, [(40, 1), (7, 1), (100, 1)], 2, 16, None)), 3),
+    (dict(case=("fp8_e5m2", False, [(70, 1), (0, 1), (33, 1)], 4, 32, 32), page_size=16, block_padding=16), 2),
+    (dict(case=("fp8_e4m3", True, [(130, 1), (64, 1)], 2, 128, None), page_size=64, block_padding=16), 4),
+    (dict(case=("int8_per_token_head", True, [(90, 1), (17, 1)], 1, 16, None), recent=(16, 4, 0)), 3),
+    (dict(case=("fp8_e4m3", True, [(90, 1), (20, 1)], 2, 16, None), page_size=16, block_padding=16,
+          recent=(16, 5, 0), rotate=True), 5),
+    (dict(case=("fp8_e4m3fnuz", False, [(60, 1), (9, 1)], 2, 24, None), new_in_pages=True), 2),
+    (dict(case=("fp8_e4m3", True, [(20, 1), (3, 1)], 2, 16, None), page_size=16, block_padding=16), 7),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kwargs, splits", SPLIT_CASES, ids=str)
+def test_decode_split_over_the_keys_matches_reference(dtype, kwargs, splits):
+    """Each request's keys split `splits` ways (the last split also reading the new rows and held tokens), the
+    partial results merged by the reduce: the oracle's output, as one program per request gives it."""
+    told = check(dtype, **kwargs, num_splits=splits)
+    assert told["SPLIT"] and told["grid"][2] == splits and told["launches"] == 2
+    sums = told["sums"]  # each split its own share of the keys: not every split the same sum (all keys read by each)
+    assert (sums != sums[:, :1]).any(dim=1).all()
+    if splits == 7:  # 20 and 3 past keys in 16-token tiles: splits 2-5 read nothing (the last: the new rows)
+        assert (sums[:, 2:6] == 0).all() and (sums[:, 6] > 0).all()
+
+
+def test_prefill_and_single_split_steps_are_not_split():
+    """A step with a prefill (several queries in a request) runs one program per row block whatever `num_splits`
+    asks; one split is the plain kernel."""
+    told = check(torch.float32, CASES[0], num_splits=4)
+    assert not told["SPLIT"] and told["launches"] == 1
+    told = check(torch.float32, SPLIT_CASES[0][0]["case"], num_splits=1)
+    assert not told["SPLIT"] and told["launches"] == 1
 
 
 def test_page_tile_sizes():
@@ -248,7 +289,7 @@ def test_a_grid_past_the_limits_is_refused_naming_the_launch():
         query = torch.empty(tokens, kv_heads * group, head_dim, dtype=torch.bfloat16, **meta)
         rows = torch.empty(tokens, 2, row_bytes, dtype=torch.uint8, **meta)
         lengths = [torch.empty(requests + n, dtype=torch.int32, **meta) for n in (1, 0, 0)]
-        _, launch = plan_paged_attention(
+        _, (launch,) = plan_paged_attention(
             query, torch.empty(4096, dtype=torch.uint8, **meta), rows, torch.empty(1, dtype=torch.int64, **meta),
             *lengths, fmt=FORMATS["fp8_e4m3"], kv_heads=kv_heads, layer_offset=0, bytes_per_block=4096,
             block_stride=512, page_size=256, scaling=0.1, max_q_len=q_len, target=EXAMPLE_GPUS["sm_90"],
