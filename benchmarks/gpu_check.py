@@ -9,7 +9,9 @@ SDPA at 4k and 32k; (g) continuous batching (`generate_batch`) on FP8 pages agai
 budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers; (h) each launch of one layer's decode
 step timed alone (the attention kernel, its split reduce, the write kernel), 32:8 heads, head_dim 128, batch 1
 and 16, contexts 4k and 32k: pure FP8 against the default window (recent 128 + sinks 4), STAGES 3 against 4, and a
-left-padded batch-16 step, each launch's bytes read as GB/s and as a fraction of (a); it runs right after (b, c).
+left-padded batch-16 step, each launch's bytes read as GB/s and as a fraction of (a); it runs right after (b, c);
+(i) the paged decode (continuous batching's kernel) of few long and many short requests, split over the keys as
+its rule plans it against one program per request and KV head, the same tensors, as GB/s and a fraction of (a).
 Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench`
 medians (CUDA events) after warm-up, inputs rotated over copies that together exceed the L2 cache ((h): do_bench's
 own cache flush between runs). Everything printed is also written to `--out`.
@@ -69,6 +71,8 @@ class Sizes:
     step_contexts: list[int]  # of (h)
     step_batches: list[int]  # of (h); the largest also takes a left-padded step
     resident_slots: int | None  # (h)'s split rule off a GPU (None: the device's own resident blocks)
+    paged_steps: list[tuple[int, int]]  # (i): (requests, cached tokens each)
+    paged_page_size: int  # (i)
     test_filter: str | None
     dtype: torch.dtype  # of queries, K/V and the model (bf16 on the GPU; the interpreter's bf16 dot is broken)
 
@@ -92,6 +96,8 @@ FULL = Sizes(
     step_contexts=[4096, 32768],
     step_batches=[1, 16],
     resident_slots=None,
+    paged_steps=[(16, 32768), (64, 4096)],
+    paged_page_size=256,
     test_filter="test_attention_matches_reference or test_write_is_bit_identical or test_splits or nan",
     dtype=torch.bfloat16,
 )  # fmt: skip
@@ -114,6 +120,8 @@ TOY = Sizes(
     step_contexts=[300],
     step_batches=[1, 2],
     resident_slots=8,  # splits, hence the reduce launch, at toy sizes
+    paged_steps=[(2, 300)],
+    paged_page_size=16,
     test_filter="test_bad",
     dtype=torch.float32,
 )  # fmt: skip
@@ -403,6 +411,51 @@ def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded
     return rows
 
 
+def paged_decode(report: Report, sizes: Sizes, device: torch.device, dry_run: bool, copy_gbps: float) -> None:
+    """A decode step of the paged kernel over full-attention pages (per-token-head e4m3 rows, each request's new
+    token in its pages), split as the launcher's rule plans it (3 ways on the interpreter, which has no
+    occupancy) against one program per request and KV head."""
+    from hf_fp8kv.kernels import paged
+    from hf_fp8kv.kernels.formats import get_format
+    from hf_fp8kv.kernels.triton_paged import plan_paged_attention
+
+    kv_heads, head_dim, page_size = sizes.kv_heads, sizes.head_dim, sizes.paged_page_size
+    row_bytes = paged.row_size(kv_heads * head_dim, kv_heads)
+    rows = []
+    for requests, context in sizes.paged_steps:
+        keys = context + 1  # each request's past and this step's token, in its pages
+        per_request = -(-keys // page_size)
+        # one layer's pages; bytes of e4m3 1.0 (0x38), which as fp32 scale words are a small positive scale
+        pages = torch.full((requests * per_request * 2 * page_size * row_bytes,), 0x38, dtype=torch.uint8,
+                           device=device)  # fmt: skip
+        slot = torch.arange(keys, device=device)
+        blocks = torch.arange(requests, device=device)[:, None] * per_request + slot // page_size
+        read_index = (blocks * 2 * page_size + slot % page_size).flatten()
+        query = torch.randn(requests, sizes.q_heads, head_dim, device=device, dtype=sizes.dtype)
+        new_rows = torch.full((requests, 2, row_bytes), 0x38, dtype=torch.uint8, device=device)
+        cu_q = torch.arange(requests + 1, dtype=torch.int32, device=device)
+        k_first = torch.arange(requests, dtype=torch.int32, device=device) * keys
+        past = torch.full((requests,), context, dtype=torch.int32, device=device)
+        nbytes = requests * kv_heads * keys * 2 * (head_dim + 4)  # codes and fp32 scales, K and V
+        for plan, splits in (("one program per request", 1), ("split rule", 3 if dry_run else None)):
+            _, launches = plan_paged_attention(
+                query, pages, new_rows, read_index, cu_q, k_first, past, fmt=get_format("fp8_e4m3"),
+                kv_heads=kv_heads, layer_offset=0, bytes_per_block=2 * page_size * row_bytes,
+                block_stride=2 * page_size, page_size=page_size, scaling=head_dim**-0.5, max_q_len=1,
+                new_in_pages=True, max_k_len=keys, num_splits=splits,
+            )  # fmt: skip
+            us = bench(lambda: [launch.run() for launch in launches], dry_run) * 1e3
+            gbps = nbytes / us / 1e3
+            rows.append({"requests": requests, "context": context, "plan": plan,
+                         "grid": "x".join(map(str, launches[0].grid)), "launches": len(launches), "us": f"{us:.1f}",
+                         "KV MB": f"{nbytes / 1e6:.1f}", "GB/s": f"{gbps:.0f}", "of copy": f"{gbps / copy_gbps:.0%}"})  # fmt: skip
+        del pages, read_index
+        free_memory()
+    report(f"## (i) paged decode, {sizes.q_heads}:{sizes.kv_heads} heads, head_dim {head_dim}, {sizes.dtype} query, "
+           f"per-token-head e4m3 rows, {page_size}-token pages; split over the keys (then the reduce) or not")  # fmt: skip
+    report.table(rows)
+
+
 def decode_steps(report: Report, sizes: Sizes, device: torch.device, dry_run: bool) -> None:
     import numpy
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -622,6 +675,7 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbps = copy_bandwidth(report, sizes, device, args.dry_run)
     guarded(report, "decode attention", decode_attention, sizes, device, args.dry_run, copy_gbps)
     guarded(report, "decode step launches", decode_launches, sizes, device, args.dry_run, copy_gbps)
+    guarded(report, "paged decode", paged_decode, sizes, device, args.dry_run, copy_gbps)
     guarded(report, "decode steps", decode_steps, sizes, device, args.dry_run)
     guarded(report, "prefill", prefill, sizes, device, args.dry_run)
     guarded(report, "compiled decode", compiled_decode, sizes, device, args.dry_run)

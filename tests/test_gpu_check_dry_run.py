@@ -19,7 +19,7 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     report = out.read_text()
     assert re.search(r"\b[1-9]\d* passed", report) and "exit status 0" in report  # the kernel tests it runs
     sections = ("(a) copy bandwidth", "(b, c) decode attention", "(d) decode step", "(e) causal prefill", "(f) compiled",
-                "(g) continuous batching", "(h) decode step launches")
+                "(g) continuous batching", "(h) decode step launches", "(i) paged decode")
     for section in sections:
         assert f"## {section}" in report
     for method in ("ours e4m3 static", "ours e4m3 per-token-head", "SDPA float32", "QuantizedCache(fp8)"):
@@ -30,4 +30,6 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     for launch in ("write", "attention", "reduce"):  # a timed line per launch: us, bytes read, GB/s, % of copy
         assert re.search(rf"^.*\b{launch}\b +\S+ +\d+\.\d +\d+\.\d{{3}} +\d+ +\d+%", launches, re.M), launch
     assert re.search(r"left-padded +4 +attention", launches)  # the left-padded step, at STAGES 4 too
+    paged = report.split("## (i) paged decode")[1].split("\n## ")[0]  # one program per request, then 3 splits
+    assert re.search(r"one program per request +2x2x1 +1 ", paged) and re.search(r"split rule +2x2x3 +2 ", paged)
     assert "FAILED" not in report
