@@ -34,7 +34,9 @@ from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_
 
 BLOCK_T = 16  # tokens per program of the row writer
 # registers of the split decode kernel (NVIDIA): ptxas' own choice for the per-token head_dim 128 one, 128 for 4
-# blocks per SM, spilled 8 B / 12 B; under 168, 148 and 3 blocks, no spill (gpu_static, sm_90)
+# blocks per SM, spilled 8 B / 12 B; under 168, 148 and 3 blocks, no spill (gpu_static, sm_90). On 100 KB SMs
+# (sm_86, sm_89, sm_120), whose shared memory holds 4 head_dim-64 blocks whatever the registers, 168 spilled 8-16 B
+# in sm_86's head_dim 64 split decodes: 255 there
 SPLIT_MAX_REGISTERS = 168
 # head_dim (its power of 2) from which the paged kernel loads the new rows' V tiles as columns, as K's: each
 # token's row is then worked out in one register layout, where two layouts each did it for their tokens
@@ -647,7 +649,7 @@ def plan_paged_attention(
     attention = Launch(_paged_attention_kernel, grid, arguments(), constexprs)
     split_options = dict(constexprs, SPLIT=True)
     if target is not None and not target.is_amd and "maxnreg" not in split_options:
-        split_options["maxnreg"] = SPLIT_MAX_REGISTERS
+        split_options["maxnreg"] = 255 if target.limits.shared <= 100 * 1024 else SPLIT_MAX_REGISTERS
     splits = 1
     if can_split and num_splits is not None:
         splits = max(1, num_splits)
