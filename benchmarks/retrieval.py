@@ -3,7 +3,8 @@ recent-64 + sinks-4 variant (between the former default 32 + 4 and today's 128 +
 pure FP8 (`rotate=True`). The retrieval tables of docs/retrieval.md.
 
 A random 5-digit key is hidden at each depth of filler text (the bundled sample's sentences, shuffled per
-trial) in prompts of each length, in the chat template; each cache answers greedily; exact match. Trials run
+trial) in prompts of each length, in the chat template (plain text for a model without one: the bundled Gemma 3 270M is
+the pretrained model); each cache answers greedily; exact match. Trials run
 trial by trial over the whole grid and each prompt's answers are appended to `--out` (JSON lines) as soon as
 every variant has answered, so a run stopped early leaves a balanced table and `--resume` continues it.
 
@@ -122,10 +123,12 @@ def main() -> None:
         parser.error(f"--resume: {args.out} holds answers to prompts with other than {args.keys} keys")
     if args.out and not args.resume:
         args.out.write_text("")
-    prompts = probe_prompts(model, tokenizer, probe, builtin_text(), chat=True)
+    chat = tokenizer.chat_template is not None
+    prompts = probe_prompts(model, tokenizer, probe, builtin_text(), chat=chat)
     prompts = sorted(prompts, key=lambda p: p.trial)  # trial by trial over the grid: a stopped run stays balanced
     print(f"{title}, {args.dtype}, {machine(model.device)}; lengths {args.lengths}, depths {args.depths}%, "
-          f"{args.trials} trials, {args.keys} keys per prompt, {args.max_new_tokens} new tokens; {len(done)} answers "
+          f"{args.trials} trials, {args.keys} keys per prompt, {args.max_new_tokens} new tokens, "
+          f"{'chat template' if chat else 'plain text'}; {len(done)} answers "
           "resumed", flush=True)  # fmt: skip
     for variant in variants:
         print(f"  {variant.name}: {variant.description}")
