@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 import warnings
 from pathlib import Path
@@ -81,6 +82,10 @@ def report(trials: list[RetrievalTrial], variants: list[str]) -> str:
     lines = [format_table(retrieval_rows(trials)), "", format_table(retrieval_rows(trials, by_depth=False)), ""]
     lines += [f"{name}: {100 * found_rate(trials, name):.1f}% of keys found" for name in variants]
     lines += [""] + [against_reference(trials, REFERENCE, name) for name in variants if name != REFERENCE]
+    reference = {(t.length, t.depth, t.trial): first_number(t.answer) for t in trials if t.variant == REFERENCE}
+    for name in variants[1:]:  # the same answer as the reference's, right or wrong: the stored keys read alike
+        ours = [first_number(t.answer) == reference[(t.length, t.depth, t.trial)] for t in trials if t.variant == name]
+        lines.append(f"{name}: the number {REFERENCE} answered in {sum(ours)} of {len(ours)} prompts")
     lines.append(f"\nAt each length where {REFERENCE} found at least {TARGET_SHARE:.0%} of the keys, the keys it "
                  "found that a variant missed:")
     for name in variants[1:]:
@@ -88,6 +93,11 @@ def report(trials: list[RetrievalTrial], variants: list[str]) -> str:
         held = ", ".join(f"{length}: {len(prompts)}" for length, prompts in lost.items()) or "no such length"
         lines.append(f"  {name}: {held}")
     return "\n".join(lines)
+
+
+def first_number(answer: str) -> str | None:
+    number = re.search(r"\d+", answer)
+    return number and number.group()
 
 
 def main() -> None:
@@ -104,13 +114,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON lines of every answer (appended as the prompts complete)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the answers --out already holds (by variant and prompt); report all it holds")
+    parser.add_argument("--report-only", action="store_true", help="report what --out holds; answer no prompt")
     args = parser.parse_args()
+    args.resume |= args.report_only
     names = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; valid: {', '.join(VARIANTS)}")
     if args.resume and args.out is None:
-        parser.error("--resume needs --out")
+        parser.error("--resume and --report-only need --out")
     probe = PasskeyProbe(tuple(args.lengths), tuple(d / 100 for d in args.depths), args.trials, args.max_new_tokens,
                          args.keys)  # fmt: skip
     variants = resolve_variants({name: VARIANTS[name] for name in names})
@@ -134,7 +146,7 @@ def main() -> None:
         print(f"  {variant.name}: {variant.description}")
     seconds = dict.fromkeys(names, 0.0)
     warnings.simplefilter("once")
-    for prompt in prompts:
+    for prompt in [] if args.report_only else prompts:
         answers = []
         for variant in variants:
             if (variant.name, prompt.length, prompt.depth, prompt.trial) in done:
