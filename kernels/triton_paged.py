@@ -10,7 +10,8 @@ per-head scales the query and the output. The cached keys are read from the page
 of one page when the page size allows it (`page_tile_tokens`): one physical index per tile, the value plane's
 channels as 16-byte vectors along the tokens; this step's keys from the new rows after them. A request's recent
 and sink tokens held in the model's dtype (`paged.RecentRows`) are left out of the codes' loops and read after
-them, in the same online softmax, as the dense kernel reads its recent and sink buffers.
+them, in the same online softmax, as the dense kernel reads its recent and sink buffers. A decode step of few long
+requests is split over the keys (flash-decoding), its partial results merged by `triton_attention`'s reduce.
 """
 
 from __future__ import annotations
