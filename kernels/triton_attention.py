@@ -722,17 +722,28 @@ class AttentionPlan:
             *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
         if splits > 1:
-            batch, q_heads, q_len, head_dim = self.out_shape
-            out_rows = batch * q_heads * q_len
-            rows, chunk, warps = self.reduce
-            launches.append(Launch(_reduce_kernel, (cdiv(out_rows, rows), self.block_d // chunk), (
-                part_acc, part_stats, _or(sink_logits, query), out, *out.stride(), out_rows, q_heads, q_len, head_dim,
-                splits,
-            ), dict(
-                BLOCK_R=rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_C=chunk, PART_D=self.block_d,
-                HAS_SINK_LOGITS=sink_logits is not None, num_warps=warps,
-            )))  # fmt: skip
+            launches.append(reduce_launch(part_acc, part_stats, sink_logits, out, out.stride(), self.out_shape, splits,
+                                          self.block_d, self.reduce))  # fmt: skip
         return launches
+
+
+def reduce_launch(
+    part_acc: torch.Tensor, part_stats: torch.Tensor, sink_logits: torch.Tensor | None, out: torch.Tensor,
+    out_strides: tuple[int, int, int, int], sizes: tuple[int, int, int, int], splits: int, block_d: int,
+    blocks: tuple[int, int, int],
+) -> Launch:  # fmt: skip
+    """`_reduce_kernel`'s launch: the `splits` partial results of each output row (batch, query head, position of
+    `sizes` `(batch, q_heads, q_len, head_dim)`) merged into `out` at `out_strides` (batch, head, position,
+    channel); `blocks`: `reduce_blocks`' rows, head_dim chunk and warps."""
+    batch, q_heads, q_len, head_dim = sizes
+    out_rows = batch * q_heads * q_len
+    rows, chunk, warps = blocks
+    return Launch(_reduce_kernel, (cdiv(out_rows, rows), block_d // chunk), (
+        part_acc, part_stats, _or(sink_logits, out), out, *out_strides, out_rows, q_heads, q_len, head_dim, splits,
+    ), dict(
+        BLOCK_R=rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_C=chunk, PART_D=block_d,
+        HAS_SINK_LOGITS=sink_logits is not None, num_warps=warps,
+    ))  # fmt: skip
 
 
 def fp8_dots(fp8_prefill: bool, prefill: bool, fmt, dot, target: GpuTarget | None) -> bool:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .formats import StorageFormat
 from .paged import ROW_ALIGNMENT, PageGeometry, RecentRows, row_size
-from .triton_attention import REDUCE_SPLITS, _reduce_kernel, reduce_blocks, split_count
+from .triton_attention import reduce_blocks, reduce_launch, split_count
 from .triton_common import (
     LOG2E, MIN_TOKEN_SCALE, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
     decode_settings, encode, encoding, hadamard, query_target, register_room, rotated_query, rotation,
@@ -667,14 +667,8 @@ def plan_paged_attention(
     part_stats = torch.empty(rows * splits * 2, dtype=torch.float32, device=query.device)
     split = Launch(_paged_attention_kernel, (requests, kv_heads, splits), arguments(part_acc, part_stats, splits),
                    split_options)  # fmt: skip
-    reduce_rows, chunk, warps = reduce_blocks(rows, block_d)
-    reduce = Launch(_reduce_kernel, (cdiv(rows, reduce_rows), block_d // chunk), (
-        part_acc, part_stats, out, out, out.stride(0), out.stride(1), 0, out.stride(2), rows, q_heads, 1, head_dim,
-        splits,
-    ), dict(
-        BLOCK_R=reduce_rows, BLOCK_S=min(REDUCE_SPLITS, next_power_of_2(splits)), BLOCK_C=chunk, PART_D=block_d,
-        HAS_SINK_LOGITS=False, num_warps=warps,
-    ))  # fmt: skip
+    reduce = reduce_launch(part_acc, part_stats, None, out, (out.stride(0), out.stride(1), 0, out.stride(2)),
+                           (tokens, q_heads, 1, head_dim), splits, block_d, reduce_blocks(rows, block_d))  # fmt: skip
     return out, [split, reduce]
 
 
