@@ -53,6 +53,11 @@ VARIANTS = dict([
     ("fp8 e4m3 per-token-head (recent 0 + sinks 0), rotated",
      dict(scales="dynamic", recent_tokens=0, sink_tokens=0, rotate=True)),
     ("recent 128 + sinks 4, rotated", dict(scales="dynamic", recent_tokens=128, sink_tokens=4, rotate=True)),
+    # outlier tokens (issue 35): 16 per layer and KV head beside the sinks, with and without the window
+    ("recent 128 + sinks 4 + outliers 16", dict(scales="dynamic", recent_tokens=128, sink_tokens=4, outlier_tokens=16)),
+    ("recent 128 + sinks 4 + outliers 32", dict(scales="dynamic", recent_tokens=128, sink_tokens=4, outlier_tokens=32)),
+    ("fp8 e4m3 per-token-head, sinks 4 + outliers 16",
+     dict(scales="dynamic", recent_tokens=0, sink_tokens=4, outlier_tokens=16)),
 ])  # fmt: skip
 # Texts unlike the bundled sample (the held-out measurements of docs/recent.md): Python's own source code and the
 # Apache License 2.0 as transformers ships it, wherever they are installed; any other file by its path

@@ -90,6 +90,7 @@ class QuantizedFP8Cache(Cache):
         offloading: bool = False,
         fp8_prefill: bool = False,
         rotate: bool = False,
+        outlier_tokens: int = 0,
     ):
         if model is None and config is None:
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
@@ -98,6 +99,7 @@ class QuantizedFP8Cache(Cache):
             config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers, backend=backend,
             recent_tokens=recent_tokens, sink_tokens=sink_tokens, block_size=block_size, max_cache_len=max_cache_len,
             max_batch_size=max_batch_size, offloading=offloading, fp8_prefill=fp8_prefill, rotate=rotate,
+            outlier_tokens=outlier_tokens,
         )  # fmt: skip
         self.fmt = settings.fmt
         if settings.fp8_prefill and model is not None:
@@ -130,7 +132,7 @@ class QuantizedFP8Cache(Cache):
         return dynamic(
             settings.fmt, settings.scales[i], settings.block_size, settings.backend, self._uses_fp8_attention, i,
             recent_tokens=settings.recent_tokens, sink_tokens=settings.sink_tokens, fp8_prefill=settings.fp8_prefill,
-            rotate=settings.rotate, **extra, **kwargs,
+            rotate=settings.rotate, outlier_tokens=settings.outlier_tokens, **extra, **kwargs,
         )  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -23,6 +23,7 @@ import torch
 from hf_fp8kv.kernels.cpu import ring_pieces
 from hf_fp8kv.kernels.view import KVView, coded_end, copy_slots
 from hf_fp8kv.layer import FP8Layer
+from hf_fp8kv.outliers import BUFFERS as OUTLIER_BUFFERS
 
 
 class DynamicFP8Layer(FP8Layer):
@@ -56,7 +57,7 @@ class DynamicFP8Layer(FP8Layer):
             offset=self.offset, recent=self.recent, sinks=self.sinks if tracker.rows else None,
             sink_start=self.sink_start, sink_count=self.sink_count, sink_rows=tracker.rows,
             key_channel_scale=self.key_channel_scale, has_nan=self.has_nan, memo=self.kernels.memo,
-            value_tiled=self.kernels.value_tiled, rotate=self.rotate,
+            value_tiled=self.kernels.value_tiled, rotate=self.rotate, **self.outlier_view(),
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -148,8 +149,9 @@ class DynamicFP8Layer(FP8Layer):
 
     def reset(self) -> None:
         """Forget every token and release the buffers; the counts start over."""
-        for name in ("codes", "scale", "recent", "sinks", "sink_start", "sink_count"):
+        for name in ("codes", "scale", "recent", "sinks", "sink_start", "sink_count", *OUTLIER_BUFFERS):
             self.__dict__.pop(name, None)
+        self.outlier_tracker.pending = None
         self.first = self.end = self.recent_start = self.offset = 0
         self.stats = torch.zeros(2, 2, dtype=torch.int64)
         self.has_nan = False
@@ -168,8 +170,10 @@ class DynamicFP8Layer(FP8Layer):
         if self.is_initialized:
             self._make_room(0)
             self.sink_tracker.sync(self)
+            self.outlier_tracker.crop(self, end)
 
     def _select_rows(self, rows: list[int]) -> None:
+        self.outlier_tracker.settle(self)
         index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         self._map_buffers(lambda t: t.index_select(1, index))
         self.sink_start, self.sink_count = self.sink_start[index], self.sink_count[index]
@@ -190,7 +194,8 @@ class DynamicFP8SlidingLayer(DynamicFP8Layer):
     is_sliding = True
 
     def __init__(self, *args, sliding_window: int, **kwargs):
-        super().__init__(*args, **{**kwargs, "sink_tokens": 0})  # the window drops the first tokens anyway
+        # the window drops the first tokens anyway; what it holds beyond the recent ones is short: no outliers
+        super().__init__(*args, **{**kwargs, "sink_tokens": 0, "outlier_tokens": 0})
         if sliding_window < 2:
             raise ValueError(f"layer {self.layer_idx}: sliding_window={sliding_window} must be at least 2")
         self.sliding_window = sliding_window

@@ -4,7 +4,8 @@ protocol, batch operations, bytes held and pickling; and `QuantizedKV`, what `up
 
 The buffers and which tokens they hold are described in `hf_fp8kv.kernels.view`: codes for every token that left
 the recent buffer (each quantized once, when it leaves), the `recent_tokens` newest tokens and the
-`sink_tokens` first real tokens of each row in the model's dtype. `recent_tokens=0, sink_tokens=0` is pure FP8.
+`sink_tokens` first real tokens of each row in the model's dtype, and per KV head the `outlier_tokens` coded
+tokens `outliers.py` keeps exact too. `recent_tokens=0, sink_tokens=0, outlier_tokens=0` is pure FP8.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from hf_fp8kv.kernels import ops
 from hf_fp8kv.kernels.cpu import materialize
 from hf_fp8kv.kernels.formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
 from hf_fp8kv.kernels.view import VALUE_TILE, KVView
+from hf_fp8kv.outliers import BUFFERS as OUTLIER_BUFFERS
+from hf_fp8kv.outliers import OutlierTracker
 from hf_fp8kv.scales import LayerScales
 from hf_fp8kv.sinks import SinkTracker
 
@@ -46,10 +49,12 @@ class QuantizedKV(FP8KeyStates):
             return _eager_attend(self, query, scaling=scaling, mask=mask, **kwargs)
         if layer.sink_tracker.capture(layer, self.new_key, self.new_value, mask, self.view):
             self.view = layer.view(self.view.start)
+        layer.outlier_tracker.settle(layer)  # (the sinks known: padding and sinks never enter)
         return layer.kernels.attend(query, self.view, scaling=scaling, mask=mask, **kwargs)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the visible tokens (the slow path: a full copy)."""
+        self.layer.outlier_tracker.settle(self.layer)
         return self.layer.materialize(self.view)
 
 
@@ -81,6 +86,7 @@ class FP8Layer(CacheLayerMixin):
         sink_tokens: int = 0,
         fp8_prefill: bool = False,
         rotate: bool = False,
+        outlier_tokens: int = 0,
     ):
         super().__init__()
         self.fmt = fmt
@@ -94,6 +100,7 @@ class FP8Layer(CacheLayerMixin):
         self.fp8_prefill = fp8_prefill
         self.rotate = rotate
         self.sink_tracker = SinkTracker(sink_tokens)
+        self.outlier_tracker = OutlierTracker(outlier_tokens)
         self.stats = torch.zeros(2, 2, dtype=torch.int64)  # keys / values x clipped / non-finite
         self.has_nan = False
         self.kernels: ops.TorchLayerKernels | None = None
@@ -102,6 +109,20 @@ class FP8Layer(CacheLayerMixin):
     @property
     def sink_tokens(self) -> int:
         return self.sink_tracker.count
+
+    @property
+    def outlier_tokens(self) -> int:
+        return self.outlier_tracker.count
+
+    def outlier_view(self) -> dict:
+        """The view's outlier fields (`KVView.outliers`, `outlier_pos`)."""
+        if not self.outlier_tokens:
+            return {}
+        return dict(outliers=self.outlier_kv, outlier_pos=self.outlier_pos[0])
+
+    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The code slots of tokens at `positions` (full-attention layers: linear buffers)."""
+        return positions - getattr(self, "offset", 0)
 
     @property
     def clipped(self) -> torch.Tensor:
@@ -178,6 +199,8 @@ class FP8Layer(CacheLayerMixin):
         self.sinks = self._fp_buffer(*shape, sinks, head_dim) if self.sink_tokens else None
         self.sink_start = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.sink_count = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        if self.outlier_tokens:
+            self.outlier_tracker.allocate(self, batch, kv_heads, head_dim)
 
     def _fp_buffer(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -185,7 +208,8 @@ class FP8Layer(CacheLayerMixin):
     def _buffers(self) -> list[str]:
         """The per-row buffers (batch operations map them)."""
         names = ["codes"] + (["scale"] if self.per_token else [])
-        return names + [n for n in ("recent", "sinks") if getattr(self, n) is not None]
+        names += [n for n in ("recent", "sinks") if getattr(self, n) is not None]
+        return names + (list(OUTLIER_BUFFERS) if self.outlier_tokens else [])
 
     # --- the update ------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -207,8 +231,10 @@ class FP8Layer(CacheLayerMixin):
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> QuantizedKV:
         """Write the new tokens; the tokens this update's queries attend to."""
         new_tokens = key_states.shape[2]
+        self.outlier_tracker.settle(self)  # (the last update's, if no attention read it)
         self._make_room(new_tokens)
         view = self.view()
+        self.outlier_tracker.stage(view, key_states, value_states)
         stored_key = self._write(key_states, value_states, view)
         self._advance(new_tokens)
         return QuantizedKV(self, self._visible(view, new_tokens), stored_key, value_states)

@@ -45,6 +45,7 @@ class CacheSettings:
     head_dim: int
     fp8_prefill: bool = False  # a prefill's dots over e4m3 codes on FP8 tensor cores (the Triton backend)
     rotate: bool = False  # codes of the keys and values times a Hadamard matrix (`kernels/rotation.py`)
+    outlier_tokens: int = 0  # coded tokens per KV head kept exact too (`hf_fp8kv/outliers.py`)
 
     def stored(self, layer: int) -> bool:
         """Whether `layer` is stored as codes (not skipped, not a dummy layer)."""
@@ -66,12 +67,14 @@ def resolve_settings(
     offloading: bool = False,
     fp8_prefill: bool = False,
     rotate: bool = False,
+    outlier_tokens: int = 0,
 ) -> CacheSettings:
     """Resolve and check a cache's arguments for the model of `config` (warns when the scales fall back to 1.0)."""
     text_config = config.get_text_config(decoder=True)
     context = getattr(text_config, "max_position_embeddings", None)
     recent_tokens = check_count("recent_tokens", recent_tokens, maximum=context)
     sink_tokens = check_count("sink_tokens", sink_tokens, maximum=context)
+    outlier_tokens = check_count("outlier_tokens", outlier_tokens, maximum=context)
     block_size = check_count("block_size", block_size, minimum=1)
     if max_cache_len is not None:
         max_cache_len = check_count("max_cache_len", max_cache_len, minimum=1)
@@ -99,11 +102,13 @@ def resolve_settings(
     layer_scales, uncalibrated = resolve_scales(scales, fmt, stored, len(layer_types), kv_heads, checkpoint)
     if rotate:
         check_rotation(head_dim, layer_scales, uncalibrated)
+    if outlier_tokens:
+        check_outliers(outlier_tokens, layer_scales)
     if uncalibrated:
         warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=3)
     return CacheSettings(
         fmt, list(layer_types), list(layer_kwargs), frozenset(skip), layer_scales, backend, recent_tokens, sink_tokens,
-        block_size, max_cache_len, max_batch_size, kv_heads, head_dim, fp8_prefill, rotate,
+        block_size, max_cache_len, max_batch_size, kv_heads, head_dim, fp8_prefill, rotate, outlier_tokens,
     )  # fmt: skip
 
 
@@ -118,6 +123,16 @@ def check_rotation(head_dim: int, layer_scales: dict[int, LayerScales], uncalibr
             f"rotate=True with static scales ({', '.join(static)}): they were measured on unrotated keys and values, "
             "which a rotation spreads (a token's amax may grow up to sqrt(head_dim)x and clip); use scales='dynamic' "
             "(per token and head) with rotate=True, or rotate=False"
+        )
+
+
+def check_outliers(outlier_tokens: int, layer_scales: dict[int, LayerScales]) -> None:
+    """Refuse outlier tokens without per-token scales: a kept token is marked by its key scale, negated."""
+    static = sorted({s.source for s in layer_scales.values() if not s.per_token})
+    if static:
+        raise ValueError(
+            f"outlier_tokens={outlier_tokens} needs per-token scales (scales='dynamic'), not static ones "
+            f"({', '.join(static)}): the attention finds a kept token by its key scale, stored negated"
         )
 
 

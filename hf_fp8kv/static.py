@@ -136,7 +136,7 @@ class StaticFP8Layer(FP8Layer):
             recent_start=recent_start, ring=self.is_sliding, recent=self.recent,
             sinks=self.sinks if tracker.rows else None, sink_start=self.sink_start, sink_count=self.sink_count,
             key_channel_scale=self.key_channel_scale, positions=self.positions, memo=self.kernels.memo,
-            value_tiled=self.kernels.value_tiled, columns=self.ring_slots, rotate=self.rotate,
+            value_tiled=self.kernels.value_tiled, columns=self.ring_slots, rotate=self.rotate, **self.outlier_view(),
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -193,6 +193,7 @@ class StaticFP8Layer(FP8Layer):
         self.stats.zero_()
         self.host_positions = (0, 0)
         self.sink_tracker.reset()
+        self.outlier_tracker.clear(self.storage)
         self.has_nan = False
         self.rows = None
 
@@ -204,11 +205,13 @@ class StaticFP8Layer(FP8Layer):
         self.positions[0], self.positions[1] = end, recent_start
         self.host_positions = (end, recent_start)
         self.sink_tracker.sync(self)
+        self.outlier_tracker.crop(self, end)
 
     def _select_rows(self, rows: list[int]) -> None:
         """In place, in the first rows of the buffers (their addresses stay)."""
         if len(rows) > self.allocated_rows:
             self._use_rows(len(rows))  # raises, naming max_batch_size
+        self.outlier_tracker.settle(self)
         index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         picked = {name: getattr(self, name).index_select(_batch_dim(buffer), index) for name, buffer in self.storage.items()}
         for name, buffer in self.storage.items():
@@ -239,7 +242,8 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
     is_sliding = True
 
     def __init__(self, *args, sliding_window: int, **kwargs):
-        super().__init__(*args, **{**kwargs, "sink_tokens": 0})  # the window drops the first tokens anyway
+        # the window drops the first tokens anyway; what it holds beyond the recent ones is short: no outliers
+        super().__init__(*args, **{**kwargs, "sink_tokens": 0, "outlier_tokens": 0})
         self.sliding_window = sliding_window
 
     @property

@@ -277,13 +277,15 @@ class HostPositions:
         Llama's shapes (`benchmarks/host_overhead.py`), from 2.7 to 1.7-2.0 ms at SmolLM2's at 4k tokens; a `cat`
         of the pieces was 98 us at the first but 5.0 ms at the second (one more pass over the result)."""
         start, end = view.start, view.end
-        if view.recent is None and view.sinks is None:  # pure FP8: the decoded codes are the result
+        if view.recent is None and view.sinks is None and view.outliers is None:  # pure FP8: the decoded codes
             return HostPositions._decode(view, start, end, None, rotated)
         as_held = hadamard if rotated else torch.Tensor.float  # the full-precision tokens, in the result's space
         sinks = view.shared_sink_count()
         shared = sinks or 0
         codes = view.codes
-        kv = torch.empty(2, *codes.shape[1:3], end - start, codes.shape[4], dtype=torch.float32, device=codes.device)
+        spare = view.outliers is not None  # a column more, where empty outlier slots land
+        kv = torch.empty(2, *codes.shape[1:3], end - start + spare, codes.shape[4], dtype=torch.float32,
+                         device=codes.device)  # fmt: skip
         coded_start = start + shared
         coded_end = end if view.recent is None else min(max(view.recent_start, coded_start), end)
         if shared:
@@ -294,6 +296,10 @@ class HostPositions:
             kv.narrow(3, first - start, stop - first).copy_(as_held(view.recent.narrow(3, slot, stop - first)))
         if sinks is None:
             HostPositions._lay_sinks(kv, view, as_held)
+        if spare:
+            t = view.outlier_pos
+            lay_outliers(kv, view, torch.where((t >= start) & (t < end), t - start, end - start), as_held)
+            kv = kv.narrow(3, 0, end - start)
         return kv
 
     @staticmethod
@@ -391,6 +397,9 @@ class DevicePositions:
             column = _place(view, t, s < view.sink_count[:, None], columns)
             index = column[None, :, None, :, None].expand(2, -1, kv.shape[2], -1, kv.shape[4])
             kv.scatter_(3, index, view.sinks.float())
+        if view.outliers is not None:
+            t = view.outlier_pos
+            lay_outliers(kv, view, _place(view, t, (t >= view.start) & (t >= 0) & (t < view.end), columns))
         return kv[:, :, :, :columns]
 
     @staticmethod
@@ -405,6 +414,13 @@ class DevicePositions:
         if window is not None:
             visible = visible & (positions > q_pos[:, None] - window)
         return visible, None
+
+
+def lay_outliers(kv: torch.Tensor, view: KVView, column: torch.Tensor, as_held: Callable = torch.Tensor.float) -> None:
+    """Lay each head's outlier tokens (`as_held` of them) over their columns of `kv` (`column` `[batch, kv_heads, N]`;
+    empty slots on the spare last column)."""
+    index = column[None, :, :, :, None].expand(2, -1, -1, -1, kv.shape[4])
+    kv.scatter_(3, index, as_held(view.outliers))
 
 
 def _place(view: KVView, t: torch.Tensor, held: torch.Tensor, places: int) -> torch.Tensor:

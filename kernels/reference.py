@@ -269,7 +269,8 @@ def visible_positions(view: KVView) -> range:
 
 def token_kv(view: KVView, t: int, row: int) -> torch.Tensor:
     """Token t of batch row `row`, `[2, kv_heads, head_dim]` in fp32: from the sinks if it is one of the row's
-    sink tokens, from the recent buffer at or after `recent_start`, else its codes times its scale; keys times
+    sink tokens, from the recent buffer at or after `recent_start`, else its codes times its scale, but for the
+    heads that hold it among their outlier tokens (`outlier_pos`), which read it from `outliers`; keys times
     the per-channel key scale, which every stored key was divided by."""
     keys, values = _stored_kv(view, t, row)
     if view.key_channel_scale is not None:
@@ -278,6 +279,16 @@ def token_kv(view: KVView, t: int, row: int) -> torch.Tensor:
 
 
 def _stored_kv(view: KVView, t: int, row: int) -> torch.Tensor:
+    kv = _kept_kv(view, t, row)
+    if view.outliers is not None:  # a head's outlier token: from the outlier buffer
+        kv = kv.clone()
+        for head, slots in enumerate(view.outlier_pos[row] == t):
+            if slots.any():
+                kv[:, head] = view.outliers[:, row, head, int(slots.nonzero()[0])].float()
+    return kv
+
+
+def _kept_kv(view: KVView, t: int, row: int) -> torch.Tensor:
     if view.sinks is not None and view.sink_start is not None:
         first, count = int(view.sink_start[row]), int(view.sink_count[row])
         if first <= t < first + count:

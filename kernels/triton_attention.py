@@ -53,17 +53,18 @@ REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 @triton.jit(do_not_specialize=["num_splits", "held_splits", "start", "end", "recent_start", "mask_start"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
-    sink_start_ptr, sink_count_ptr, positions_ptr, mask_ptr, sink_logits_ptr, channel_ptr,
-    out_ptr, part_acc_ptr, part_stats_ptr, q_scratch_ptr,
+    sink_start_ptr, sink_count_ptr, positions_ptr, outlier_k_ptr, outlier_v_ptr, outlier_pos_ptr, mask_ptr,
+    sink_logits_ptr, channel_ptr, out_ptr, part_acc_ptr, part_stats_ptr, q_scratch_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
     r_sb, r_sh, r_st, r_sd,
     x_sb, x_sh, x_st, x_sd,
+    u_sb, u_sh, u_st, u_sd, p_sb, p_sh, p_st,
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
     kv_heads, q_len, head_dim, num_splits, held_splits, slots, capacity, offset, recent_slots, sink_slots,
-    start, end, recent_start, mask_start, window,
+    outlier_slots, start, end, recent_start, mask_start, window,
     score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
@@ -74,6 +75,7 @@ def _attention_kernel(
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr,
     FP8_PV: tl.constexpr, FP_PROGRAM: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
+    HAS_OUTLIERS: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split)."""
     pid_m = tl.program_id(0)
@@ -140,6 +142,8 @@ def _attention_kernel(
         sink_k_ptr + b * x_sb + kv_head * x_sh, sink_v_ptr + b * x_sb + kv_head * x_sh, r_st, r_sd, x_st, x_sd,
         recent_slots, sink_slots, start, end, recent_start, d, d_ok, q_scale / score_scale * code_factor, q_pos,
         row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap,
+        outlier_k_ptr + b * u_sb + kv_head * u_sh, outlier_v_ptr + b * u_sb + kv_head * u_sh,
+        outlier_pos_ptr + b * p_sb + kv_head * p_sh, u_st, u_sd, p_st, outlier_slots,
     )  # fmt: skip
     # FP_PROGRAM: the last `held_splits` splits read the full-precision tokens alone, the others the codes, in
     # disjoint branches (the two in one program took a default-window decode kernel at head_dim 128 to 185
@@ -149,7 +153,8 @@ def _attention_kernel(
     if (split >= code_splits) & FP_PROGRAM:
         acc, m_i, l_i = _full_precision_tokens(
             acc, m_i, l_i, fp_args, split - code_splits, held_splits, HAS_CHANNEL_SCALE, HAS_RECENT, HAS_SINK_TOKENS,
-            HAS_MASK, HAS_WINDOW, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT, FULL_PRECISION_TILE,
+            HAS_OUTLIERS, HAS_MASK, HAS_WINDOW, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT,
+            FULL_PRECISION_TILE,
         )  # fmt: skip
     else:
         # the codes' share of this split: [lo, hi) of [start, recent_start), narrowed to what the causal / window rule
@@ -213,7 +218,7 @@ def _attention_kernel(
                         q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                         PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
                         DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES,
-                        FP8_QK, FP8_PV, True, not HAS_MASK and not ONE_POSITION,
+                        FP8_QK, FP8_PV, True, not HAS_MASK and not ONE_POSITION, HAS_OUTLIERS,
                     )  # fmt: skip
             else:
                 masked = before + tl.cdiv(hi - first_tail, BLOCK_N)
@@ -227,7 +232,7 @@ def _attention_kernel(
                         q_codes, acc, m_i, l_i, tile, tile_args, IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE,
                         PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION,
                         DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES,
-                        FP8_QK, FP8_PV, False, False,
+                        FP8_QK, FP8_PV, False, False, HAS_OUTLIERS,
                     )  # fmt: skip
 
         # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
@@ -242,8 +247,8 @@ def _attention_kernel(
             acc = hadamard(acc, ROTATE_STAGES, ROTATE_NORM)
         if (split == num_splits - 1) & (not FP_PROGRAM):
             acc, m_i, l_i = _full_precision_tokens(
-                acc, m_i, l_i, fp_args, 0, 1, HAS_CHANNEL_SCALE, HAS_RECENT, HAS_SINK_TOKENS, HAS_MASK, HAS_WINDOW,
-                MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT, FULL_PRECISION_TILE,
+                acc, m_i, l_i, fp_args, 0, 1, HAS_CHANNEL_SCALE, HAS_RECENT, HAS_SINK_TOKENS, HAS_OUTLIERS, HAS_MASK,
+                HAS_WINDOW, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT, FULL_PRECISION_TILE,
             )  # fmt: skip
 
     if SPLIT:
@@ -269,11 +274,12 @@ def _codes_tile(
     PRECISION: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, DOT: tl.constexpr, BLOCK_D: tl.constexpr, VALUE_TILED: tl.constexpr,
     WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr, FP8_PV: tl.constexpr, ALL_IN: tl.constexpr,
-    ALL_SEEN: tl.constexpr,
+    ALL_SEEN: tl.constexpr, HAS_OUTLIERS: tl.constexpr,
 ):  # fmt: skip
     """Tokens `[tile, tile + BLOCK_N)` of the codes into the softmax, those in `[lo, hi)` (ALL_IN: all of them);
     `tile_args` the kernel's values the tiles read (pointers, strides, positions, the rows' indices). ALL_SEEN:
-    every row sees every token (an interior tile of a causal prefill): no visibility rule.
+    every row sees every token (an interior tile of a causal prefill): no visibility rule. HAS_OUTLIERS: tokens
+    whose K scale is negative are read from the outlier buffer instead.
 
     WHOLE_TILES: the tile lies in one whole block of tiled values, read whole as a head_dim-major tile; columns
     out of `[lo, hi)` are zeroed after it (they may hold anything, NaN codes included). Token-major values were
@@ -324,7 +330,7 @@ def _codes_tile(
                              ONE_POSITION)  # fmt: skip
     return attend_tile(
         q, acc, m_i, l_i, k, v, k_scale, v_scale, visible, softcap, PER_TOKEN_K, PER_TOKEN_V, HAS_SOFTCAP, PRECISION,
-        DROP_UNSEEN, q_row, FP8_QK, FP8_PV, HW_CONVERT,
+        DROP_UNSEEN, q_row, FP8_QK, FP8_PV, HW_CONVERT, HAS_OUTLIERS,
     )  # fmt: skip
 
 
@@ -346,18 +352,19 @@ def _scaled_query(query_args, HAS_CHANNEL_SCALE: tl.constexpr):
 @triton.jit
 def _full_precision_tokens(
     acc, m_i, l_i, fp_args, part, parts, HAS_CHANNEL_SCALE: tl.constexpr, HAS_RECENT: tl.constexpr,
-    HAS_SINK_TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_ROW: tl.constexpr,
+    HAS_SINK_TOKENS: tl.constexpr, HAS_OUTLIERS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The recent and sink tokens (in the model's dtype) into the softmax, `BLOCK_N` at a time: part `part` of
-    `parts` (a share of the recent buffer's slots; the sinks in the last); `fp_args` the kernel's values they
+    """The recent, sink and outlier tokens (in the model's dtype) into the softmax, `BLOCK_N` at a time: part `part`
+    of `parts` (a share of the recent buffer's slots; the sinks and outliers in the last); `fp_args` the kernel's values they
     read. Not pipelined: a few tiles (3 stages: a default-window decode kernel's full-precision tiles took 163 ->
     180 registers). The query is read again: the codes' copy, kept live across their loop, took a batch-64
     default-window decode kernel from 147 registers to 168 and a 20 B spill (gpu_static)."""
     (query_args, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr, r_st, r_sd, x_st, x_sd, recent_slots, sink_slots,
      start, end, recent_start, d, d_ok, k_scaling, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
-     window, sink_lo, sink_hi, softcap) = fp_args  # fmt: skip
+     window, sink_lo, sink_hi, softcap, outlier_k_ptr, outlier_v_ptr, outlier_pos_ptr, u_st, u_sd, p_st,
+     outlier_slots) = fp_args  # fmt: skip
     q = as_dot(_scaled_query(query_args, HAS_CHANNEL_SCALE), DOT)
     n = tl.arange(0, BLOCK_N)
     fp_weight = tl.full([BLOCK_N], 1.0, tl.float32) / k_scaling
@@ -380,6 +387,16 @@ def _full_precision_tokens(
             t_ok = (t < sink_hi) & (t >= start)
             acc, m_i, l_i = attend_full_precision(
                 q, acc, m_i, l_i, sink_k_ptr, sink_v_ptr, slot, t, t_ok, x_st, x_sd, d, d_ok, fp_weight, q_pos,
+                row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, HAS_MASK,
+                HAS_WINDOW, HAS_SINK_TOKENS, False, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT,
+            )  # fmt: skip
+    if HAS_OUTLIERS:
+        for first in tl.range(0, tl.where(part == parts - 1, outlier_slots, 0), BLOCK_N, num_stages=1):
+            slot = first + n
+            t = tl.load(outlier_pos_ptr + slot * p_st, mask=slot < outlier_slots, other=-1).to(tl.int32)
+            t_ok = (t >= 0) & (t >= start)
+            acc, m_i, l_i = attend_full_precision(
+                q, acc, m_i, l_i, outlier_k_ptr, outlier_v_ptr, slot, t, t_ok, u_st, u_sd, d, d_ok, fp_weight, q_pos,
                 row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, HAS_MASK,
                 HAS_WINDOW, HAS_SINK_TOKENS, False, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT,
             )  # fmt: skip
@@ -548,7 +565,7 @@ class Stored(NamedTuple):
     channel: torch.Tensor
     strides: tuple
     slots: tuple[int, int]  # held, allocated
-    fp_slots: tuple[int, int]  # recent, sink
+    fp_slots: tuple[int, int, int]  # recent, sink, outlier
     fp_tokens: int  # the full-precision buffers' bytes per head, in tokens of (1-byte) codes
     words: bool  # per-token scales readable as 4-byte words
 
@@ -580,7 +597,7 @@ class AttentionPlan:
         self.kv_heads = view.codes.shape[2]
         group = q_heads // self.kv_heads
         target = target or query_target(query)
-        held = view.recent is not None or view.sinks is not None
+        held = view.recent is not None or view.sinks is not None or view.outliers is not None
         self.block_m, self.block_n, self.block_d, options = block_sizes(
             group * q_len, head_dim, mask is not None, target, view.per_token and (held or view.rotate)
         )
@@ -612,13 +629,14 @@ class AttentionPlan:
             # tiled values in whole blocks over every slot: what the layers allocate (a ring may have any slots)
             VALUE_TILED=view.value_tiled, WHOLE_TILES=view.value_tiled and view.slots % VALUE_TILE.value == 0,
             FP8_QK=fp8_qk, FP8_PV=fp8_qk and not view.per_token, **rotation(view.rotate, head_dim),
+            HAS_OUTLIERS=view.outliers is not None,
         )  # fmt: skip
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
         # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
         self.launch_options = {
             (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
-                             "FP_PROGRAM": split and (view.recent is not None or view.sinks is not None)}
+                             "FP_PROGRAM": split and held}
             for split in (False, True) for words in (False, True)
         }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
@@ -695,13 +713,15 @@ class AttentionPlan:
         tensors = (
             *_codes(view, self.hw_convert), view.scales[0], view.scales[1], *planes(view.recent, placeholder),
             *planes(view.sinks, placeholder), _or(view.sink_start, placeholder), _or(view.sink_count, placeholder),
-            _or(view.positions, placeholder),
+            _or(view.positions, placeholder), *planes(view.outliers, placeholder), _or(view.outlier_pos, placeholder),
         )  # fmt: skip
         strides = (
-            *view.codes.stride()[1:], *_scale_strides(view), *plane_strides(view.recent), *plane_strides(view.sinks)
+            *view.codes.stride()[1:], *_scale_strides(view), *plane_strides(view.recent), *plane_strides(view.sinks),
+            *plane_strides(view.outliers), *(view.outlier_pos.stride() if view.outliers is not None else (0, 0, 0)),
         )  # fmt: skip
         return Stored(tensors, _or(view.key_channel_scale, placeholder), strides, (view.slots, view.codes.shape[3]),
-                      (_slots(view.recent), _slots(view.sinks)), _fp_tokens(view), _scale_words(view))  # fmt: skip
+                      (_slots(view.recent), _slots(view.sinks), _slots(view.outliers)), _fp_tokens(view),
+                      _scale_words(view))  # fmt: skip
 
     def _attention(
         self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats
@@ -781,7 +801,8 @@ def _slots(buffer: torch.Tensor | None) -> int:
 
 def _fp_tokens(view: KVView) -> int:
     """The full-precision buffers' bytes per head, in tokens of (1-byte) codes: the last split's extra work."""
-    return sum(buffer.shape[3] * buffer.element_size() for buffer in (view.recent, view.sinks) if buffer is not None)
+    buffers = (view.recent, view.sinks, view.outliers)
+    return sum(buffer.shape[3] * buffer.element_size() for buffer in buffers if buffer is not None)
 
 
 def _codes(view: KVView, hw_convert: bool) -> tuple[torch.Tensor, torch.Tensor]:

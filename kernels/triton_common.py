@@ -241,7 +241,7 @@ def attend_tile(
     q, acc, m_i, l_i, k, v, scores_scale, v_scale, visible, softcap,
     PER_TOKEN_K: tl.constexpr, PER_TOKEN_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
     DROP_UNSEEN: tl.constexpr, q_row=1.0, FP8_QK: tl.constexpr = False, FP8_PV: tl.constexpr = False,
-    HW_CONVERT: tl.constexpr = False,
+    HW_CONVERT: tl.constexpr = False, OUTLIERS: tl.constexpr = False,
 ):  # fmt: skip
     """One tile of the online softmax: `k` `[D, N]` and `v` `[N, D]` already in the dot dtype; `scores_scale` /
     `v_scale` `[N]` per-token factors (used with PER_TOKEN_K / PER_TOKEN_V); `visible` `[M, N]` (None: every row
@@ -253,7 +253,8 @@ def attend_tile(
     the probabilities times P_SCALE go to e4m3 (the caller divides P_SCALE out; HW_CONVERT: by the hardware's
     conversion). Each FP8 dot sums its K products on the tensor cores, then adds in fp32: Hopper's FP8
     accumulation is less than fp32 (vLLM's 128k-token needle accuracy fell from 91% to 13% when it ran over the
-    whole context)."""
+    whole context). OUTLIERS: a negative per-token K scale marks a token read from the outlier buffer instead
+    (`KVView.outliers`): its score is -inf."""
     if DROP_UNSEEN:
         seen = tl.max(visible.to(tl.int32), axis=0) > 0
         v = zero_columns(v, seen)
@@ -265,6 +266,8 @@ def attend_tile(
         scores = tl.dot(q, k, input_precision=PRECISION)
     if PER_TOKEN_K:
         scores = scores * scores_scale[None, :]
+        if OUTLIERS:
+            scores = tl.where(scores_scale[None, :] < 0, float("-inf"), scores)
     if HAS_SOFTCAP:  # the query holds log2(e) only without softcap
         scores = softcap * tanh(scores / softcap) * LOG2E
     if visible is not None:

@@ -17,10 +17,14 @@ included). A layer stores:
 - `recent` `[2, batch, kv_heads, R, head_dim]` in the model's dtype: the recent tokens `[recent_start, end)` at
   slot `t % R`;
 - `sinks` `[2, batch, kv_heads, S, head_dim]` in the model's dtype: row b's sink tokens
-  `[sink_start[b], sink_start[b] + sink_count[b])` (its first real tokens) at slot `t - sink_start[b]`.
+  `[sink_start[b], sink_start[b] + sink_count[b])` (its first real tokens) at slot `t - sink_start[b]`;
+- `outliers` `[2, batch, kv_heads, N, head_dim]` in the model's dtype: coded tokens kept exact too, per row and
+  KV head, token `outlier_pos[b, h, i]` (`[batch, kv_heads, N]`, -1: an empty slot) at slot i; their key scales
+  (per-token scales) are stored negated (`hf_fp8kv/outliers.py`).
 
 The attention sees tokens `[start, end)`: sink tokens from `sinks`, tokens at or after `recent_start` from
-`recent`, every other one from the codes (so each token is read from exactly one place).
+`recent`, a head's outlier tokens from `outliers`, every other one from the codes (so each token is read from
+exactly one place).
 
 Positions are Python ints, or (static buffers: CUDA graphs, `torch.compile`) 0-dim views of `positions`, an int64
 device tensor `[end, recent_start]`; static buffers have one slot more than they hold, at the end, where writes
@@ -71,6 +75,8 @@ class KVView:
     sink_start: torch.Tensor | None = None
     sink_count: torch.Tensor | None = None
     sink_rows: list[int] | None = None  # host positions: each row's first sink token (-1: none yet)
+    outliers: torch.Tensor | None = None
+    outlier_pos: torch.Tensor | None = None
     key_channel_scale: torch.Tensor | None = None
     rotate: bool = False  # the codes hold each token's K/V times a Hadamard matrix (`rotation.py`)
     has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
@@ -99,6 +105,7 @@ class KVView:
             self.fmt.name, shape[:3], shape[4], self.per_token, static, self.ring,
             None if self.recent is None else self.recent.shape[3], None if self.sinks is None else self.sinks.shape[3],
             self.key_channel_scale is not None, self.has_nan, self.rotate,
+            None if self.outliers is None else self.outliers.shape[3],
             self.value_tiled and (shape[3] - static) % VALUE_TILE == 0,  # (tiled values in whole blocks)
         )  # fmt: skip
 
@@ -110,7 +117,7 @@ class KVView:
     def buffers(self) -> tuple:
         """The tensors the view reads (what launch arguments derive from)."""
         return (self.codes, self.scales, self.recent, self.sinks, self.sink_start, self.sink_count, self.positions,
-                self.key_channel_scale)  # fmt: skip
+                self.key_channel_scale, self.outliers, self.outlier_pos)  # fmt: skip
 
     def derived(self, owner: object, build: Callable[["KVView"], Derived], *uses: torch.Tensor | None) -> Derived:
         """`build(self)`: what depends on the buffers alone (launch arguments, views of them), kept in `memo`

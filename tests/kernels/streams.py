@@ -34,6 +34,7 @@ class Stream:
     scale_dtype: torch.dtype = torch.bfloat16  # of per-token scales (the layers'; pages hold fp32)
     tiled: bool = False  # value codes tiled (the Triton backend's layout, `KVView.value_tiled`)
     rotate: bool = False  # codes of the rotated keys and values (`KVView.rotate`)
+    outliers: int = 0  # outlier slots per row and KV head (`KVView.outliers`; per-token scales, no ring)
 
     @property
     def length(self) -> int:
@@ -113,6 +114,27 @@ def attach_sinks(view: KVView, stream: Stream, kv: torch.Tensor) -> None:
     view.sink_rows = rows
 
 
+def attach_outliers(view: KVView, stream: Stream, kv: torch.Tensor, generator: torch.Generator) -> None:
+    """Outlier tokens as `hf_fp8kv/outliers.py` keeps them: per row and KV head, up to `stream.outliers` random coded
+    tokens past the row's sinks (row 1's head 0 fewer, so empty slots show), exact in `view.outliers`, their key
+    scales negated."""
+    if not stream.outliers:
+        return
+    device = view.codes.device
+    positions = torch.full((stream.batch, stream.kv_heads, stream.outliers), -1, dtype=torch.int64)
+    rows = stream.sink_rows or [0] * stream.batch
+    for row in range(stream.batch):
+        coded = torch.arange(rows[row] + stream.sinks, int(view.recent_start))
+        for head in range(stream.kv_heads):
+            count = min(stream.outliers // (2 if (row, head) == (1, 0) else 1), len(coded))
+            positions[row, head, :count] = coded[torch.randperm(len(coded), generator=generator)[:count]]
+    view.outliers = torch.zeros(2, stream.batch, stream.kv_heads, stream.outliers, stream.head_dim, dtype=stream.dtype)
+    for row, head, slot in (positions >= 0).nonzero().tolist():
+        view.outliers[:, row, head, slot] = kv[:, row, head, positions[row, head, slot]]
+        view.scales[0, row, head, int(positions[row, head, slot]) - view.offset] *= -1
+    view.outliers, view.outlier_pos = view.outliers.to(device), positions.to(device)
+
+
 def fill(stream: Stream, write, generator: torch.Generator, device="cpu", edges=None):
     """Write the stream's tokens update by update with `write(key, value, view, stats)` (`edges`: a
     function that edits the tokens first); returns the view after the last update, the tokens and the clipped /
@@ -129,6 +151,7 @@ def fill(stream: Stream, write, generator: torch.Generator, device="cpu", edges=
         advance(view, stream, new)
         first += new
     attach_sinks(view, stream, kv)
+    attach_outliers(view, stream, kv, generator)
     if stream.ring:  # a ring shows the last `static` tokens
         view.start = 0
     return view, kv, stats
@@ -156,4 +179,8 @@ def expected_kv(stream: Stream, kv: torch.Tensor, view: KVView) -> torch.Tensor:
         rows = stream.sink_rows or [0] * stream.batch
         for row, first in enumerate(rows):
             out[:, row, :, first : first + stream.sinks] = x[:, row, :, first : first + stream.sinks]
+    if view.outliers is not None:
+        for row, head, slot in (view.outlier_pos >= 0).nonzero().tolist():
+            t = int(view.outlier_pos[row, head, slot])
+            out[:, row, head, t] = x[:, row, head, t]
     return out

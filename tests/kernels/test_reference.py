@@ -83,6 +83,13 @@ STREAMS = [
     Stream(rotate=True, recent=5, fmt="int8_per_token_head", dtype=torch.bfloat16),
     Stream(rotate=True, static=64, recent=4, sinks=2, sink_rows=[2, 0], updates=[20, 1, 1, 6, 1]),
     Stream(rotate=True, static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
+    # outlier tokens: coded tokens a head keeps exact too (row 1's head 0 has empty slots)
+    Stream(recent=6, sinks=3, outliers=4, updates=[40, 1, 1, 5, 1]),
+    Stream(outliers=3, scale_dtype=torch.float32),  # no window, no sinks
+    Stream(recent=6, sinks=3, sink_rows=[0, 5], outliers=4, dtype=torch.bfloat16),  # the rows' sinks differ
+    Stream(static=64, recent=4, sinks=2, sink_rows=[2, 0], outliers=3, updates=[20, 1, 1, 6, 1]),
+    Stream(rotate=True, recent=5, sinks=2, outliers=4, updates=[40, 1, 1]),
+    Stream(rotate=True, static=64, recent=4, outliers=3, updates=[30, 1]),
 ]
 
 

@@ -67,6 +67,21 @@ ROTATED_CASES = [
          dtype=torch.float16),  # fmt: skip
     Case(Stream(rotate=True, fmt="int8_per_token_head", head_dim=96), group=8, q_len=3, mask="per-head"),
 ]
+OUTLIER_CASES = [  # coded tokens a head keeps exact too: left out of the codes' tiles, read with the held tokens
+    Case(Stream(outliers=5), splits=3),
+    Case(Stream(recent=8, sinks=2, outliers=4, updates=[100, 1], tiled=True), splits=3, options=dict(window=40)),
+    Case(Stream(recent=8, sinks=2, sink_rows=[0, 4], outliers=4, updates=[100, 3]), q_len=3, splits=2,
+         mask="padding"),  # fmt: skip
+    Case(Stream(recent=6, sinks=2, outliers=3, updates=[60, 1], dtype=torch.float16), dtype=torch.float16,
+         options=dict(softcap=8.0, sink_logits=True)),  # fmt: skip
+    Case(Stream(dtype=torch.bfloat16, recent=8, sinks=2, outliers=4, updates=[90, 1], tiled=True),
+         dtype=torch.bfloat16, splits=2),  # fmt: skip
+    Case(Stream(static=80, recent=4, sinks=2, outliers=3, updates=[30, 1, 1]), splits=2, mask="padding"),
+    Case(Stream(head_dim=32, recent=40, sinks=4, outliers=6, updates=[100, 200], tiled=True), q_len=200, group=1),
+    Case(Stream(head_dim=32, outliers=40, updates=[150, 130], tiled=True), q_len=130, group=1, mask="per-head"),
+    Case(Stream(rotate=True, recent=8, sinks=2, outliers=4, updates=[100, 1], tiled=True), splits=3),
+    Case(Stream(fmt="int8_per_token_head", outliers=3, updates=[27, 3]), mask="2d", q_len=3),
+]
 CASES = [
     Case(),  # decode, GQA 3, dynamic scales
     Case(splits=3),
@@ -130,6 +145,7 @@ CASES = [
     *PREFILL_TILES,
     # rotated codes: the query rotated for them, their share of the output rotated back before the held tokens
     *ROTATED_CASES,
+    *OUTLIER_CASES,
 ]
 
 
