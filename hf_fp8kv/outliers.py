@@ -14,8 +14,9 @@ it). Every coded token keeps its codes; a kept one's key scale is stored negated
   fp32 (the running sum and count of the key norms).
 
 The candidates are gathered in `stage`, before the write overwrites the recent slots they leave, and judged in
-`settle`, once the attention mask has told the sink tracker where each row's real tokens begin (padding and sink
-tokens never enter). Everything is device tensor ops of fixed shapes: no host sync (static caches, CUDA graphs).
+`settle` (the layer's kernels: `kernels/outliers.py` on the torch path, one Triton launch on the other), once the
+attention mask has told the sink tracker where each row's real tokens begin (padding and sink tokens never
+enter). No host sync: static caches and CUDA graphs run it too.
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ from typing import NamedTuple
 
 import torch
 
+from hf_fp8kv.kernels.cpu import ring_pieces
+from hf_fp8kv.kernels.outliers import OutlierSet, drop_from
 from hf_fp8kv.kernels.view import KVView, coded_end
 
 BUFFERS = ("outlier_kv", "outlier_pos", "outlier_score", "outlier_norms")
 
 
 class Candidates(NamedTuple):
-    """Tokens that got codes in an update: positions `[n]`, exact keys and values `[batch, kv_heads, n, D]`."""
+    """Tokens that got codes in an update: positions `[n]` (-1: none) or the first of n consecutive ones, exact K/V
+    `[2, batch, kv_heads, n, D]`."""
 
-    positions: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
+    positions: torch.Tensor | int
+    kv: torch.Tensor
 
 
 class OutlierTracker:
@@ -52,6 +55,11 @@ class OutlierTracker:
         layer.outlier_pos = torch.full((1, *shape), -1, dtype=torch.int64, device=device)
         layer.outlier_score = torch.full((1, *shape), -math.inf, device=device)
         layer.outlier_norms = torch.zeros(2, batch, kv_heads, device=device)
+
+    @staticmethod
+    def outlier_set(layer) -> OutlierSet:
+        return OutlierSet(layer.outlier_kv, layer.outlier_pos[0], layer.outlier_score[0], layer.outlier_norms,
+                          layer.scale[0], getattr(layer, "offset", 0))  # fmt: skip
 
     def clear(self, buffers: dict[str, torch.Tensor]) -> None:
         """Forget every outlier, in place (a static layer's reset, `buffers` its storage: the addresses stay)."""
@@ -70,74 +78,33 @@ class OutlierTracker:
         slots = recent.shape[3] if recent is not None else 0
         if view.static:  # device positions: the n tokens before the newest `slots`, those before recent_start invalid
             t = view.end - slots + torch.arange(n, device=key.device)
-            kv = [key, value]
+            kv = torch.stack((key, value))
             if slots:
-                from_recent = (t < view.end)[None, None, :, None]
-                direct = (t - view.end).clamp(0, n - 1)
-                kv = [torch.where(from_recent, recent[i].index_select(2, t.clamp_min(0) % slots), states.index_select(2, direct))
-                      for i, states in enumerate(kv)]  # fmt: skip
-            self.pending = Candidates(torch.where(t >= view.recent_start, t, -1), *kv)
+                held = recent.index_select(3, t.clamp_min(0) % slots)
+                kv = torch.where((t < view.end)[:, None], held, kv.index_select(3, (t - view.end).clamp(0, n - 1)))
+            self.pending = Candidates(torch.where(t >= view.recent_start, t, -1), kv)
             return
         end, recent_start = view.end, view.recent_start
         coded = coded_end(end, recent_start, n, slots)
-        leaving = torch.arange(recent_start, min(coded, end), device=key.device)
-        direct = max(coded - end, 0)
-        if leaving.numel() or direct:
-            kv = [torch.cat((recent[i].index_select(2, leaving % slots), states[:, :, :direct]), dim=2) if len(leaving)
-                  else states[:, :, :direct] for i, states in enumerate((key, value))]  # fmt: skip
-            self.pending = Candidates(torch.arange(recent_start, coded, device=key.device), *kv)
+        if recent_start == coded:
+            return
+        # (a decode step's one leaving token: one copy, the staging's only op)
+        pieces = [recent.narrow(3, slot, stop - first) for first, stop, slot in ring_pieces(recent_start, min(coded, end), slots)]
+        if coded > end:
+            pieces.append(torch.stack((key[:, :, : coded - end], value[:, :, : coded - end])))
+        kv = pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=3)
+        self.pending = Candidates(recent_start, kv)
 
     def settle(self, layer) -> None:
-        """Judge the staged candidates: the kept set becomes the top `count` of it and them, the key scales of the
-        kept tokens negated, of those that left it made positive again."""
+        """Judge the staged candidates (`kernels.outliers.settle`): the kept set becomes the best `count` of it and
+        them."""
         pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        t, key, value = pending
-        norms = key.float().abs().sum(-1)  # [batch, kv_heads, n]
-        first_real = layer.sink_start + layer.sink_tokens  # padding and sinks never enter ([batch])
-        valid = (t >= 0) & (t[None, :] >= first_real[:, None])
-        valid = valid[:, None, :] & norms.isfinite()
-        kept_norms = torch.where(valid, norms, 0.0)
-        running_sum = layer.outlier_norms[0, :, :, None] + kept_norms.cumsum(-1)
-        running_count = layer.outlier_norms[1, :, :, None] + valid.cumsum(-1)
-        score = torch.where(valid, -norms * running_count / running_sum.clamp_min(1e-30), -math.inf)
-        layer.outlier_norms[0] += kept_norms.sum(-1)
-        layer.outlier_norms[1] += valid.sum(-1)
-
-        best, index = score.topk(min(self.count, score.shape[-1]), dim=-1)
-        positions = torch.where(best > -math.inf, t[index], -1)
-        picked = index[..., None].expand(-1, -1, -1, key.shape[-1])
-        new_kv = torch.stack((key.gather(2, picked), value.gather(2, picked))).to(layer.outlier_kv.dtype)
-        all_score = torch.cat((layer.outlier_score[0], best), dim=-1)
-        all_pos = torch.cat((layer.outlier_pos[0], positions), dim=-1)
-        all_kv = torch.cat((layer.outlier_kv, new_kv), dim=3)
-        score, index = all_score.topk(self.count, dim=-1)
-        old_pos = layer.outlier_pos[0].clone()
-        layer.outlier_score[0] = score
-        layer.outlier_pos[0] = all_pos.gather(-1, index)
-        layer.outlier_kv.copy_(all_kv.gather(3, index[None, ..., None].expand(2, -1, -1, -1, key.shape[-1])))
-        mark(layer.scale[0], old_pos, layer.slot_of, negative=False)
-        mark(layer.scale[0], layer.outlier_pos[0], layer.slot_of, negative=True)
+        if pending is not None:
+            first_real = layer.sink_start + layer.sink_tokens  # padding and sinks never enter ([batch])
+            layer.kernels.settle_outliers(self.outlier_set(layer), pending.positions, pending.kv, first_real)
 
     def crop(self, layer, end: int | torch.Tensor) -> None:
         """Forget the outliers at or after `end` (a crop): their slots' scales made positive again."""
         self.pending = None
-        if not self.count or not hasattr(layer, "outlier_pos"):
-            return
-        dropped = layer.outlier_pos[0] >= end
-        mark(layer.scale[0], torch.where(dropped, layer.outlier_pos[0], -1), layer.slot_of, negative=False)
-        layer.outlier_pos[0] = torch.where(dropped, -1, layer.outlier_pos[0])
-        layer.outlier_score[0] = torch.where(dropped, -math.inf, layer.outlier_score[0])
-
-
-def mark(scales: torch.Tensor, positions: torch.Tensor, slot_of, negative: bool) -> None:
-    """Key scales `scales` `[batch, kv_heads, slots]` of the tokens at `positions` `[batch, kv_heads, N]` (-1: none)
-    made negative (`negative`) or positive. Each (row, head)'s empty entries write what its first entry writes,
-    so no two writes to one element differ."""
-    held = positions >= 0
-    slots = slot_of(positions).clamp(0, scales.shape[-1] - 1)
-    now = scales.gather(-1, slots)
-    value = torch.where(held, -now.abs() if negative else now.abs(), now)
-    first = held.int().argmax(-1, keepdim=True)  # the first held entry (0 when none is: it writes what it read)
-    scales.scatter_(-1, torch.where(held, slots, slots.gather(-1, first)), torch.where(held, value, value.gather(-1, first)))
+        if self.count and hasattr(layer, "outlier_pos"):
+            drop_from(self.outlier_set(layer), end)

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from . import cpu, paged
+from . import cpu, outliers, paged
 from .formats import StorageFormat, get_format
 from .targets import GpuTarget, device_target
 from .view import KVView
@@ -106,6 +106,7 @@ class TorchLayerKernels:
 
     write = staticmethod(cpu.write)  # (the functions themselves: a decode step is op-dispatch bound on the CPU)
     attend = staticmethod(cpu.attend)
+    settle_outliers = staticmethod(outliers.settle)  # judge the tokens that got codes (`outliers.settle`)
     value_tiled = False  # the value codes' layout of the buffers a layer allocates (`KVView.value_tiled`)
 
     def __init__(self) -> None:
@@ -154,13 +155,21 @@ class TritonLayerKernels(TorchLayerKernels):
 
     def __init__(self, fp8_prefill: bool = False) -> None:
         from .triton_attention import attention
+        from .triton_outliers import settle
         from .triton_write import write_kv
 
         super().__init__()
         self.fp8_prefill = fp8_prefill
         self.plans: dict = {}
         self.decode_splits: dict[tuple, int] = {}
-        self._write_kv, self._attention = write_kv, attention  # (an import per call costs a decode step ~1 us)
+        # (an import per call costs a decode step ~1 us)
+        self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
+
+    def settle_outliers(self, outlier_set, positions: torch.Tensor, candidates: torch.Tensor, first_real) -> None:
+        if torch.compiler.is_compiling():  # the torch version: the compiler fuses its ops
+            outliers.settle(outlier_set, positions, candidates, first_real)
+            return
+        self._settle_outliers(outlier_set, positions, candidates, first_real)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
@@ -177,9 +186,9 @@ class TritonLayerKernels(TorchLayerKernels):
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             return triton_ops().attend(
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
-                view.positions, mask, sink_logits, view.key_channel_scale, view.fmt.name, view.per_token, view.ring,
-                view.rotate, scaling, window or 0, softcap or 0.0, self.decode_splits.get((query.shape[:2], view.layout()), 1),
-                self.fp8_prefill,
+                view.positions, mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, view.fmt.name,
+                view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0,
+                self.decode_splits.get((query.shape[:2], view.layout()), 1), self.fp8_prefill,
             )  # fmt: skip
         if view.static:
             splits_key = (query.shape[:2], view.layout())
@@ -276,11 +285,13 @@ def triton_ops():
         query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor | None,
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
         positions: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
-        channel: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, rotate: bool, scaling: float,
-        window: int, softcap: float, num_splits: int, fp8_prefill: bool,
+        channel: torch.Tensor | None, outliers: torch.Tensor | None, outlier_pos: torch.Tensor | None, fmt: str,
+        per_token: bool, ring: bool, rotate: bool, scaling: float, window: int, softcap: float, num_splits: int,
+        fp8_prefill: bool,
     ) -> torch.Tensor:  # fmt: skip
         view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
+        view.outliers, view.outlier_pos = outliers, outlier_pos
         settings = (scaling, window or None, softcap or None, num_splits)
         plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
         out, launches = plan.launches(query, view, mask, sink_logits)

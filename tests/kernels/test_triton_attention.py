@@ -329,15 +329,16 @@ def test_bad_inputs_are_named():
 
 def _op_args(view, query, mask, num_splits):
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
-            mask, None, None, view.fmt.name, view.per_token, view.ring, view.rotate, 0.1, 0, 0.0, num_splits,
-            False)  # fmt: skip
+            mask, None, None, view.outliers, view.outlier_pos, view.fmt.name, view.per_token, view.ring, view.rotate,
+            0.1, 0, 0.0, num_splits, False)  # fmt: skip
 
 
-def test_registered_op_is_the_launcher_on_a_static_view():
+@pytest.mark.parametrize("outliers", [0, 3])
+def test_registered_op_is_the_launcher_on_a_static_view(outliers):
     """`torch.ops.hf_fp8kv.attend`, what a compiled graph calls, computes what the launcher does."""
     from hf_fp8kv.kernels import ops
 
-    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1], tiled=True, rotate=True)  # the layers' layout
+    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1], tiled=True, rotate=True, outliers=outliers)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(4), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
@@ -349,7 +350,7 @@ def test_registered_op_is_the_launcher_on_a_static_view():
 def test_registered_op_traces_for_torch_compile():
     from hf_fp8kv.kernels import ops
 
-    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1], tiled=True, rotate=True)  # the layers' layout
+    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1], tiled=True, rotate=True, outliers=3)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(4), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)

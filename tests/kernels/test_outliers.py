@@ -1,0 +1,119 @@
+"""The outlier tokens' selection: `outliers.settle` (torch) against its definition, the Triton kernel against it."""
+
+import math
+
+import pytest
+import torch
+
+from hf_fp8kv.kernels import outliers, triton_outliers
+
+BATCH, HEADS, HEAD_DIM, SLOTS = 2, 3, 24, 96
+
+
+def empty_set(count: int, dtype: torch.dtype, scale_dtype: torch.dtype, offset: int, generator) -> outliers.OutlierSet:
+    scales = (torch.rand(BATCH, HEADS, SLOTS + 5, generator=generator) + 0.1).to(scale_dtype)[..., 3 : 3 + SLOTS]
+    return outliers.OutlierSet(
+        torch.zeros(2, BATCH, HEADS, count, HEAD_DIM, dtype=dtype), torch.full((BATCH, HEADS, count), -1),
+        torch.full((BATCH, HEADS, count), -math.inf), torch.zeros(2, BATCH, HEADS), scales, offset,
+    )  # fmt: skip
+
+
+def updates(sizes: list[int], dtype: torch.dtype, offset: int, generator, invalid: bool = False):
+    """Candidates of consecutive updates: positions from `offset`, keys of varied norms (a NaN key in one token;
+    with `invalid`, some positions -1, as a static cache stages them)."""
+    first = offset
+    for n in sizes:
+        kv = torch.randn(2, BATCH, HEADS, n, HEAD_DIM, generator=generator)
+        kv[0] *= torch.rand(BATCH, HEADS, n, 1, generator=generator) * 3 + 0.1
+        if first <= offset + 7 < first + n:
+            kv[0, 1, 2, offset + 7 - first, 5] = math.nan
+        positions = torch.arange(first, first + n)
+        if invalid:
+            positions[::3] = -1
+        yield positions, kv.to(dtype)
+        first += n
+
+
+def as_sets(outlier_set: outliers.OutlierSet) -> list[dict]:
+    """Per (row, head): {position: (keys, values, score)}."""
+    kv, positions, scores = outlier_set.kv, outlier_set.positions, outlier_set.scores
+    return [{int(t): (kv[:, b, h, i], float(scores[b, h, i])) for i, t in enumerate(positions[b, h].tolist()) if t >= 0}
+            for b in range(BATCH) for h in range(HEADS)]  # fmt: skip
+
+
+CASES = [
+    dict(sizes=[40, 1, 1, 1, 9, 1], count=4),
+    dict(sizes=[2, 1, 1, 30], count=8),  # fewer candidates than slots at first
+    dict(sizes=[50, 1, 1], count=3, dtype=torch.bfloat16, scale_dtype=torch.bfloat16, offset=11),
+    dict(sizes=[20, 20, 1], count=5, dtype=torch.float16, invalid=True),
+    dict(sizes=[30, 1], count=16, scale_dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_settle_keeps_the_best_scores_and_marks_their_key_scales(case):
+    """After every update the set is the best `count` scores `-|k|_1 / mean(|k_i|_1 up to it)` of the valid tokens
+    so far (a row's tokens before `first_real` and a NaN key never count), with the exact K/V; exactly the kept
+    tokens' key scales are negative, every magnitude unchanged."""
+    dtype, scale_dtype, offset = case.get("dtype", torch.float32), case.get("scale_dtype", torch.float32), case.get("offset", 0)
+    generator = torch.Generator().manual_seed(0)
+    kept = empty_set(case["count"], dtype, scale_dtype, offset, generator)
+    magnitudes = kept.key_scales.abs().clone()
+    first_real = torch.tensor([offset + 5, offset])
+    seen_t, seen_kv = [], []
+    for positions, kv in updates(case["sizes"], dtype, offset, generator, case.get("invalid", False)):
+        outliers.settle(kept, positions, kv, first_real)
+        seen_t.append(positions)
+        seen_kv.append(kv)
+        t, kv_all = torch.cat(seen_t), torch.cat(seen_kv, dim=3)
+        norms = kv_all[0].float().abs().sum(-1)
+        valid = ((t >= 0) & (t[None, :] >= first_real[:, None]))[:, None, :] & norms.isfinite()
+        for b in range(BATCH):
+            for h in range(HEADS):
+                ok = valid[b, h]
+                row = norms[b, h][ok]
+                score = -row / (row.cumsum(0) / torch.arange(1, len(row) + 1))
+                best = score.topk(min(case["count"], len(row))).indices
+                expected = {int(t[ok][i]): kv_all[:, b, h, ok][:, i] for i in best.tolist()}
+                got = as_sets(kept)[b * HEADS + h]
+                assert set(got) == set(expected)
+                for position, values in expected.items():
+                    assert torch.equal(got[position][0], values)
+                negative = (kept.key_scales[b, h] < 0).nonzero().flatten() + offset
+                assert set(negative.tolist()) == set(expected)
+    assert torch.equal(kept.key_scales.abs(), magnitudes)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_triton_settle_matches_the_torch_one(case):
+    """The same sets, K/V, scores (to fp32 rounding of the norms), running sums and key scales (bit for bit), for
+    positions given one by one or as the first of consecutive ones."""
+    dtype, scale_dtype, offset = case.get("dtype", torch.float32), case.get("scale_dtype", torch.float32), case.get("offset", 0)
+    sets = [empty_set(case["count"], dtype, scale_dtype, offset, torch.Generator().manual_seed(0)) for _ in range(2)]
+    first_real = torch.tensor([offset + 5, offset])
+    for positions, kv in updates(case["sizes"], dtype, offset, torch.Generator().manual_seed(1), case.get("invalid", False)):
+        if not case.get("invalid"):  # consecutive tokens, as a dynamic cache stages them: their first position
+            positions = int(positions[0])
+        outliers.settle(sets[0], positions, kv, first_real)
+        triton_outliers.settle(sets[1], positions, kv, first_real)
+        for torch_kept, triton_kept in zip(*map(as_sets, sets)):
+            assert set(torch_kept) == set(triton_kept)
+            for position, (values, score) in torch_kept.items():
+                assert torch.equal(triton_kept[position][0], values)
+                assert triton_kept[position][1] == pytest.approx(score, rel=1e-5)
+        torch.testing.assert_close(sets[1].norms, sets[0].norms, rtol=1e-6, atol=0)
+        assert torch.equal(sets[1].key_scales, sets[0].key_scales)
+
+
+def test_drop_from_forgets_later_tokens_and_restores_their_scales():
+    generator = torch.Generator().manual_seed(0)
+    kept = empty_set(4, torch.float32, torch.float32, 0, generator)
+    magnitudes = kept.key_scales.clone()
+    for positions, kv in updates([60], torch.float32, 0, generator):
+        outliers.settle(kept, positions, kv, torch.zeros(BATCH, dtype=torch.int64))
+    before = kept.positions.clone()
+    outliers.drop_from(kept, 30)
+    assert torch.equal(kept.positions, torch.where(before >= 30, -1, before))
+    assert (kept.scores[kept.positions < 0] == -math.inf).all()
+    negative = kept.key_scales < 0
+    assert negative.sum() == (kept.positions >= 0).sum() and torch.equal(kept.key_scales.abs(), magnitudes)
