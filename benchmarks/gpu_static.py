@@ -61,7 +61,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from hf_fp8kv.kernels import ops, paged, triton_attention, triton_paged, triton_write  # noqa: E402
+from hf_fp8kv.kernels import ops, paged, triton_attention, triton_outliers, triton_paged, triton_write  # noqa: E402
 from hf_fp8kv.kernels.formats import FORMATS, PER_TOKEN_SCALE_DTYPE  # noqa: E402
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget  # noqa: E402
 from hf_fp8kv.kernels.triton_launch import Launch  # noqa: E402
@@ -98,7 +98,7 @@ class Case:
     """One call the launchers meet, described by the tensors it passes: a decode step (`q_len` 1) or a prefill
     over `context` cached tokens, or the write of `q_len` new tokens ending at `context`."""
 
-    kind: str  # "decode", "prefill", "write" or "paged" (continuous batching: `batch` requests on FP8 pages)
+    kind: str  # "decode", "prefill", "write", "settle" (the outlier tokens') or "paged" (continuous batching)
     batch: int = 1
     kv_heads: int = 8
     group: int = 8  # query heads per KV head
@@ -127,6 +127,8 @@ class Case:
         scales += " rotated" if self.rotate else ""
         if self.kind == "write":
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
+        if self.kind == "settle":
+            return f"{dtype} d{self.head_dim} {self.outliers} outliers b{self.batch} kvh{self.kv_heads} {self.q_len} tok"
         if self.kind == "paged":
             shape = f"{self.batch} req q{self.q_len} ctx{self.context}"
             held = f" recent {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
@@ -221,6 +223,7 @@ def every_case(quick: bool = False) -> list[Case]:
     # outlier tokens (issue 35): the default window with 16 more exact tokens per head, left out of the codes by
     # their negated key scales
     outliers = [dataclasses.replace(case, outliers=16) for case in (*window[:4], window[6])]
+    outliers += [Case("settle", outliers=16, q_len=n) for n in (1, 500)]
     return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers
 
 
@@ -234,6 +237,8 @@ def plan(
     dtype = getattr(torch, case.dtype)
     if case.kind == "paged":
         return plan_paged(case, gpu, fmt, dtype, device, slots, num_splits)
+    if case.kind == "settle":
+        return [plan_settle(case, dtype, device)]
     # a static cache's buffers have a spare slot; per-token scale rows are allocated on whole 4-byte words
     capacity = case.static_cache + 1 if case.static_cache else -(-case.context // CACHE_BLOCK) * CACHE_BLOCK
     codes = torch.empty(2, case.batch, case.kv_heads, capacity, case.head_dim, dtype=fmt.dtype, device=device)
@@ -273,6 +278,20 @@ def plan(
         fp8_prefill=case.fp8_prefill,
     )
     return launches
+
+
+def plan_settle(case: Case, dtype: torch.dtype, device: str) -> Launch:
+    """The outlier tokens' selection after an update of `case.q_len` tokens leaving the recent ones (a dynamic
+    cache's: consecutive positions)."""
+    shape = (case.batch, case.kv_heads, case.outliers)
+    outlier_set = triton_outliers.OutlierSet(
+        torch.empty(2, *shape, case.head_dim, dtype=dtype, device=device), torch.empty(shape, dtype=torch.int64, device=device),
+        torch.empty(shape, device=device), torch.empty(2, *shape[:2], device=device),
+        torch.empty(*shape[:2], case.context, dtype=PER_TOKEN_SCALE_DTYPE, device=device), 0,
+    )  # fmt: skip
+    candidates = torch.empty(2, case.batch, case.kv_heads, case.q_len, case.head_dim, dtype=dtype, device=device)
+    first_real = torch.empty(case.batch, dtype=torch.int64, device=device)
+    return triton_outliers.plan_settle(outlier_set, case.context - case.q_len, candidates, first_real)
 
 
 # transformers' continuous batching: a 30-layer model (a page-block stride not a power of 2)
@@ -690,11 +709,13 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
     max(copy, issue) x the split plan's wave loss (a reduce's reads counted in its launch's fixed cost). The
     launches: the write's (one new token), the attention's (with splits, its reduce), and a static cache's
-    position update (`StaticFP8Layer._advance`, an op of its own)."""
+    position update (`StaticFP8Layer._advance`, an op of its own); with outlier tokens, the staging copy of the
+    token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging is a few torch
+    ops, which its compiled step fuses: counted as one)."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     write = plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
-    launches = len(write) + len(attention) + bool(case.static_cache)
+    launches = len(write) + len(attention) + bool(case.static_cache) + 2 * bool(case.outliers)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
     clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize

@@ -29,6 +29,8 @@ from .targets import GpuTarget, device_target
 from .view import KVView
 
 BACKENDS = ("auto", "triton", "torch")
+SETTLE_KERNEL_TOKENS = 64  # updates up to this many tokens leaving the recent ones have their outliers chosen by
+# the Triton kernel (decode steps, assisted decoding's candidates), longer ones by the torch version
 
 
 def check_backend(requested: str | None) -> str:
@@ -165,8 +167,11 @@ class TritonLayerKernels(TorchLayerKernels):
         # (an import per call costs a decode step ~1 us)
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
 
-    def settle_outliers(self, outlier_set, positions: torch.Tensor, candidates: torch.Tensor, first_real) -> None:
-        if torch.compiler.is_compiling():  # the torch version: the compiler fuses its ops
+    def settle_outliers(self, outlier_set, positions: torch.Tensor | int, candidates: torch.Tensor, first_real) -> None:
+        # the torch version in a compiled graph (the compiler fuses its ops) and for a prompt (its parallel top-k,
+        # some 30 ops once a prompt: the kernel walks the candidates one after the other, a 500-token update 500
+        # dependent steps in one warp per row and head, gpu_static)
+        if torch.compiler.is_compiling() or candidates.shape[3] > SETTLE_KERNEL_TOKENS:
             outliers.settle(outlier_set, positions, candidates, first_real)
             return
         self._settle_outliers(outlier_set, positions, candidates, first_real)

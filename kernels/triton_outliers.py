@@ -43,19 +43,20 @@ def _settle_kernel(
     first_real = tl.load(first_real_ptr + b)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    for i in range(candidates):
+    for i in range(candidates):  # (64-bit offsets: a prompt's candidates may pass 2^31 elements)
+        row = tl.cast(i, tl.int64) * c_st
         if CONSECUTIVE:
             t = first_position + i
         else:
             t = tl.load(positions_ptr + i)
-        key = tl.load(cand_ptr + i * c_st + d, mask=d_ok, other=0.0)
+        key = tl.load(cand_ptr + row + d, mask=d_ok, other=0.0)
         norm = tl.sum(tl.abs(key.to(tl.float32)), axis=0)
         valid = (t >= 0) & (t >= first_real) & (norm < float("inf"))  # (NaN compares False)
         total = tl.where(valid, total + norm, total)
         seen = tl.where(valid, seen + 1.0, seen)
         score = -norm * seen / tl.maximum(total, 1e-30)
         weakest = tl.min(scores, axis=0)
-        slot = tl.min(tl.where(scores == weakest, j, BLOCK_N), axis=0)
+        slot = tl.min(tl.where(scores == weakest, j, BLOCK_N), axis=0).to(tl.int64)
         if valid & (score > weakest):
             old = tl.sum(tl.where(j == slot, kept, 0), axis=0)
             if old >= 0:
@@ -65,7 +66,7 @@ def _settle_kernel(
             tl.store(at, tl.load(at) | sign)
             kept = tl.where(j == slot, t, kept)
             scores = tl.where(j == slot, score, scores)
-            value = tl.load(cand_ptr + c_sw + i * c_st + d, mask=d_ok, other=0.0)
+            value = tl.load(cand_ptr + c_sw + row + d, mask=d_ok, other=0.0)
             tl.store(kv_ptr + slot * o_st + d, key.to(kv_ptr.dtype.element_ty), mask=d_ok)
             tl.store(kv_ptr + o_sw + slot * o_st + d, value.to(kv_ptr.dtype.element_ty), mask=d_ok)
     tl.store(kept_ptr + j, kept, mask=j_ok)
