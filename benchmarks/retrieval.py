@@ -53,6 +53,8 @@ VARIANTS = {
     # rotated codes (issue 35): the default and pure FP8 with each coded token's K/V times a Hadamard matrix
     "fp8_recent_rotated": dict(scales="dynamic", rotate=True),
     "fp8_per_token_head_rotated": dict(scales="dynamic", recent_tokens=0, sink_tokens=0, rotate=True),
+    # outlier tokens (issue 35): the default with 16 more exact tokens per layer and KV head
+    "fp8_recent_outliers16": dict(scales="dynamic", outlier_tokens=16),
 }
 RECOMMENDED_CONFIGURATIONS = (RECOMMENDED, CANDIDATE)
 TARGET_SHARE = 5 / 6  # issue 35: the default keeps every key where the native cache finds at least 5 of 6

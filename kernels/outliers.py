@@ -53,6 +53,11 @@ def settle(
 
     count = outliers.positions.shape[-1]
     best, index = score.topk(min(count, score.shape[-1]), dim=-1)
+    if keys.device.type == "cpu" and not torch.compiler.is_compiling() and score.shape[-1]:
+        # on the CPU (op-dispatch bound) a decode step whose token enters no set ends here: most steps, once the
+        # sets are full (SmolLM2, 1,024 decode steps: ... -> ... of DynamicCache's time)
+        if not bool((best[..., 0] > outliers.scores.amin(-1)).any()):
+            return
     new_positions = torch.where(best > -math.inf, positions[index], -1)
     picked = candidates.gather(3, index[None, ..., None].expand(2, -1, -1, -1, candidates.shape[-1]))
     all_scores = torch.cat((outliers.scores, best), dim=-1)

@@ -22,9 +22,9 @@ def model_of(model_type: str):
     return tiny_model(model_type, num_hidden_layers=1)
 
 
-def decode(model, forward, prompt: torch.Tensor) -> list[int]:
-    """Eager prefill, then STEPS greedy steps through `forward`."""
-    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, **WINDOW)
+def decode(model, forward, prompt: torch.Tensor, outliers: int = 0) -> list[int]:
+    """Eager prefill, then STEPS greedy steps through `forward` (`outliers`: outlier tokens per KV head)."""
+    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, outlier_tokens=outliers, **WINDOW)
     tokens = []
     with torch.no_grad():
         out = model(input_ids=prompt, **cache_kwargs(cache))
@@ -37,14 +37,15 @@ def decode(model, forward, prompt: torch.Tensor) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
-def test_compiled_forward_by_hand(model_type):
+@pytest.mark.parametrize("model_type, outliers", [("llama", 0), ("gemma3_text", 0), ("llama", 3)])
+def test_compiled_forward_by_hand(model_type, outliers):
+    """With outlier tokens too: their selection is device tensor ops the graph holds (no host sync)."""
     torch._dynamo.reset()
     model = model_of(model_type)
     prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
-    eager = decode(model, model.forward, prompt)
+    eager = decode(model, model.forward, prompt, outliers)
     counters.clear()
-    compiled = decode(model, torch.compile(model.forward, fullgraph=True), prompt)
+    compiled = decode(model, torch.compile(model.forward, fullgraph=True), prompt, outliers)
     assert compiled == eager
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] <= 2  # no recompilation per token
