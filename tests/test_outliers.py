@@ -182,3 +182,34 @@ def test_outlier_buffers_count_in_the_bytes_held():
             model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
     per_layer = 2 * 2 * 2 * 3 * 16 * 4 + 2 * 2 * 3 * (8 + 4) + 2 * 2 * 2 * 4  # K/V, positions + scores, norms
     assert caches[1].nbytes == caches[0].nbytes + 2 * per_layer
+
+
+@pytest.mark.parametrize("settings", [dict(kv_cache_dtype="fp8_e5m2"), dict(kv_cache_dtype="int8_per_token_head"),
+                                      dict(kv_cache_dtype="fp8_e4m3fnuz"), dict(rotate=True)], ids=str)  # fmt: skip
+def test_every_format_and_rotated_codes(settings):
+    """Outliers over every storage format and over rotated codes (kept as they came, like the sinks): the Triton
+    backend's logits are the torch path's."""
+    model = tiny_model()
+    logits = []
+    for backend in ("torch", "triton"):
+        cache = QuantizedFP8Cache(model, backend=backend, **WINDOW, **settings)
+        out = model.generate(input_ids=PROMPTS, attention_mask=PADDING, max_new_tokens=4, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, **cache_kwargs(cache))  # fmt: skip
+        logits.append(torch.stack(out.logits))
+        assert (cache.layers[0].outlier_pos >= 0).all()
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_pickled_cache_continues_with_its_outliers():
+    import pickle
+
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, **WINDOW)
+    with torch.no_grad():
+        model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
+        copy = pickle.loads(pickle.dumps(cache))
+        mask = torch.cat((PADDING, torch.ones(2, 1, dtype=PADDING.dtype)), dim=1)
+        step = torch.tensor([[40], [50]])
+        logits = [model(input_ids=step, attention_mask=mask, **cache_kwargs(c)).logits for c in (cache, copy)]
+    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(copy.layers[0].outlier_pos, cache.layers[0].outlier_pos)
