@@ -8,8 +8,8 @@ with and without a padding mask; (f) compiled + CUDA-graph decode steps, our sta
 SDPA at 4k and 32k; (g) continuous batching (`generate_batch`) on FP8 pages against native pages at one page
 budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers; (h) each launch of one layer's decode
 step timed alone (the attention kernel, its split reduce, the write kernel), 32:8 heads, head_dim 128, batch 1
-and 16, contexts 4k and 32k: pure FP8 against the default window (recent 128 + sinks 4), STAGES 3 against 4, and a
-left-padded batch-16 step, each launch's bytes read as GB/s and as a fraction of (a); it runs right after (b, c);
+and 16, contexts 4k and 32k: pure FP8 against the default window (recent 128 + sinks 4), STAGES 3 against 4, a
+left-padded batch-16 step, and at batch 1 the default window with 16 outlier tokens (their selection's launch too), each launch's bytes read as GB/s and as a fraction of (a); it runs right after (b, c);
 (i) the paged decode (continuous batching's kernel) of few long and many short requests, split over the keys as
 its rule plans it against one program per request and KV head, the same tensors, as GB/s and a fraction of (a).
 Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench`
@@ -47,7 +47,8 @@ if TYPE_CHECKING:  # (hf_fp8kv is imported once the Triton interpreter is chosen
     from hf_fp8kv.layer import FP8Layer
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_TESTS = ["tests/kernels/test_triton_write.py", "tests/kernels/test_triton_attention.py"]
+KERNEL_TESTS = ["tests/kernels/test_triton_write.py", "tests/kernels/test_triton_attention.py",
+                "tests/kernels/test_outliers.py"]
 
 
 @dataclass
@@ -361,6 +362,8 @@ def decode_launches(report: Report, sizes: Sizes, device: torch.device, dry_run:
     for context in sizes.step_contexts:
         for batch in sizes.step_batches:
             cases = [(pure, False), (default, False)]
+            if batch == 1:  # the default window with 16 outlier tokens per KV head: their selection's launch too
+                cases.append((dict(outlier_tokens=16), False))
             if batch == max(sizes.step_batches) > 1:  # a left-padded batch: its rows' first real tokens differ
                 cases.append((default, True))
             for cache_kwargs, padded in cases:
@@ -392,6 +395,12 @@ def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded
     tokens = 2 if view.recent is not None else 1  # the write reads the token leaving the recent buffer
     written = tokens * 2 * batch * sizes.kv_heads * sizes.head_dim * sizes.dtype.itemsize
     launches = [("-", launch, written) for launch in write]  # the write: the same whatever the stages
+    if layer.outlier_tokens:  # the outlier tokens' selection over the token leaving the recent ones
+        from hf_fp8kv.kernels.triton_outliers import plan_settle
+
+        pending, first_real = layer.outlier_tracker.pending, layer.sink_start + layer.sink_tokens
+        settle = plan_settle(layer.outlier_tracker.outlier_set(layer), pending.positions, pending.kv, first_real)
+        launches.append(("-", settle, pending.kv.nbytes))
     for stages in (3, 4):
         _, attention = plan_attention(query, view, scaling=sizes.head_dim**-0.5, mask=mask, stages=stages,
                                       resident_slots=sizes.resident_slots)  # fmt: skip
@@ -400,6 +409,7 @@ def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded
         launches += [(stages, launch, nbytes) for launch, nbytes in zip(attention, reads)]
     window = (f"recent {layer.recent_tokens} + sinks {layer.sink_tokens}"
               if layer.recent_tokens or layer.sink_tokens else "pure FP8")  # fmt: skip
+    window += f" + outliers {layer.outlier_tokens}" if layer.outlier_tokens else ""
     rows = []
     for stages, launch, nbytes in launches:
         us = bench(launch.run, dry_run) * 1e3
