@@ -194,8 +194,7 @@ class DynamicFP8SlidingLayer(DynamicFP8Layer):
     is_sliding = True
 
     def __init__(self, *args, sliding_window: int, **kwargs):
-        # the window drops the first tokens anyway; what it holds beyond the recent ones is short: no outliers
-        super().__init__(*args, **{**kwargs, "sink_tokens": 0, "outlier_tokens": 0})
+        super().__init__(*args, **{**kwargs, "sink_tokens": 0})  # the window drops the first tokens anyway
         if sliding_window < 2:
             raise ValueError(f"layer {self.layer_idx}: sliding_window={sliding_window} must be at least 2")
         self.sliding_window = sliding_window

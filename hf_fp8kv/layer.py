@@ -120,10 +120,6 @@ class FP8Layer(CacheLayerMixin):
             return {}
         return dict(outliers=self.outlier_kv, outlier_pos=self.outlier_pos[0])
 
-    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """The code slots of tokens at `positions` (full-attention layers: linear buffers)."""
-        return positions - getattr(self, "offset", 0)
-
     @property
     def clipped(self) -> torch.Tensor:
         """Values saturated at the format's max, `[keys, values]`."""

@@ -34,11 +34,12 @@ BUFFERS = ("outlier_kv", "outlier_pos", "outlier_score", "outlier_norms")
 
 
 class Candidates(NamedTuple):
-    """Tokens that got codes in an update: positions `[n]` (-1: none) or the first of n consecutive ones, exact K/V
-    `[2, batch, kv_heads, n, D]`."""
+    """Tokens that got codes in an update of `new_tokens`: positions `[n]` (-1: none) or the first of n consecutive
+    ones, exact K/V `[2, batch, kv_heads, n, D]`."""
 
     positions: torch.Tensor | int
     kv: torch.Tensor
+    new_tokens: int
 
 
 class OutlierTracker:
@@ -58,8 +59,9 @@ class OutlierTracker:
 
     @staticmethod
     def outlier_set(layer) -> OutlierSet:
+        ring = layer.code_slots if layer.is_sliding and layer.is_compileable else 0  # a static sliding layer's ring
         return OutlierSet(layer.outlier_kv, layer.outlier_pos[0], layer.outlier_score[0], layer.outlier_norms,
-                          layer.scale[0], getattr(layer, "offset", 0))  # fmt: skip
+                          layer.scale[0], getattr(layer, "offset", 0), ring)  # fmt: skip
 
     def clear(self, buffers: dict[str, torch.Tensor]) -> None:
         """Forget every outlier, in place (a static layer's reset, `buffers` its storage: the addresses stay)."""
@@ -82,7 +84,7 @@ class OutlierTracker:
             if slots:
                 held = recent.index_select(3, t.clamp_min(0) % slots)
                 kv = torch.where((t < view.end)[:, None], held, kv.index_select(3, (t - view.end).clamp(0, n - 1)))
-            self.pending = Candidates(torch.where(t >= view.recent_start, t, -1), kv)
+            self.pending = Candidates(torch.where(t >= view.recent_start, t, -1), kv, n)
             return
         end, recent_start = view.end, view.recent_start
         coded = coded_end(end, recent_start, n, slots)
@@ -93,15 +95,20 @@ class OutlierTracker:
         if coded > end:
             pieces.append(torch.stack((key[:, :, : coded - end], value[:, :, : coded - end])))
         kv = pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=3)
-        self.pending = Candidates(recent_start, kv)
+        self.pending = Candidates(recent_start, kv, n)
 
     def settle(self, layer) -> None:
         """Judge the staged candidates (`kernels.outliers.settle`): the kept set becomes the best `count` of it and
-        them."""
+        them; on a sliding layer, the kept tokens no query of this update sees leave it first."""
         pending, self.pending = self.pending, None
-        if pending is not None:
-            first_real = layer.sink_start + layer.sink_tokens  # padding and sinks never enter ([batch])
-            layer.kernels.settle_outliers(self.outlier_set(layer), pending.positions, pending.kv, first_real)
+        if pending is None:
+            return
+        first_real = layer.sink_start + layer.sink_tokens  # padding and sinks never enter ([batch])
+        first_visible = None
+        if layer.is_sliding:  # the update's first query, at end - new_tokens, sees the last `window` tokens
+            end = layer.positions[0] if layer.is_compileable and layer.host_positions is None else layer.host_end()
+            first_visible = end - (pending.new_tokens + layer.sliding_window - 1)
+        layer.kernels.settle_outliers(self.outlier_set(layer), pending.positions, pending.kv, first_real, first_visible)
 
     def crop(self, layer, end: int | torch.Tensor) -> None:
         """Forget the outliers at or after `end` (a crop): their slots' scales made positive again."""

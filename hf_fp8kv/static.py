@@ -242,8 +242,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
     is_sliding = True
 
     def __init__(self, *args, sliding_window: int, **kwargs):
-        # the window drops the first tokens anyway; what it holds beyond the recent ones is short: no outliers
-        super().__init__(*args, **{**kwargs, "sink_tokens": 0, "outlier_tokens": 0})
+        super().__init__(*args, **{**kwargs, "sink_tokens": 0})  # the window drops the first tokens anyway
         self.sliding_window = sliding_window
 
     @property
@@ -311,7 +310,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         linear = KVView(
             codes=codes, scales=scales, fmt=self.fmt, per_token=self.per_token, start=first, end=end,
             recent_start=recent_start, offset=first, recent=self.recent, key_channel_scale=self.key_channel_scale,
-            rotate=self.rotate,
+            rotate=self.rotate, **self.outlier_view(),
         )  # fmt: skip
         stored_key = self._write(key_states, value_states, linear)
         linear.end, linear.recent_start = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens)

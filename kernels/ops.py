@@ -167,14 +167,15 @@ class TritonLayerKernels(TorchLayerKernels):
         # (an import per call costs a decode step ~1 us)
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
 
-    def settle_outliers(self, outlier_set, positions: torch.Tensor | int, candidates: torch.Tensor, first_real) -> None:
+    def settle_outliers(self, outlier_set, positions: torch.Tensor | int, candidates: torch.Tensor, first_real,
+                        first_visible=None) -> None:  # fmt: skip
         # the torch version in a compiled graph (the compiler fuses its ops) and for a prompt (its parallel top-k,
         # some 30 ops once a prompt: the kernel walks the candidates one after the other, a 500-token update 500
         # dependent steps in one warp per row and head, gpu_static)
         if torch.compiler.is_compiling() or candidates.shape[3] > SETTLE_KERNEL_TOKENS:
-            outliers.settle(outlier_set, positions, candidates, first_real)
+            outliers.settle(outlier_set, positions, candidates, first_real, first_visible)
             return
-        self._settle_outliers(outlier_set, positions, candidates, first_real)
+        self._settle_outliers(outlier_set, positions, candidates, first_real, first_visible)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)

@@ -4,7 +4,9 @@ kept exact, at most N (the rule and why: `hf_fp8kv/outliers.py`).
 
 A kept token keeps its codes; its key scale is stored negated, which the attention reads as "in the outlier buffer"
 (`KVView.outliers`). Sets are compared as sets: which slot holds a token does not matter to the attention, and a
-tie with the weakest kept score may go either way.
+tie with the weakest kept score may go either way. On a sliding-window layer a kept token no query will see again
+leaves the set (`first_visible`); its scale is made positive again where its slot is still its own (a linear
+buffer: a crop may show it again), not in a ring, whose slot a later token may hold.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ class OutlierSet(NamedTuple):
     """One layer's outlier tokens: `kv` `[2, batch, kv_heads, N, head_dim]` (model dtype), `positions` `[batch,
     kv_heads, N]` int64 (-1: empty), `scores` `[batch, kv_heads, N]` fp32 (-inf: empty), `norms` `[2, batch,
     kv_heads]` fp32 (running sum and count of the candidates' key norms), `key_scales` `[batch, kv_heads, slots]`
-    (the per-token key scales), `offset` (token t's code slot is `t - offset`)."""
+    (the per-token key scales); token t's code slot is `t - offset`, or `t % ring` in a ring (`ring` > 0)."""
 
     kv: torch.Tensor
     positions: torch.Tensor
@@ -27,16 +29,20 @@ class OutlierSet(NamedTuple):
     norms: torch.Tensor
     key_scales: torch.Tensor
     offset: int
+    ring: int = 0
 
 
 def settle(
-    outliers: OutlierSet, positions: torch.Tensor | int, candidates: torch.Tensor, first_real: torch.Tensor
-) -> None:
+    outliers: OutlierSet, positions: torch.Tensor | int, candidates: torch.Tensor, first_real: torch.Tensor,
+    first_visible: int | torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """Judge the tokens at `positions` `[n]` (-1: none; in order; an int: the first of n consecutive ones) that just
     got codes, `candidates` `[2, batch, kv_heads, n, head_dim]` their exact keys and values: those of row b at or
     after `first_real[b]` (its first token past padding and sinks) with a finite norm join the running mean and the
     race; the set becomes the best N of it and them. The kept tokens' key scales end negative, every other one's
-    that was kept positive again."""
+    that was kept positive again. `first_visible` (sliding layers): kept tokens before it leave the set first."""
+    if first_visible is not None:
+        evict(outliers, first_visible)
     keys = candidates[0]
     if isinstance(positions, int):
         positions = torch.arange(positions, positions + keys.shape[2], device=keys.device)
@@ -54,8 +60,8 @@ def settle(
     count = outliers.positions.shape[-1]
     best, index = score.topk(min(count, score.shape[-1]), dim=-1)
     if keys.device.type == "cpu" and not torch.compiler.is_compiling() and score.shape[-1]:
-        # on the CPU (op-dispatch bound) a decode step whose token enters no set ends here: most steps, once the
-        # sets are full (SmolLM2, 1,024 decode steps: ... -> ... of DynamicCache's time)
+        # on the CPU (op-dispatch bound) a step whose token enters no set ends here: most steps, once the sets
+        # are full
         if not bool((best[..., 0] > outliers.scores.amin(-1)).any()):
             return
     new_positions = torch.where(best > -math.inf, positions[index], -1)
@@ -72,6 +78,16 @@ def settle(
     mark(outliers, outliers.positions, negative=True)
 
 
+def evict(outliers: OutlierSet, first_visible: int | torch.Tensor) -> None:
+    """Forget the kept tokens before `first_visible` (out of a sliding window: no query sees them again); in a
+    linear buffer their key scales made positive again."""
+    gone = (outliers.positions >= 0) & (outliers.positions < first_visible)
+    if not outliers.ring:
+        mark(outliers, torch.where(gone, outliers.positions, -1), negative=False)
+    outliers.positions.masked_fill_(gone, -1)
+    outliers.scores.masked_fill_(gone, -math.inf)
+
+
 def drop_from(outliers: OutlierSet, end: int | torch.Tensor) -> None:
     """Forget the outlier tokens at or after `end` (a crop); their key scales made positive again."""
     dropped = outliers.positions >= end
@@ -80,13 +96,19 @@ def drop_from(outliers: OutlierSet, end: int | torch.Tensor) -> None:
     outliers.scores.masked_fill_(dropped, -math.inf)
 
 
+def slot_of(outliers: OutlierSet, positions: torch.Tensor) -> torch.Tensor:
+    """The code slots of tokens at `positions`."""
+    return positions % outliers.ring if outliers.ring else positions - outliers.offset
+
+
 def mark(outliers: OutlierSet, positions: torch.Tensor, negative: bool) -> None:
-    """The key scales of the tokens at `positions` `[batch, kv_heads, N]` (-1: none) made negative (`negative`) or
-    positive. Each (row, head)'s empty entries write what its first entry writes, so no two writes to one element
-    differ."""
+    """The key scales of the tokens at `positions` `[batch, kv_heads, N]` (-1: none; a token whose slot the buffer
+    no longer has: none) made negative (`negative`) or positive. Each (row, head)'s empty entries write what its
+    first entry writes, so no two writes to one element differ."""
     scales = outliers.key_scales
-    held = positions >= 0
-    slots = (positions - outliers.offset).clamp(0, scales.shape[-1] - 1)
+    slots = slot_of(outliers, positions)
+    held = (positions >= 0) & (slots >= 0) & (slots < scales.shape[-1])
+    slots = slots.clamp(0, scales.shape[-1] - 1)
     now = scales.gather(-1, slots)
     value = torch.where(held, -now.abs() if negative else now.abs(), now)
     first = held.int().argmax(-1, keepdim=True)  # the first held entry (0 when none is: it writes what it read)

@@ -13,19 +13,22 @@ from .outliers import OutlierSet
 from .triton_launch import Launch, launch_all, next_power_of_2
 
 
-@triton.jit(do_not_specialize=["candidates", "offset", "first_position"])  # they move every step: one compile
+@triton.jit(do_not_specialize=["candidates", "offset", "first_position", "first_visible"])  # (they move: one compile)
 def _settle_kernel(
-    cand_ptr, positions_ptr, first_real_ptr, kv_ptr, kept_ptr, score_ptr, norms_ptr, scale_ptr,
+    cand_ptr, positions_ptr, first_real_ptr, kv_ptr, kept_ptr, score_ptr, norms_ptr, scale_ptr, visible_ptr,
     c_sw, c_sb, c_sh, c_st,
     o_sw, o_sb, o_sh, o_st,
     p_sb, p_sh, q_sb, q_sh, n_sw, n_sb, n_sh,
     s_sb, s_sh, s_st,
-    heads, candidates, count, head_dim, offset, first_position,
+    heads, candidates, count, head_dim, offset, ring, slots, first_position, first_visible,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SCALE_BITS: tl.constexpr, CONSECUTIVE: tl.constexpr,
+    EVICT: tl.constexpr, VISIBLE_ON_DEVICE: tl.constexpr,
 ):  # fmt: skip
     """Program (batch * kv_head,). Channels are contiguous in the candidates and the outlier buffer. CONSECUTIVE:
-    candidate i is token `first_position + i` (else `positions_ptr[i]`). A key scale's sign is set on its bits
-    (SCALE_BITS wide: bf16 or fp32): exact, where the interpreter's bf16 load-store is not."""
+    candidate i is token `first_position + i` (else `positions_ptr[i]`). EVICT: kept tokens before `first_visible`
+    (VISIBLE_ON_DEVICE: `visible_ptr[0]`) leave the set first. Token t's code slot is `t % ring` (ring > 0) or
+    `t - offset`, of `slots`. A key scale's sign is set on its bits (SCALE_BITS wide: bf16 or fp32): exact, where
+    the interpreter's bf16 load-store is not."""
     b = (tl.program_id(0) // heads).to(tl.int64)
     h = (tl.program_id(0) % heads).to(tl.int64)
     j = tl.arange(0, BLOCK_N)
@@ -41,6 +44,17 @@ def _settle_kernel(
     total = tl.load(norms_ptr + b * n_sb + h * n_sh)
     seen = tl.load(norms_ptr + n_sw + b * n_sb + h * n_sh)
     first_real = tl.load(first_real_ptr + b)
+    if EVICT:
+        if VISIBLE_ON_DEVICE:
+            first_visible = tl.load(visible_ptr)
+        gone = (kept >= 0) & (kept < first_visible)
+        if ring == 0:  # a linear buffer: the slot is still the token's, made positive again (see `outliers.evict`)
+            slot = kept - offset
+            mine = gone & (slot >= 0) & (slot < slots)
+            at = scale_ptr + slot * s_st
+            tl.store(at, tl.load(at, mask=mine, other=0) & ~sign, mask=mine)
+        kept = tl.where(gone, -1, kept)
+        scores = tl.where(gone, float("-inf"), scores)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     for i in range(candidates):  # (64-bit offsets: a prompt's candidates may pass 2^31 elements)
@@ -60,9 +74,9 @@ def _settle_kernel(
         if valid & (score > weakest):
             old = tl.sum(tl.where(j == slot, kept, 0), axis=0)
             if old >= 0:
-                at = scale_ptr + (old - offset) * s_st
+                at = scale_ptr + _slot(old, offset, ring) * s_st
                 tl.store(at, tl.load(at) & ~sign)
-            at = scale_ptr + (t - offset) * s_st
+            at = scale_ptr + _slot(t, offset, ring) * s_st
             tl.store(at, tl.load(at) | sign)
             kept = tl.where(j == slot, t, kept)
             scores = tl.where(j == slot, score, scores)
@@ -75,25 +89,36 @@ def _settle_kernel(
     tl.store(norms_ptr + n_sw + b * n_sb + h * n_sh, seen)
 
 
+@triton.jit
+def _slot(t, offset, ring):
+    return tl.where(ring > 0, t % tl.maximum(ring, 1), t - offset)
+
+
 def settle(
-    outliers: OutlierSet, positions: torch.Tensor | int, candidates: torch.Tensor, first_real: torch.Tensor
-) -> None:
+    outliers: OutlierSet, positions: torch.Tensor | int, candidates: torch.Tensor, first_real: torch.Tensor,
+    first_visible: int | torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """`outliers.settle` in one launch (the same set, the same numbers; a tie with the weakest score keeps it)."""
-    launch_all([plan_settle(outliers, positions, candidates, first_real)], candidates.device)
+    launch_all([plan_settle(outliers, positions, candidates, first_real, first_visible)], candidates.device)
 
 
 def plan_settle(
-    outliers: OutlierSet, positions: torch.Tensor | int, candidates: torch.Tensor, first_real: torch.Tensor
-) -> Launch:
+    outliers: OutlierSet, positions: torch.Tensor | int, candidates: torch.Tensor, first_real: torch.Tensor,
+    first_visible: int | torch.Tensor | None = None,
+) -> Launch:  # fmt: skip
     """The launch of `settle`."""
-    kv, kept, scores, norms, scales, offset = outliers
+    kv, kept, scores, norms, scales, offset, ring = outliers
     _, batch, heads, n, head_dim = candidates.shape
     if candidates.stride(-1) != 1 or kv.stride(-1) != 1 or kept.stride(-1) != 1 or scores.stride(-1) != 1:
         raise ValueError("outlier candidates and buffers need contiguous channels and slots")
     count, consecutive = kept.shape[-1], isinstance(positions, int)
+    on_device = isinstance(first_visible, torch.Tensor)
     return Launch(_settle_kernel, (batch * heads,), (
         candidates, first_real if consecutive else positions, first_real, kv, kept, scores, norms, scales,
+        first_visible.reshape(1) if on_device else first_real,
         *candidates.stride()[:4], *kv.stride()[:4], *kept.stride()[:2], *scores.stride()[:2], *norms.stride(),
-        *scales.stride(), heads, n, count, head_dim, offset, positions if consecutive else 0,
+        *scales.stride(), heads, n, count, head_dim, offset, ring, scales.shape[-1], positions if consecutive else 0,
+        0 if on_device or first_visible is None else first_visible,
     ), dict(BLOCK_N=next_power_of_2(count), BLOCK_D=next_power_of_2(head_dim), SCALE_BITS=8 * scales.element_size(),
-            CONSECUTIVE=consecutive, num_warps=1))  # fmt: skip
+            CONSECUTIVE=consecutive, EVICT=first_visible is not None, VISIBLE_ON_DEVICE=on_device,
+            num_warps=1))  # fmt: skip

@@ -10,11 +10,12 @@ from hf_fp8kv.kernels import outliers, triton_outliers
 BATCH, HEADS, HEAD_DIM, SLOTS = 2, 3, 24, 96
 
 
-def empty_set(count: int, dtype: torch.dtype, scale_dtype: torch.dtype, offset: int, generator) -> outliers.OutlierSet:
+def empty_set(count: int, dtype: torch.dtype, scale_dtype: torch.dtype, offset: int, generator,
+              ring: int = 0) -> outliers.OutlierSet:  # fmt: skip
     scales = (torch.rand(BATCH, HEADS, SLOTS + 5, generator=generator) + 0.1).to(scale_dtype)[..., 3 : 3 + SLOTS]
     return outliers.OutlierSet(
         torch.zeros(2, BATCH, HEADS, count, HEAD_DIM, dtype=dtype), torch.full((BATCH, HEADS, count), -1),
-        torch.full((BATCH, HEADS, count), -math.inf), torch.zeros(2, BATCH, HEADS), scales, offset,
+        torch.full((BATCH, HEADS, count), -math.inf), torch.zeros(2, BATCH, HEADS), scales, offset, ring,
     )  # fmt: skip
 
 
@@ -47,6 +48,14 @@ CASES = [
     dict(sizes=[50, 1, 1], count=3, dtype=torch.bfloat16, scale_dtype=torch.bfloat16, offset=11),
     dict(sizes=[20, 20, 1], count=5, dtype=torch.float16, invalid=True),
     dict(sizes=[30, 1], count=16, scale_dtype=torch.bfloat16),
+]
+# sliding layers: kept tokens a window behind leave the set (a linear buffer's scales made positive again, a ring's
+# left as they are), on the host or read from the device
+WINDOW_CASES = [
+    dict(sizes=[30, 1, 1, 1, 1, 1, 1, 1, 1, 9, 1], count=4, window=12, offset=3),
+    # (a ring's slots hold the window's coded tokens: no two kept tokens share one)
+    dict(sizes=[30, 1, 1, 1, 1, 1, 1, 1, 1, 9, 1], count=4, window=12, ring=40, scale_dtype=torch.bfloat16),
+    dict(sizes=[30, 1, 1, 1, 5, 1], count=3, window=10, on_device=True, invalid=True),
 ]
 
 
@@ -84,18 +93,26 @@ def test_settle_keeps_the_best_scores_and_marks_their_key_scales(case):
     assert torch.equal(kept.key_scales.abs(), magnitudes)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + WINDOW_CASES, ids=str)
 def test_triton_settle_matches_the_torch_one(case):
     """The same sets, K/V, scores (to fp32 rounding of the norms), running sums and key scales (bit for bit), for
     positions given one by one or as the first of consecutive ones."""
     dtype, scale_dtype, offset = case.get("dtype", torch.float32), case.get("scale_dtype", torch.float32), case.get("offset", 0)
-    sets = [empty_set(case["count"], dtype, scale_dtype, offset, torch.Generator().manual_seed(0)) for _ in range(2)]
+    sets = [empty_set(case["count"], dtype, scale_dtype, offset, torch.Generator().manual_seed(0), case.get("ring", 0))
+            for _ in range(2)]  # fmt: skip
     first_real = torch.tensor([offset + 5, offset])
+    end = offset
     for positions, kv in updates(case["sizes"], dtype, offset, torch.Generator().manual_seed(1), case.get("invalid", False)):
+        end += kv.shape[3]  # (the update's first query, at end - n, sees the last `window` tokens)
+        first_visible = end - kv.shape[3] - case["window"] + 1 if "window" in case else None
+        if case.get("on_device"):
+            first_visible = torch.tensor(first_visible)
         if not case.get("invalid"):  # consecutive tokens, as a dynamic cache stages them: their first position
             positions = int(positions[0])
-        outliers.settle(sets[0], positions, kv, first_real)
-        triton_outliers.settle(sets[1], positions, kv, first_real)
+        outliers.settle(sets[0], positions, kv, first_real, first_visible)
+        triton_outliers.settle(sets[1], positions, kv, first_real, first_visible)
+        if first_visible is not None:
+            assert ((sets[0].positions < 0) | (sets[0].positions >= first_visible)).all()
         for torch_kept, triton_kept in zip(*map(as_sets, sets)):
             assert set(torch_kept) == set(triton_kept)
             for position, (values, score) in torch_kept.items():
@@ -103,6 +120,23 @@ def test_triton_settle_matches_the_torch_one(case):
                 assert triton_kept[position][1] == pytest.approx(score, rel=1e-5)
         torch.testing.assert_close(sets[1].norms, sets[0].norms, rtol=1e-6, atol=0)
         assert torch.equal(sets[1].key_scales, sets[0].key_scales)
+
+
+@pytest.mark.parametrize("ring", [0, 16])
+def test_evict_forgets_tokens_out_of_the_window(ring):
+    """A linear buffer's evicted tokens get positive scales again (a crop may show them again); a ring's slots are
+    left alone (a later token may hold them)."""
+    generator = torch.Generator().manual_seed(0)
+    kept = empty_set(4, torch.float32, torch.float32, 0, generator, ring)
+    for positions, kv in updates([60], torch.float32, 0, generator):
+        outliers.settle(kept, positions, kv, torch.zeros(BATCH, dtype=torch.int64))
+    before, scales = kept.positions.clone(), kept.key_scales.clone()
+    outliers.evict(kept, 30)
+    assert torch.equal(kept.positions, torch.where(before < 30, -1, before))
+    gone = before[before < 30]
+    restored = kept.key_scales.flatten(0, 1).gather(-1, (before % ring if ring else before).flatten(0, 1))
+    assert ((restored > 0) == (before < 30).flatten(0, 1) if not ring else restored == scales.flatten(0, 1).gather(
+        -1, (before % ring).flatten(0, 1))).all() and len(gone)  # fmt: skip
 
 
 def test_drop_from_forgets_later_tokens_and_restores_their_scales():
