@@ -92,9 +92,9 @@ class OutlierTracker:
             return
         # (a decode step's one leaving token: one copy, the staging's only op)
         pieces = [recent.narrow(3, slot, stop - first) for first, stop, slot in ring_pieces(recent_start, min(coded, end), slots)]
-        if coded > end:
+        if coded > end:  # (stacked: a copy already)
             pieces.append(torch.stack((key[:, :, : coded - end], value[:, :, : coded - end])))
-        kv = pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=3)
+        kv = torch.cat(pieces, dim=3) if len(pieces) > 1 else pieces[0] if coded > end else pieces[0].clone()
         self.pending = Candidates(recent_start, kv, n)
 
     def settle(self, layer) -> None:

@@ -40,7 +40,8 @@ def settle(
     got codes, `candidates` `[2, batch, kv_heads, n, head_dim]` their exact keys and values: those of row b at or
     after `first_real[b]` (its first token past padding and sinks) with a finite norm join the running mean and the
     race; the set becomes the best N of it and them. The kept tokens' key scales end negative, every other one's
-    that was kept positive again. `first_visible` (sliding layers): kept tokens before it leave the set first."""
+    that was kept positive again. `first_visible` (sliding layers): kept tokens before it leave the set first, and
+    candidates before it (gone from the window, maybe from the buffer) never enter."""
     if first_visible is not None:
         evict(outliers, first_visible)
     keys = candidates[0]
@@ -48,6 +49,8 @@ def settle(
         positions = torch.arange(positions, positions + keys.shape[2], device=keys.device)
     norms = keys.float().abs().sum(-1)  # [batch, kv_heads, n]
     valid = (positions >= 0) & (positions[None, :] >= first_real[:, None])
+    if first_visible is not None:
+        valid = valid & (positions >= first_visible)
     valid = valid[:, None, :] & norms.isfinite()
     added = torch.where(valid, norms, 0.0)
     # the running sums in the order the Triton kernel adds: the total so far, then each candidate

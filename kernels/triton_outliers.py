@@ -66,6 +66,8 @@ def _settle_kernel(
         key = tl.load(cand_ptr + row + d, mask=d_ok, other=0.0)
         norm = tl.sum(tl.abs(key.to(tl.float32)), axis=0)
         valid = (t >= 0) & (t >= first_real) & (norm < float("inf"))  # (NaN compares False)
+        if EVICT:
+            valid = valid & (t >= first_visible)
         total = tl.where(valid, total + norm, total)
         seen = tl.where(valid, seen + 1.0, seen)
         score = -norm * seen / tl.maximum(total, 1e-30)

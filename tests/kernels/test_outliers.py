@@ -56,6 +56,8 @@ WINDOW_CASES = [
     # (a ring's slots hold the window's coded tokens: no two kept tokens share one)
     dict(sizes=[30, 1, 1, 1, 1, 1, 1, 1, 1, 9, 1], count=4, window=12, ring=40, scale_dtype=torch.bfloat16),
     dict(sizes=[30, 1, 1, 1, 5, 1], count=3, window=10, on_device=True, invalid=True),
+    # candidates already out of the window (a dynamic sliding layer whose recent tokens outnumber its window): never in
+    dict(sizes=[30, 1, 1, 9, 1], count=3, lag=5, offset=2),
 ]
 
 
@@ -105,6 +107,8 @@ def test_triton_settle_matches_the_torch_one(case):
     for positions, kv in updates(case["sizes"], dtype, offset, torch.Generator().manual_seed(1), case.get("invalid", False)):
         end += kv.shape[3]  # (the update's first query, at end - n, sees the last `window` tokens)
         first_visible = end - kv.shape[3] - case["window"] + 1 if "window" in case else None
+        if "lag" in case:
+            first_visible = end - case["lag"]
         if case.get("on_device"):
             first_visible = torch.tensor(first_visible)
         if not case.get("invalid"):  # consecutive tokens, as a dynamic cache stages them: their first position
