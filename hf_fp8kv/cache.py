@@ -241,7 +241,8 @@ class QuantizedFP8Cache(Cache):
                         "source": scales.source,
                         "k_scale": scales.describe("key"),
                         "v_scale": scales.describe("value"),
-                        "recent+sinks": f"{layer.recent_tokens}+{layer.sink_tokens}",
+                        "recent+sinks": f"{layer.recent_tokens}+{layer.sink_tokens}"
+                        + (f" +{layer.outlier_tokens} outliers" if layer.outlier_tokens else ""),
                         "bytes": layer.nbytes,
                         "clipped": int(layer.clipped.sum().item()),
                         "non-finite": int(layer.nonfinite.sum().item()),

@@ -185,6 +185,7 @@ def test_outlier_buffers_count_in_the_bytes_held():
             model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
     per_layer = 2 * 2 * 2 * 3 * 16 * 4 + 2 * 2 * 3 * (8 + 4) + 2 * 2 * 2 * 4  # K/V, positions + scores, norms
     assert caches[1].nbytes == caches[0].nbytes + 2 * per_layer
+    assert [row["recent+sinks"] for row in caches[1].summary()] == ["4+2 +3 outliers"] * 2
 
 
 @pytest.mark.parametrize("settings", [dict(kv_cache_dtype="fp8_e5m2"), dict(kv_cache_dtype="int8_per_token_head"),
