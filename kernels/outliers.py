@@ -64,7 +64,7 @@ def settle(
     best, index = score.topk(min(count, score.shape[-1]), dim=-1)
     if keys.device.type == "cpu" and not torch.compiler.is_compiling() and score.shape[-1]:
         # on the CPU (op-dispatch bound) a step whose token enters no set ends here: most steps, once the sets
-        # are full
+        # are full (SmolLM2, 300 decode steps at 600-900 tokens, one thread: 1.23x -> 1.19x the default's time)
         if not bool((best[..., 0] > outliers.scores.amin(-1)).any()):
             return
     new_positions = torch.where(best > -math.inf, positions[index], -1)
