@@ -38,6 +38,43 @@ class Candidates(NamedTuple):
     value: torch.Tensor
 
 
+class KeptSet(NamedTuple):
+    """Outlier sets of `[rows, kv_heads]`: their tokens' K/V `[2, rows, kv_heads, count, D]`, positions
+    `[rows, kv_heads, count]` (-1: an empty slot), scores `[rows, kv_heads, count]` (-inf: empty), and the running
+    sum and count of the key norms `[2, rows, kv_heads]` (fp32)."""
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+    norms: torch.Tensor
+
+
+def judge(kept: KeptSet, t: torch.Tensor, valid: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> KeptSet:
+    """The sets `kept` after the candidates, in position order: tokens `t` `[rows, n]` (`valid` `[rows, n]`: those
+    that enter; padding and sinks do not), their exact `key` / `value` `[rows, kv_heads, n, D]`. Each candidate's
+    score is `-|k|_1` over the running mean of its row's entered norms up to it; the new sets are the top `count`
+    of the old ones and the candidates (ties arbitrary)."""
+    count = kept.positions.shape[-1]
+    norms = key.float().abs().sum(-1)  # [rows, kv_heads, n]
+    valid = valid[:, None, :] & norms.isfinite()
+    kept_norms = torch.where(valid, norms, 0.0)
+    running_sum = kept.norms[0, :, :, None] + kept_norms.cumsum(-1)
+    running_count = kept.norms[1, :, :, None] + valid.cumsum(-1)
+    score = torch.where(valid, -norms * running_count / running_sum.clamp_min(1e-30), -math.inf)
+    totals = torch.stack((kept.norms[0] + kept_norms.sum(-1), kept.norms[1] + valid.sum(-1)))
+
+    best, index = score.topk(min(count, score.shape[-1]), dim=-1)
+    positions = torch.where(best > -math.inf, t[:, None, :].expand_as(score).gather(-1, index), -1)
+    picked = index[..., None].expand(-1, -1, -1, key.shape[-1])
+    new_kv = torch.stack((key.gather(2, picked), value.gather(2, picked))).to(kept.kv.dtype)
+    all_score = torch.cat((kept.scores, best), dim=-1)
+    all_pos = torch.cat((kept.positions, positions.to(kept.positions.dtype)), dim=-1)
+    all_kv = torch.cat((kept.kv, new_kv), dim=3)
+    score, index = all_score.topk(count, dim=-1)
+    kv = all_kv.gather(3, index[None, ..., None].expand(2, -1, -1, -1, key.shape[-1]))
+    return KeptSet(kv, all_pos.gather(-1, index), score, totals)
+
+
 class OutlierTracker:
     """The outlier tokens of one layer (`count` per row and KV head; 0: none)."""
 
@@ -94,29 +131,12 @@ class OutlierTracker:
         if pending is None:
             return
         t, key, value = pending
-        norms = key.float().abs().sum(-1)  # [batch, kv_heads, n]
         first_real = layer.sink_start + layer.sink_tokens  # padding and sinks never enter ([batch])
         valid = (t >= 0) & (t[None, :] >= first_real[:, None])
-        valid = valid[:, None, :] & norms.isfinite()
-        kept_norms = torch.where(valid, norms, 0.0)
-        running_sum = layer.outlier_norms[0, :, :, None] + kept_norms.cumsum(-1)
-        running_count = layer.outlier_norms[1, :, :, None] + valid.cumsum(-1)
-        score = torch.where(valid, -norms * running_count / running_sum.clamp_min(1e-30), -math.inf)
-        layer.outlier_norms[0] += kept_norms.sum(-1)
-        layer.outlier_norms[1] += valid.sum(-1)
-
-        best, index = score.topk(min(self.count, score.shape[-1]), dim=-1)
-        positions = torch.where(best > -math.inf, t[index], -1)
-        picked = index[..., None].expand(-1, -1, -1, key.shape[-1])
-        new_kv = torch.stack((key.gather(2, picked), value.gather(2, picked))).to(layer.outlier_kv.dtype)
-        all_score = torch.cat((layer.outlier_score[0], best), dim=-1)
-        all_pos = torch.cat((layer.outlier_pos[0], positions), dim=-1)
-        all_kv = torch.cat((layer.outlier_kv, new_kv), dim=3)
-        score, index = all_score.topk(self.count, dim=-1)
+        kept = KeptSet(layer.outlier_kv, layer.outlier_pos[0], layer.outlier_score[0], layer.outlier_norms)
         old_pos = layer.outlier_pos[0].clone()
-        layer.outlier_score[0] = score
-        layer.outlier_pos[0] = all_pos.gather(-1, index)
-        layer.outlier_kv.copy_(all_kv.gather(3, index[None, ..., None].expand(2, -1, -1, -1, key.shape[-1])))
+        for now, new in zip(kept, judge(kept, t.expand(valid.shape), valid, key, value)):
+            now.copy_(new)
         mark(layer.scale[0], old_pos, layer.slot_of, negative=False)
         mark(layer.scale[0], layer.outlier_pos[0], layer.slot_of, negative=True)
 
