@@ -349,8 +349,8 @@ def test_sink_rows_come_from_a_live_or_kept_request_with_the_same_first_tokens()
     those kept at release (as many prompts as slots, least recently used first out), else none (its codes)."""
     slots = RequestSlots(recent=2, sinks=2, slots=2)
     rows = torch.zeros(2 * 4, 2, 1, 1)
-    slots.add_layer(rows, 4)
-    slots.add_layer(torch.zeros(2 * 2, 2, 1, 1), 2)  # a sliding layer: no sink rows
+    slots.add_layer(rows, sinks=2)
+    slots.add_layer(torch.zeros(2 * 2, 2, 1, 1), sinks=0)  # a sliding layer: no sink rows
 
     def computed(request_id: str, tokens: list[int], value: float) -> None:
         """Admit a request at position 0 and run its first step (its sink rows: `value`)."""
