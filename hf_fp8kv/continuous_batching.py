@@ -666,7 +666,8 @@ class FP8PagesMixin:
         read before their rows are reused, `[2, kv_heads, tokens, head_dim]`."""
         sinks = self.settings.sink_rows(layer_idx)
         step = self.slots.group(self.index, sinks, lambda past, new: self.get_seqlen_k(past, new) - new,
-                                states.device, self.place if self.store_once else None)  # fmt: skip
+                                states.device, self.place if self.store_once else None,
+                                self.settings.outlier_rows(layer_idx))  # fmt: skip
         layer = self.recent_rows[layer_idx]
         rows = layer.rows
         leaving = rows.index_select(0, step.evicted).permute(1, 2, 0, 3) if self.store_once else None

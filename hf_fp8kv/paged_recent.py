@@ -241,17 +241,19 @@ class RequestSlots:
         held = self.held.get(request_id)
         return past if held is None or held.first is None else held.first
 
-    def group(self, index: int, sinks: int, keys_read, device: torch.device, place=None) -> GroupStep:
+    def group(self, index: int, sinks: int, keys_read, device: torch.device, place=None,
+              outliers: int = 0) -> GroupStep:  # fmt: skip
         """This step's reads and writes in the rows of group `index` (`sinks`: its sink tokens, 0 for sliding
         layers; `keys_read(past, new)`: the cached keys it reads; `place(request_id, positions)`: the page rows of
-        a request's positions, for a group storing each token once, else None)."""
+        a request's positions, for a group storing each token once, else None; `outliers`: its outlier tokens per
+        KV head, in rows after the sink rows)."""
         step = self.groups.get(index)
         if step is None:
-            step = self.groups[index] = self._group_step(sinks, keys_read, device, place)
+            step = self.groups[index] = self._group_step(sinks, outliers, keys_read, device, place)
         return step
 
-    def _group_step(self, sinks: int, keys_read, device: torch.device, place) -> GroupStep:
-        per_slot, recent = self.recent + sinks, self.recent
+    def _group_step(self, sinks: int, outliers: int, keys_read, device: torch.device, place) -> GroupStep:
+        per_slot, recent = self.recent + sinks + outliers, self.recent
         columns = ([], [], [], [])
         sources, targets = [], []
         evicted, coded, evicted_targets, coded_targets = [], [], [], []
