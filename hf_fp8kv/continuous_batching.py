@@ -17,6 +17,8 @@ beside its pages (`paged_recent.py`; a request over a prefix from the prefix cac
 earlier request with the same ones). Its full-attention pages then store each token once: a token's page row is
 written when it leaves the recent ones, and a block whose tokens are all recent is `VIRTUAL_BLOCK`, which takes
 nothing from the pool (`FP8FullAttentionAllocator`): a request holds `recent_tokens // page_size` fewer blocks.
+With `outlier_tokens`, each request also keeps, per full-attention layer and KV head, that many of its coded tokens
+exact beside them (`paged_recent.SlotOutliers`), chosen as `QuantizedFP8Cache` chooses them.
 
 These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
 sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the

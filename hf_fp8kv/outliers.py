@@ -13,9 +13,12 @@ it). Every coded token keeps its codes; a kept one's key scale is stored negated
 - `outlier_score` `[1, batch, kv_heads, count]` fp32 (-inf when empty) and `outlier_norms` `[2, batch, kv_heads]`
   fp32 (the running sum and count of the key norms).
 
-The candidates are gathered in `stage`, before the write overwrites the recent slots they leave, and judged in
-`settle`, once the attention mask has told the sink tracker where each row's real tokens begin (padding and sink
-tokens never enter). Everything is device tensor ops of fixed shapes: no host sync (static caches, CUDA graphs).
+`judge` is the rule itself, over kept sets of any rows: continuous batching's request slots call it too
+(`paged_recent.SlotOutliers`; there the pages, which requests share, are not marked: the attention compares each
+token's position with the kept ones). The candidates are gathered in `stage`, before the write overwrites the
+recent slots they leave, and judged in `settle`, once the attention mask has told the sink tracker where each
+row's real tokens begin (padding and sink tokens never enter). Everything is device tensor ops of fixed shapes: no
+host sync (static caches, CUDA graphs).
 """
 
 from __future__ import annotations

@@ -31,10 +31,9 @@ request taking a slot starts with an empty set (one starting past position 0 too
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-
-import math
 from typing import NamedTuple
 
 import torch
@@ -56,6 +55,16 @@ class Held:
     end: int = 0
 
 
+class OutlierCandidates(NamedTuple):
+    """A step's outlier candidates of one group, per request with some: slots int64 `[requests]`, their indices
+    among the tokens encoded (`GroupStep.evicted`, then `coded`) int64 `[requests, n]`, and positions int64
+    `[requests, n]` (in order; -1 pads)."""
+
+    slots: torch.Tensor
+    index: torch.Tensor
+    positions: torch.Tensor
+
+
 class SlotOutliers:
     """One layer's outlier tokens of every slot: their K/V in the slot rows `rows` (`[slots, outliers, 2, kv_heads,
     head_dim]`, a view), positions int32 `[slots, kv_heads, outliers]` (-1: empty), scores fp32 (-inf: empty), and
@@ -69,6 +78,7 @@ class SlotOutliers:
         self.norms = torch.zeros(2, slots, kv_heads, device=rows.device)
 
     def clear(self, slot: int) -> None:
+        """Slot `slot`'s set made empty (its rows are then never read)."""
         self.positions[slot] = -1
         self.scores[slot] = -math.inf
         self.norms[:, slot] = 0
@@ -78,7 +88,7 @@ class SlotOutliers:
         self.positions[target], self.scores[target] = self.positions[source], self.scores[source]
         self.norms[:, target] = self.norms[:, source]
 
-    def judge(self, candidates: "Candidates", states: torch.Tensor, sinks: int) -> None:
+    def judge(self, candidates: OutlierCandidates, states: torch.Tensor, sinks: int) -> None:
         """Update the sets of the candidates' slots with them (`states` `[2, kv_heads, tokens, head_dim]`: the
         exact K/V the candidates index; tokens before `sinks` never enter)."""
         slots, index, positions = candidates
@@ -102,16 +112,6 @@ class LayerRows:
     outliers: SlotOutliers | None
 
 
-class Candidates(NamedTuple):
-    """A step's outlier candidates of one group, per request with some: slots int64 `[requests]`, their indices
-    among the tokens encoded (`GroupStep.evicted`, then `coded`) int64 `[requests, n]`, and positions int64
-    `[requests, n]` (in order; -1 pads)."""
-
-    slots: torch.Tensor
-    index: torch.Tensor
-    positions: torch.Tensor
-
-
 @dataclass(frozen=True)
 class GroupStep:
     """What the requests of one step read and write in the rows of one layer group (an allocator)."""
@@ -125,7 +125,7 @@ class GroupStep:
     evicted: torch.Tensor
     coded: torch.Tensor
     code_targets: torch.Tensor
-    candidates: Candidates | None = None  # (outlier tokens) the tokens encoded, per request
+    candidates: OutlierCandidates | None = None  # (outlier tokens) the tokens encoded, per request
 
 
 class RequestSlots:
@@ -291,7 +291,7 @@ class RequestSlots:
                          candidates)  # fmt: skip
 
     @staticmethod
-    def _candidates(judged: list, evicted: int, device: torch.device) -> Candidates:
+    def _candidates(judged: list, evicted: int, device: torch.device) -> OutlierCandidates:
         """The outlier candidates of a step, each request's padded to the most (`evicted`: the tokens leaving the
         ring, encoded before the coded ones)."""
         width = max(len(positions) for *_, positions in judged)
@@ -300,7 +300,7 @@ class RequestSlots:
         for row, (entries, (*_, positions)) in enumerate(zip(index, judged)):
             table[:, row, : len(entries)] = torch.tensor([entries, positions])
         slots = torch.tensor([slot for slot, *_ in judged])
-        return Candidates(slots.to(device, non_blocking=True), *table.to(device, non_blocking=True))
+        return OutlierCandidates(slots.to(device, non_blocking=True), *table.to(device, non_blocking=True))
 
     def fork(self, parent: str, children: list[str]) -> list[str]:
         """Give forked `children` slots holding a copy of `parent`'s rows; returns the children that got one (the

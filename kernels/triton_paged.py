@@ -11,8 +11,8 @@ of one page when the page size allows it (`page_tile_tokens`): one physical inde
 channels as 16-byte vectors along the tokens; this step's keys from the new rows after them. A request's recent
 and sink tokens held in the model's dtype (`paged.RecentRows`) are left out of the codes' loops and read after
 them, in the same online softmax, as the dense kernel reads its recent and sink buffers; so are its outlier tokens,
-left out of the codes' tiles by their positions. A decode step of few long
-requests is split over the keys (flash-decoding), its partial results merged by `triton_attention`'s reduce.
+left out of the codes' tiles by their positions. A decode step of few long requests is split over the keys
+(flash-decoding), its partial results merged by `triton_attention`'s reduce.
 """
 
 from __future__ import annotations
