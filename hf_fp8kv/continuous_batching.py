@@ -219,6 +219,11 @@ def enable(
     resolved = resolve_settings(model.config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers,
                                 backend=backend, recent_tokens=recent_tokens, sink_tokens=sink_tokens,
                                 rotate=rotate, outlier_tokens=outlier_tokens)  # fmt: skip
+    if resolved.outlier_tokens and not resolved.recent_tokens:
+        raise ValueError(
+            f"outlier_tokens={outlier_tokens} on FP8 pages needs recent_tokens > 0: a request's outlier tokens are "
+            "chosen as its tokens leave the recent ones, which pure FP8 pages do not hold"
+        )
     layouts = {
         i: RowLayout(resolved.fmt if resolved.stored(i) else None, resolved.stored(i) and resolved.scales[i].per_token,
                      resolved.kv_heads, resolved.head_dim, model.dtype, getattr(resolved.scales.get(i), "key_channel", None),

@@ -767,6 +767,10 @@ def test_bad_input_errors(monkeypatch):
         cb.enable(model, scales="dynamic", recent_tokens=-4)
     with pytest.raises(ValueError, match="rotate=True with static scales"):
         cb.enable(model, scales=0.05, rotate=True)
+    with pytest.raises(ValueError, match=r"outlier_tokens=4 needs per-token scales \(scales='dynamic'\)"):
+        cb.enable(model, scales=0.05, outlier_tokens=4)
+    with pytest.raises(ValueError, match="outlier_tokens=4 on FP8 pages needs recent_tokens"):
+        cb.enable(model, scales="dynamic", recent_tokens=0, sink_tokens=2, outlier_tokens=4)
     with pytest.raises(ValueError, match="max_requests=0"):
         cb.enable(model, scales="dynamic", max_requests=0)
     with pytest.raises(ValueError, match="skip_layers"):
