@@ -295,10 +295,12 @@ class RequestSlots:
         """The outlier candidates of a step, each request's padded to the most (`evicted`: the tokens leaving the
         ring, encoded before the coded ones)."""
         width = max(len(positions) for *_, positions in judged)
-        index = [[*left, *(evicted + i for i in arrived)] for _, left, arrived, _ in judged]
-        table = torch.full((2, len(judged), width), -1, dtype=torch.int64)
-        for row, (entries, (*_, positions)) in enumerate(zip(index, judged)):
-            table[:, row, : len(entries)] = torch.tensor([entries, positions])
+
+        def padded(row: list[int]) -> list[int]:
+            return row + [-1] * (width - len(row))
+
+        index = [padded([*left, *(evicted + i for i in arrived)]) for _, left, arrived, _ in judged]
+        table = torch.tensor([index, [padded(positions) for *_, positions in judged]], dtype=torch.int64)
         slots = torch.tensor([slot for slot, *_ in judged])
         return OutlierCandidates(slots.to(device, non_blocking=True), *table.to(device, non_blocking=True))
 
