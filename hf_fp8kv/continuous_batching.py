@@ -162,9 +162,11 @@ class PagedSettings:
         """Bytes of one request's recent, sink and outlier tokens, every layer, with one prompt's kept sink tokens
         (a request slot's share of `paged_recent.RequestSlots.kept`) and its outlier sets' positions, scores and
         norm sums (4 bytes each)."""
-        return sum(2 * (self.held_rows(i) + self.sink_rows(i)) * layout.kv_heads * layout.head_dim
-                   * layout.dtype.itemsize + 4 * layout.kv_heads * (2 * self.outlier_rows(i) + 2)
-                   * bool(self.outlier_rows(i)) for i, layout in self.layouts.items())  # fmt: skip
+        rows = sum(2 * (self.held_rows(i) + self.sink_rows(i)) * layout.kv_heads * layout.head_dim
+                   * layout.dtype.itemsize for i, layout in self.layouts.items())  # fmt: skip
+        sets = sum(4 * layout.kv_heads * (2 * self.outlier_rows(i) + 2) for i, layout in self.layouts.items()
+                   if self.outlier_rows(i))  # fmt: skip
+        return rows + sets
 
     def requests_in(self, memory: int) -> int:
         """Requests in flight at once under a KV memory setting of `memory` bytes: `max_requests`, else as many
@@ -611,12 +613,12 @@ class FP8PagesMixin:
         self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i in quantized}
         self.fixed_scales = {i: self.settings.fixed_scales[i].to(device) for i in quantized if i in self.settings.fixed_scales}
         # per layer: each slot's recent, sink and outlier tokens, [slots * held rows, 2 (K, V), kv_heads, head_dim]
-        self.recent_rows: dict[int, LayerRows] = {}
+        self.slot_rows: dict[int, LayerRows] = {}
         for i, layout in zip(self.layer_indices, self.layouts):
             if self.slots is not None and self.settings.held_rows(i):
                 shape = (self.slots.slots * self.settings.held_rows(i), 2, layout.kv_heads, layout.head_dim)
                 rows = torch.zeros(shape, dtype=layout.dtype, device=device)
-                self.recent_rows[i] = self.slots.add_layer(rows, self.settings.sink_rows(i),
+                self.slot_rows[i] = self.slots.add_layer(rows, self.settings.sink_rows(i),
                                                            self.settings.outlier_rows(i))  # fmt: skip
 
     def get_cache_for_block_table(self, layer_idx: int):
@@ -630,7 +632,7 @@ class FP8PagesMixin:
         request's keys, which the Triton kernel's split rule reads)."""
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
         recent = None
-        if layer_idx in self.recent_rows:
+        if layer_idx in self.slot_rows:
             recent, step, leaving = self._write_recent(states, layer_idx)
         if self.store_once:
             rows = self._encode_once(states, leaving, step, layer_idx)
@@ -660,7 +662,7 @@ class FP8PagesMixin:
                                device=states.device)  # fmt: skip
         if step.code_targets.numel():
             encoded = torch.cat((leaving, states.index_select(2, step.coded)), dim=2)
-            outliers = self.recent_rows[layer_idx].outliers
+            outliers = self.slot_rows[layer_idx].outliers
             if outliers is not None:  # judged before the attention reads them, as on the dense cache
                 outliers.judge(step.candidates, encoded, self.settings.sink_rows(layer_idx))
             rows = self._encode(encoded, layer_idx, step.code_targets)
@@ -675,7 +677,7 @@ class FP8PagesMixin:
         step = self.slots.group(self.index, sinks, lambda past, new: self.get_seqlen_k(past, new) - new,
                                 states.device, self.place if self.store_once else None,
                                 self.settings.outlier_rows(layer_idx))  # fmt: skip
-        layer = self.recent_rows[layer_idx]
+        layer = self.slot_rows[layer_idx]
         rows = layer.rows
         leaving = rows.index_select(0, step.evicted).permute(1, 2, 0, 3) if self.store_once else None
         if step.sources.numel():
@@ -755,7 +757,7 @@ class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
         positions = range(encoded, (virtual[0] + len(blocks)) * size)
         index = torch.tensor(self.place(request_id, positions), dtype=torch.int64).to(self.cache_tensor.device)
         for layer_idx in self.layer_indices:
-            rows = self.recent_rows[layer_idx].rows
+            rows = self.slot_rows[layer_idx].rows
             ring = self.slots.ring_rows(request_id, positions, self.settings.held_rows(layer_idx))
             states = rows[torch.tensor(ring, device=rows.device)].permute(1, 2, 0, 3).contiguous()
             self._encode(states, layer_idx, index)
