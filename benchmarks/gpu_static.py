@@ -117,7 +117,7 @@ class Case:
     page_size: int = 256  # paged: tokens per page (transformers' default; not a multiple of 16: read token by token)
     sliding: int = 0  # paged: a sliding layer's window (its ring of slots); 0: a full-attention layer
     rotate: bool = False  # rotated codes (`QuantizedFP8Cache(rotate=True)`)
-    outliers: int = 0  # outlier tokens per KV head (`QuantizedFP8Cache(outlier_tokens=...)`; dense caches)
+    outliers: int = 0  # outlier tokens per KV head (`outlier_tokens`; paged: per request), beside the held ones
 
     @property
     def name(self) -> str:
@@ -132,6 +132,7 @@ class Case:
         if self.kind == "paged":
             shape = f"{self.batch} req q{self.q_len} ctx{self.context}"
             held = f" recent {self.recent}+{self.sinks}" if self.recent or self.sinks else ""
+            held += f" outliers {self.outliers}" if self.outliers else ""
             held += f" page{self.page_size}" if self.page_size != 256 else ""
             held += f" sliding {self.sliding}" if self.sliding else ""
             return f"{dtype} d{self.head_dim} gqa{self.group} {scales}{held} paged {shape}"
@@ -220,10 +221,14 @@ def every_case(quick: bool = False) -> list[Case]:
         Case("prefill", q_len=500, context=500, per_token=True), *write[2:],
         *(case for case in paged if case.per_token and not case.sliding),
     )]  # fmt: skip
-    # outlier tokens (issue 35): the default window with 16 more exact tokens per head, left out of the codes by
-    # their negated key scales
+    # outlier tokens (issue 35): 16 per KV head beside the default window (dense: left out of the codes by their
+    # negated key scales; paged: by their positions), whose paged cases without them come too
     outliers = [dataclasses.replace(case, outliers=16) for case in (*window[:4], window[6])]
     outliers += [Case("settle", outliers=16, q_len=n) for n in (1, 500)]
+    default_paged = [dataclasses.replace(case, recent=128, sinks=4) for case in paged
+                     if case.per_token and case.recent and not case.sliding]  # fmt: skip
+    outliers += [case for case in default_paged if case not in paged]
+    outliers += [dataclasses.replace(case, outliers=16) for case in default_paged]
     return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers
 
 
@@ -315,10 +320,12 @@ def plan_paged(
     static = None if case.per_token else tuple(torch.ones(case.kv_heads, device=device) for _ in range(2))
     recent = None
     if case.recent or case.sinks:
-        rows = torch.empty(case.batch * (case.recent + case.sinks), 2, case.kv_heads, case.head_dim, dtype=dtype,
-                           device=device)  # fmt: skip
+        rows = torch.empty(case.batch * (case.recent + case.sinks + case.outliers), 2, case.kv_heads, case.head_dim,
+                           dtype=dtype, device=device)  # fmt: skip
         requests = torch.empty(4, case.batch, dtype=torch.int32, device=device)
-        recent = paged.RecentRows(rows, case.recent, case.sinks, requests, ([],) * 4)
+        positions = torch.empty(case.batch, case.kv_heads, case.outliers, dtype=torch.int32, device=device)
+        recent = paged.RecentRows(rows, case.recent, case.sinks, requests, ([],) * 4, case.outliers,
+                                  positions if case.outliers else None)  # fmt: skip
     geometry = paged.PageGeometry(3 * 2 * case.page_size * row_bytes, bytes_per_block, LAYERS * 2 * case.page_size,
                                   case.page_size)  # fmt: skip
     _, attend = triton_paged.plan_paged_attention(
@@ -623,7 +630,7 @@ def tile_bytes(case: Case, tokens: int) -> int:
 def split_tiles(case: Case, block_n: int) -> tuple[int, int]:
     """The tiles of codes of a decode step of `case`, and its recent and sink tokens' in codes' bytes, as the split
     rule counts them."""
-    held = -(-(case.recent + case.sinks) * getattr(torch, case.dtype).itemsize // block_n)
+    held = -(-(case.recent + case.sinks + case.outliers) * getattr(torch, case.dtype).itemsize // block_n)
     return -(-(case.context - case.recent) // block_n), held
 
 

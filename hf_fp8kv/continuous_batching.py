@@ -17,6 +17,8 @@ beside its pages (`paged_recent.py`; a request over a prefix from the prefix cac
 earlier request with the same ones). Its full-attention pages then store each token once: a token's page row is
 written when it leaves the recent ones, and a block whose tokens are all recent is `VIRTUAL_BLOCK`, which takes
 nothing from the pool (`FP8FullAttentionAllocator`): a request holds `recent_tokens // page_size` fewer blocks.
+With `outlier_tokens`, each request also keeps, per full-attention layer and KV head, that many of its coded tokens
+exact beside them (`paged_recent.SlotOutliers`), chosen as `QuantizedFP8Cache` chooses them.
 
 These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
 sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the
@@ -66,7 +68,7 @@ from hf_fp8kv.cache import QuantizedFP8Cache
 from hf_fp8kv.kernels.formats import StorageFormat
 from hf_fp8kv.kernels.ops import backend_for
 from hf_fp8kv.kernels.paged import PageGeometry, RecentRows, RowLayout
-from hf_fp8kv.paged_recent import RequestSlots
+from hf_fp8kv.paged_recent import LayerRows, RequestSlots
 from hf_fp8kv.scales import ScalesArg
 from hf_fp8kv.settings import check_count, resolve_settings
 
@@ -126,6 +128,7 @@ class PagedSettings:
     sink_tokens: int = 0
     sliding_layers: frozenset[int] = frozenset()
     max_requests: int | None = None  # requests in flight at once (None: from the memory, see `requests_in`)
+    outlier_tokens: int = 0  # per KV head, coded tokens kept exact too (`paged_recent.SlotOutliers`)
 
     def block_bytes(self, layers: Iterable[int], page_size: int) -> int:
         """Bytes of one block of `layers`: one page of K and V per layer."""
@@ -135,9 +138,19 @@ class PagedSettings:
         """Sink tokens a request holds in `layer` (none on sliding layers or a layer kept in the model dtype)."""
         return 0 if self.layouts[layer].fmt is None or layer in self.sliding_layers else self.sink_tokens
 
+    def outlier_rows(self, layer: int) -> int:
+        """Outlier tokens a request holds in `layer`: on the full-attention layers when their pages store each
+        token once (a sliding layer's window drops old tokens, as on the dense cache; without recent tokens, or
+        with a full-attention layer kept in the model dtype, no token gets codes in a known step)."""
+        full = self.layouts[layer].fmt is not None and layer not in self.sliding_layers
+        return self.outlier_tokens if full and self.stores_once() else 0
+
     def held_rows(self, layer: int) -> int:
-        """Rows a request holds in `layer` for its recent and sink tokens (none on a layer kept in the model dtype)."""
-        return 0 if self.layouts[layer].fmt is None else self.recent_tokens + self.sink_rows(layer)
+        """Rows a request holds in `layer` for its recent, sink and outlier tokens (none on a layer kept in the
+        model dtype)."""
+        if self.layouts[layer].fmt is None:
+            return 0
+        return self.recent_tokens + self.sink_rows(layer) + self.outlier_rows(layer)
 
     def stores_once(self) -> bool:
         """Whether the full-attention pages store each token once (recent tokens held, and no full-attention layer
@@ -146,10 +159,14 @@ class PagedSettings:
         return self.recent_tokens > 0 and bool(full) and all(self.layouts[i].fmt is not None for i in full)
 
     def request_bytes(self) -> int:
-        """Bytes of one request's recent and sink tokens, every layer, with one prompt's kept sink tokens (a
-        request slot's share of `paged_recent.RequestSlots.kept`)."""
-        return sum(2 * (self.held_rows(i) + self.sink_rows(i)) * layout.kv_heads * layout.head_dim
+        """Bytes of one request's recent, sink and outlier tokens, every layer, with one prompt's kept sink tokens
+        (a request slot's share of `paged_recent.RequestSlots.kept`) and its outlier sets' positions, scores and
+        norm sums (4 bytes each)."""
+        rows = sum(2 * (self.held_rows(i) + self.sink_rows(i)) * layout.kv_heads * layout.head_dim
                    * layout.dtype.itemsize for i, layout in self.layouts.items())  # fmt: skip
+        sets = sum(4 * layout.kv_heads * (2 * self.outlier_rows(i) + 2) for i, layout in self.layouts.items()
+                   if self.outlier_rows(i))  # fmt: skip
+        return rows + sets
 
     def requests_in(self, memory: int) -> int:
         """Requests in flight at once under a KV memory setting of `memory` bytes: `max_requests`, else as many
@@ -172,13 +189,16 @@ def enable(
     sink_tokens: int | None = None,
     max_requests: int | None = None,
     rotate: bool = False,
+    outlier_tokens: int | None = None,
 ) -> PagedSettings:
     """Make `model.generate_batch(...)` and `model.init_continuous_batching(...)` store K/V pages in FP8.
 
     The arguments are `QuantizedFP8Cache`'s (`kv_cache_dtype`, `scales`, `skip_layers`, `backend`,
-    `recent_tokens`, `sink_tokens`, `rotate`; None: its default): each request keeps its newest and first tokens in
-    the model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is pure FP8, as vLLM serves it; `rotate`:
-    the pages' codes hold the keys and values times a Hadamard matrix (rotated codes).
+    `recent_tokens`, `sink_tokens`, `rotate`, `outlier_tokens`; None: its default): each request keeps its newest
+    and first tokens in the model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is pure FP8, as vLLM
+    serves it; `rotate`: the pages' codes hold the keys and values times a Hadamard matrix (rotated codes);
+    `outlier_tokens`: per layer and KV head, that many coded tokens of each request kept exact too
+    (`hf_fp8kv/outliers.py`'s rule; per-token scales; full-attention layers whose pages store each token once).
     `max_requests`: requests in flight at once, each holding its recent and sink tokens (default: as many as an
     eighth of the KV memory holds; others wait, as for pages). Calling `enable` again replaces the settings;
     `disable(model)` restores transformers' own pages. Returns the resolved settings.
@@ -186,6 +206,7 @@ def enable(
     check_transformers_version()
     recent_tokens = dense_default("recent_tokens") if recent_tokens is None else recent_tokens
     sink_tokens = dense_default("sink_tokens") if sink_tokens is None else sink_tokens
+    outlier_tokens = dense_default("outlier_tokens") if outlier_tokens is None else outlier_tokens
     if max_requests is not None:
         max_requests = check_count("max_requests", max_requests, minimum=1)
     disable(model)  # enabling again starts from transformers' own state
@@ -199,7 +220,12 @@ def enable(
     groups = group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
     resolved = resolve_settings(model.config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers,
                                 backend=backend, recent_tokens=recent_tokens, sink_tokens=sink_tokens,
-                                rotate=rotate)  # fmt: skip
+                                rotate=rotate, outlier_tokens=outlier_tokens)  # fmt: skip
+    if resolved.outlier_tokens and not resolved.recent_tokens:
+        raise ValueError(
+            f"outlier_tokens={outlier_tokens} on FP8 pages needs recent_tokens > 0: a request's outlier tokens are "
+            "chosen as its tokens leave the recent ones, which pure FP8 pages do not hold"
+        )
     layouts = {
         i: RowLayout(resolved.fmt if resolved.stored(i) else None, resolved.stored(i) and resolved.scales[i].per_token,
                      resolved.kv_heads, resolved.head_dim, model.dtype, getattr(resolved.scales.get(i), "key_channel", None),
@@ -208,7 +234,8 @@ def enable(
     }  # fmt: skip
     fixed = {i: torch.stack((scheme.key, scheme.value)) for i, scheme in resolved.scales.items() if not scheme.per_token}
     settings = PagedSettings(resolved.fmt, layouts, fixed, resolved.backend, implementation, resolved.recent_tokens,
-                             resolved.sink_tokens, frozenset(groups.get(SLIDING_ATTENTION, ())), max_requests)
+                             resolved.sink_tokens, frozenset(groups.get(SLIDING_ATTENTION, ())), max_requests,
+                             resolved.outlier_tokens)  # fmt: skip
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
     setattr(model, SETTINGS_ATTRIBUTE, settings)
@@ -433,7 +460,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             memory = continuous_batching_config.num_blocks * self.block_bytes
         slots = settings.requests_in(memory)
         self.held_bytes = slots * settings.request_bytes()
-        self.request_slots = RequestSlots(settings.recent_tokens, settings.sink_tokens, slots) if slots else None
+        self.request_slots = RequestSlots(settings.recent_tokens, settings.sink_tokens, slots,
+                                          settings.outlier_tokens) if slots else None  # fmt: skip
         per_layer_page = types.SimpleNamespace(get_bytes_per_page=lambda *_: math.ceil(self.block_bytes / num_layers))
         allocators = {
             FULL_ATTENTION: functools.partial(FP8FullAttentionAllocator, settings, self.request_slots),
@@ -544,7 +572,8 @@ class FP8PagedAttentionCache(PagedAttentionCache):
                 "storage": layout.fmt.name if layout.fmt else f"skipped ({layout.dtype})",
                 "scales": ("per-token-head" if layout.per_token else "per-head") if layout.fmt else "-",
                 "row_bytes": layout.nbytes,
-                "recent+sinks": self.settings.held_rows(i),
+                "recent+sinks": self.settings.held_rows(i) - self.settings.outlier_rows(i),
+                "outliers": self.settings.outlier_rows(i),
                 "clipped": int(counts[:, 0].sum()) if counts is not None else 0,
                 "non-finite": int(counts[:, 1].sum()) if counts is not None else 0,
             })  # fmt: skip
@@ -583,13 +612,14 @@ class FP8PagesMixin:
         # per layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed over every write
         self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i in quantized}
         self.fixed_scales = {i: self.settings.fixed_scales[i].to(device) for i in quantized if i in self.settings.fixed_scales}
-        # per layer: each slot's recent and sink tokens, [slots * held rows, 2 (K, V), kv_heads, head_dim]
-        self.recent_rows: dict[int, torch.Tensor] = {}
+        # per layer: each slot's recent, sink and outlier tokens, [slots * held rows, 2 (K, V), kv_heads, head_dim]
+        self.slot_rows: dict[int, LayerRows] = {}
         for i, layout in zip(self.layer_indices, self.layouts):
             if self.slots is not None and self.settings.held_rows(i):
                 shape = (self.slots.slots * self.settings.held_rows(i), 2, layout.kv_heads, layout.head_dim)
-                self.recent_rows[i] = torch.zeros(shape, dtype=layout.dtype, device=device)
-                self.slots.add_layer(self.recent_rows[i], self.settings.held_rows(i))
+                rows = torch.zeros(shape, dtype=layout.dtype, device=device)
+                self.slot_rows[i] = self.slots.add_layer(rows, self.settings.sink_rows(i),
+                                                           self.settings.outlier_rows(i))  # fmt: skip
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("FP8 pages have no block-table view: they are read through read indices")
@@ -602,7 +632,7 @@ class FP8PagesMixin:
         request's keys, which the Triton kernel's split rule reads)."""
         states = torch.stack((key[0], value[0]))  # [2, kv_heads, q, head_dim]
         recent = None
-        if layer_idx in self.recent_rows:
+        if layer_idx in self.slot_rows:
             recent, step, leaving = self._write_recent(states, layer_idx)
         if self.store_once:
             rows = self._encode_once(states, leaving, step, layer_idx)
@@ -632,6 +662,9 @@ class FP8PagesMixin:
                                device=states.device)  # fmt: skip
         if step.code_targets.numel():
             encoded = torch.cat((leaving, states.index_select(2, step.coded)), dim=2)
+            outliers = self.slot_rows[layer_idx].outliers
+            if outliers is not None:  # judged before the attention reads them, as on the dense cache
+                outliers.judge(step.candidates, encoded, self.settings.sink_rows(layer_idx))
             rows = self._encode(encoded, layer_idx, step.code_targets)
             new_rows.index_copy_(0, step.coded, rows[step.evicted.numel() :])
         return new_rows
@@ -642,13 +675,15 @@ class FP8PagesMixin:
         read before their rows are reused, `[2, kv_heads, tokens, head_dim]`."""
         sinks = self.settings.sink_rows(layer_idx)
         step = self.slots.group(self.index, sinks, lambda past, new: self.get_seqlen_k(past, new) - new,
-                                states.device, self.place if self.store_once else None)  # fmt: skip
-        rows = self.recent_rows[layer_idx]
+                                states.device, self.place if self.store_once else None,
+                                self.settings.outlier_rows(layer_idx))  # fmt: skip
+        layer = self.slot_rows[layer_idx]
+        rows = layer.rows
         leaving = rows.index_select(0, step.evicted).permute(1, 2, 0, 3) if self.store_once else None
         if step.sources.numel():
             new = states.permute(2, 0, 1, 3)  # [q, 2, kv_heads, head_dim]
             rows.index_copy_(0, step.targets, new.index_select(0, step.sources).to(rows.dtype))
-        return self.slots.rows_of(step, rows, sinks), step, leaving
+        return self.slots.rows_of(step, layer, sinks), step, leaving
 
 
 class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
@@ -722,7 +757,7 @@ class FP8FullAttentionAllocator(FP8PagesMixin, FullAttentionCacheAllocator):
         positions = range(encoded, (virtual[0] + len(blocks)) * size)
         index = torch.tensor(self.place(request_id, positions), dtype=torch.int64).to(self.cache_tensor.device)
         for layer_idx in self.layer_indices:
-            rows = self.recent_rows[layer_idx]
+            rows = self.slot_rows[layer_idx].rows
             ring = self.slots.ring_rows(request_id, positions, self.settings.held_rows(layer_idx))
             states = rows[torch.tensor(ring, device=rows.device)].permute(1, 2, 0, 3).contiguous()
             self._encode(states, layer_idx, index)

@@ -21,16 +21,25 @@ found: its sink tokens are read from their codes). Its other tokens before that 
 (A request back from a CPU swap starts past 0 too: swapping is on only where no group stores each token once, the
 newest tokens being in no page.) Slots are taken when transformers' scheduler first admits a request (`admit`: none
 free, the request waits as for pages) and given back with its blocks.
+
+Outlier tokens (`outlier_tokens`, `hf_fp8kv/outliers.py`'s rule) follow the slot too, on the layers of a group
+storing each token once: per KV head, the `outliers` coded tokens of best score, in rows after the sink rows, with
+their positions, scores and running norm sums (`SlotOutliers`). The candidates are exactly the tokens getting
+codes in a step (`GroupStep.evicted` and `coded`), judged per request in position order before the attention. A
+request taking a slot starts with an empty set (one starting past position 0 too: its prefix is read from codes).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from hf_fp8kv.kernels.paged import RecentRows
+from hf_fp8kv.kernels.outliers import KeptSet, judge
 
 
 @dataclass
@@ -46,14 +55,61 @@ class Held:
     end: int = 0
 
 
+class OutlierCandidates(NamedTuple):
+    """A step's outlier candidates of one group, per request with some: slots int64 `[requests]`, their indices
+    among the tokens encoded (`GroupStep.evicted`, then `coded`) int64 `[requests, n]`, and positions int64
+    `[requests, n]` (in order; -1 pads)."""
+
+    slots: torch.Tensor
+    index: torch.Tensor
+    positions: torch.Tensor
+
+
+class SlotOutliers:
+    """One layer's outlier tokens of every slot: their K/V in the slot rows `rows` (`[slots, outliers, 2, kv_heads,
+    head_dim]`, a view), positions int32 `[slots, kv_heads, outliers]` (-1: empty), scores fp32 (-inf: empty), and
+    the running sum and count of the key norms fp32 `[2, slots, kv_heads]`."""
+
+    def __init__(self, rows: torch.Tensor):
+        slots, count, _, kv_heads, _ = rows.shape
+        self.rows = rows
+        self.positions = torch.full((slots, kv_heads, count), -1, dtype=torch.int32, device=rows.device)
+        self.scores = torch.full((slots, kv_heads, count), -math.inf, device=rows.device)
+        self.norms = torch.zeros(2, slots, kv_heads, device=rows.device)
+
+    def clear(self, slot: int) -> None:
+        """Slot `slot`'s set made empty (its rows are then never read)."""
+        self.positions[slot] = -1
+        self.scores[slot] = -math.inf
+        self.norms[:, slot] = 0
+
+    def copy(self, source: int, target: int) -> None:
+        """Slot `target`'s set becomes a copy of `source`'s (its rows are copied with the slot's)."""
+        self.positions[target], self.scores[target] = self.positions[source], self.scores[source]
+        self.norms[:, target] = self.norms[:, source]
+
+    def judge(self, candidates: OutlierCandidates, states: torch.Tensor, sinks: int) -> None:
+        """Update the sets of the candidates' slots with them (`states` `[2, kv_heads, tokens, head_dim]`: the
+        exact K/V the candidates index; tokens before `sinks` never enter)."""
+        slots, index, positions = candidates
+        kv = states.index_select(2, index.clamp_min(0).flatten()).unflatten(2, index.shape).transpose(1, 2)
+        kept = KeptSet(self.rows[slots].permute(2, 0, 3, 1, 4), self.positions[slots], self.scores[slots],
+                       self.norms[:, slots])  # fmt: skip
+        new = judge(kept, positions, positions >= sinks, kv)
+        self.rows[slots] = new.kv.permute(1, 3, 0, 2, 4)
+        self.positions[slots], self.scores[slots], self.norms[:, slots] = new.positions, new.scores, new.norms
+
+
 @dataclass(frozen=True)
 class LayerRows:
-    """One layer's rows of every slot `[slots * per_slot, 2, kv_heads, head_dim]` and, on a layer with sink
-    tokens, the kept sink rows `[kept prompts * sinks, 2, kv_heads, head_dim]`."""
+    """One layer's rows of every slot `[slots * per_slot, 2, kv_heads, head_dim]` (recent, sink, then outlier
+    rows), on a layer with sink tokens the kept sink rows `[kept prompts * sinks, 2, kv_heads, head_dim]`, and on
+    one with outlier tokens their sets."""
 
     rows: torch.Tensor
     per_slot: int
     kept: torch.Tensor | None
+    outliers: SlotOutliers | None
 
 
 @dataclass(frozen=True)
@@ -69,13 +125,15 @@ class GroupStep:
     evicted: torch.Tensor
     coded: torch.Tensor
     code_targets: torch.Tensor
+    candidates: OutlierCandidates | None = None  # (outlier tokens) the tokens encoded, per request
 
 
 class RequestSlots:
-    """The slots of one cache: `slots` requests at a time hold their `recent` newest and `sinks` first tokens."""
+    """The slots of one cache: `slots` requests at a time hold their `recent` newest and `sinks` first tokens, and
+    per KV head `outliers` outlier tokens (layers of a group storing each token once)."""
 
-    def __init__(self, recent: int, sinks: int, slots: int):
-        self.recent, self.sinks, self.slots = recent, sinks, slots
+    def __init__(self, recent: int, sinks: int, slots: int, outliers: int = 0):
+        self.recent, self.sinks, self.slots, self.outliers = recent, sinks, slots, outliers
         self.free = list(range(slots - 1, -1, -1))
         self.held: dict[str, Held] = {}
         self.layers: list[LayerRows] = []
@@ -85,10 +143,15 @@ class RequestSlots:
         self.step: list[tuple[str, int, int]] = []
         self.groups: dict[int, GroupStep] = {}
 
-    def add_layer(self, rows: torch.Tensor, per_slot: int) -> None:
-        """Register a layer's slot rows (with room for `slots` prompts' kept sink rows when it holds sink tokens)."""
-        kept = rows.new_zeros(self.slots * self.sinks, *rows.shape[1:]) if per_slot > self.recent else None
-        self.layers.append(LayerRows(rows, per_slot, kept))
+    def add_layer(self, rows: torch.Tensor, sinks: int, outliers: int = 0) -> LayerRows:
+        """Register a layer's slot rows, of `sinks` sink and `outliers` outlier tokens (with room for `slots`
+        prompts' kept sink rows when it holds sink tokens)."""
+        per_slot = self.recent + sinks + outliers
+        kept = rows.new_zeros(self.slots * self.sinks, *rows.shape[1:]) if sinks else None
+        held = rows.view(self.slots, per_slot, *rows.shape[1:])[:, self.recent + sinks :] if outliers else None
+        layer = LayerRows(rows, per_slot, kept, SlotOutliers(held) if outliers else None)
+        self.layers.append(layer)
+        return layer
 
     def admit(self, request_id: str, tokens: list[int], past: int) -> bool:
         """Give `request_id` (`tokens`: its first ones; `past`: the position it starts at) a slot unless it holds
@@ -100,6 +163,8 @@ class RequestSlots:
             return False
         key = tuple(tokens[: self.sinks]) if self.sinks and len(tokens) >= self.sinks else None
         held = self.held[request_id] = Held(self.free.pop(), key)
+        for layer in self._outlier_layers():  # (an empty set, whoever held the slot)
+            layer.outliers.clear(held.slot)
         if past and key is not None:
             held.sinks = self._take_sinks(held)
         return True
@@ -146,6 +211,9 @@ class RequestSlots:
     def _sink_layers(self) -> list[LayerRows]:
         return [layer for layer in self.layers if layer.kept is not None]
 
+    def _outlier_layers(self) -> list[LayerRows]:
+        return [layer for layer in self.layers if layer.outliers is not None]
+
     def release_all(self) -> None:
         self.held.clear()
         self.free = list(range(self.slots - 1, -1, -1))
@@ -173,20 +241,23 @@ class RequestSlots:
         held = self.held.get(request_id)
         return past if held is None or held.first is None else held.first
 
-    def group(self, index: int, sinks: int, keys_read, device: torch.device, place=None) -> GroupStep:
+    def group(self, index: int, sinks: int, keys_read, device: torch.device, place=None,
+              outliers: int = 0) -> GroupStep:  # fmt: skip
         """This step's reads and writes in the rows of group `index` (`sinks`: its sink tokens, 0 for sliding
         layers; `keys_read(past, new)`: the cached keys it reads; `place(request_id, positions)`: the page rows of
-        a request's positions, for a group storing each token once, else None)."""
+        a request's positions, for a group storing each token once, else None; `outliers`: its outlier tokens per
+        KV head, in rows after the sink rows)."""
         step = self.groups.get(index)
         if step is None:
-            step = self.groups[index] = self._group_step(sinks, keys_read, device, place)
+            step = self.groups[index] = self._group_step(sinks, outliers, keys_read, device, place)
         return step
 
-    def _group_step(self, sinks: int, keys_read, device: torch.device, place) -> GroupStep:
-        per_slot, recent = self.recent + sinks, self.recent
+    def _group_step(self, sinks: int, outliers: int, keys_read, device: torch.device, place) -> GroupStep:
+        per_slot, recent = self.recent + sinks + outliers, self.recent
         columns = ([], [], [], [])
         sources, targets = [], []
         evicted, coded, evicted_targets, coded_targets = [], [], [], []
+        judged = []  # (outlier tokens) per request: slot, indices among the evicted, among the coded, positions
         query_row = 0
         for request_id, past, new in self.step:
             held = self.held[request_id]
@@ -195,6 +266,9 @@ class RequestSlots:
             if place is not None:  # the ring's tokens now older than the recent ones, and the new ones already so
                 leaving = range(max(held.first, past - recent), min(recent_start, past))
                 arriving = range(past, min(recent_start, end))
+                if self.outliers and (leaving or arriving):
+                    judged.append((held.slot, range(len(evicted), len(evicted) + len(leaving)),
+                                   range(len(coded), len(coded) + len(arriving)), [*leaving, *arriving]))  # fmt: skip
                 evicted += self.ring_rows(request_id, leaving, per_slot)
                 coded += [query_row + position - past for position in arriving]
                 evicted_targets += place(request_id, leaving)
@@ -212,7 +286,23 @@ class RequestSlots:
         lists = (sources, targets, evicted, coded, evicted_targets + coded_targets)
         index = torch.tensor([i for part in lists for i in part], dtype=torch.int64).to(device, non_blocking=True)
         parts = index.split([len(part) for part in lists])
-        return GroupStep(torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True), columns, *parts)
+        candidates = self._candidates(judged, len(evicted), device) if judged else None
+        return GroupStep(torch.tensor(columns, dtype=torch.int32).to(device, non_blocking=True), columns, *parts,
+                         candidates)  # fmt: skip
+
+    @staticmethod
+    def _candidates(judged: list, evicted: int, device: torch.device) -> OutlierCandidates:
+        """The outlier candidates of a step, each request's padded to the most (`evicted`: the tokens leaving the
+        ring, encoded before the coded ones)."""
+        width = max(len(positions) for *_, positions in judged)
+
+        def padded(row: list[int]) -> list[int]:
+            return row + [-1] * (width - len(row))
+
+        index = [padded([*left, *(evicted + i for i in arrived)]) for _, left, arrived, _ in judged]
+        table = torch.tensor([index, [padded(positions) for *_, positions in judged]], dtype=torch.int64)
+        slots = torch.tensor([slot for slot, *_ in judged])
+        return OutlierCandidates(slots.to(device, non_blocking=True), *table.to(device, non_blocking=True))
 
     def fork(self, parent: str, children: list[str]) -> list[str]:
         """Give forked `children` slots holding a copy of `parent`'s rows; returns the children that got one (the
@@ -224,6 +314,8 @@ class RequestSlots:
             for layer in self.layers:
                 source, target = held.slot * layer.per_slot, self.held[child].slot * layer.per_slot
                 layer.rows[target : target + layer.per_slot] = layer.rows[source : source + layer.per_slot]
+                if layer.outliers is not None:
+                    layer.outliers.copy(held.slot, self.held[child].slot)
         return forked
 
     def ring_rows(self, request_id: str, positions: range, per_slot: int) -> list[int]:
@@ -231,6 +323,9 @@ class RequestSlots:
         base = self.held[request_id].slot * per_slot
         return [base + position % self.recent for position in positions]
 
-    def rows_of(self, step: GroupStep, rows: torch.Tensor, sinks: int) -> RecentRows:
+    def rows_of(self, step: GroupStep, layer: LayerRows, sinks: int) -> RecentRows:
         """One layer's `RecentRows` for this step."""
-        return RecentRows(rows, self.recent, sinks, step.requests, step.host)
+        if layer.outliers is None:
+            return RecentRows(layer.rows, self.recent, sinks, step.requests, step.host)
+        outliers = layer.outliers.positions
+        return RecentRows(layer.rows, self.recent, sinks, step.requests, step.host, outliers.shape[-1], outliers)

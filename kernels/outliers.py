@@ -32,6 +32,52 @@ class OutlierSet(NamedTuple):
     ring: int = 0
 
 
+class KeptSet(NamedTuple):
+    """Outlier sets of `[rows, kv_heads]`: their tokens' K/V `[2, rows, kv_heads, N, head_dim]`, positions `[rows,
+    kv_heads, N]` (-1: empty), scores `[rows, kv_heads, N]` (-inf: empty), running sum and count of the key norms
+    `[2, rows, kv_heads]` (fp32). The dense cache's sets (`OutlierSet`) and continuous batching's request slots'
+    (`paged_recent.SlotOutliers`, whose pages requests share: not marked, the attention compares positions)."""
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+    norms: torch.Tensor
+
+
+def judge(kept: KeptSet, positions: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor) -> KeptSet:
+    """The sets `kept` after the candidates, in position order: tokens `positions` `[rows, n]` (`valid` `[rows, n]`:
+    those that may enter), their exact K/V `candidates` `[2, rows, kv_heads, n, head_dim]`; the new sets are the
+    best N of the old ones and the candidates (ties arbitrary)."""
+    score, norms = _scores(kept.norms, valid, candidates[0])
+    return _merge(kept._replace(norms=norms), positions, score, candidates)
+
+
+def _scores(norms: torch.Tensor, valid: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each candidate's score `-|k|_1 / mean` (-inf where not `valid` `[rows, n]` or its norm is not finite), and
+    the running sum and count of the norms after them."""
+    key_norms = keys.float().abs().sum(-1)  # [rows, kv_heads, n]
+    valid = valid[:, None, :] & key_norms.isfinite()
+    added = torch.where(valid, key_norms, 0.0)
+    # the running sums in the order the Triton kernel adds: the total so far, then each candidate
+    running_sum = torch.cat((norms[0, :, :, None], added), -1).cumsum(-1)
+    running_count = torch.cat((norms[1, :, :, None], valid.float()), -1).cumsum(-1)
+    score = torch.where(valid, -key_norms * running_count[..., 1:] / running_sum[..., 1:].clamp_min(1e-30), -math.inf)
+    return score, torch.stack((running_sum[..., -1], running_count[..., -1]))
+
+
+def _merge(kept: KeptSet, positions: torch.Tensor, score: torch.Tensor, candidates: torch.Tensor) -> KeptSet:
+    count, head_dim = kept.positions.shape[-1], candidates.shape[-1]
+    best, index = score.topk(min(count, score.shape[-1]), dim=-1)
+    new_positions = torch.where(best > -math.inf, positions[:, None, :].expand_as(score).gather(-1, index), -1)
+    picked = candidates.gather(3, index[None, ..., None].expand(2, -1, -1, -1, head_dim))
+    all_scores = torch.cat((kept.scores, best), dim=-1)
+    all_positions = torch.cat((kept.positions, new_positions.to(kept.positions.dtype)), dim=-1)
+    all_kv = torch.cat((kept.kv, picked.to(kept.kv.dtype)), dim=3)
+    scores, index = all_scores.topk(count, dim=-1)
+    kv = all_kv.gather(3, index[None, ..., None].expand(2, -1, -1, -1, head_dim))
+    return KeptSet(kv, all_positions.gather(-1, index), scores, kept.norms)
+
+
 def settle(
     outliers: OutlierSet, positions: torch.Tensor | int, candidates: torch.Tensor, first_real: torch.Tensor,
     first_visible: int | torch.Tensor | None = None,
@@ -39,44 +85,29 @@ def settle(
     """Judge the tokens at `positions` `[n]` (-1: none; in order; an int: the first of n consecutive ones) that just
     got codes, `candidates` `[2, batch, kv_heads, n, head_dim]` their exact keys and values: those of row b at or
     after `first_real[b]` (its first token past padding and sinks) with a finite norm join the running mean and the
-    race; the set becomes the best N of it and them. The kept tokens' key scales end negative, every other one's
-    that was kept positive again. `first_visible` (sliding layers): kept tokens before it leave the set first, and
-    candidates before it (gone from the window, maybe from the buffer) never enter."""
+    race (`judge`). The kept tokens' key scales end negative, every other one's that was kept positive again.
+    `first_visible` (sliding layers): kept tokens before it leave the set first, and candidates before it (gone
+    from the window, maybe from the buffer) never enter."""
     if first_visible is not None:
         evict(outliers, first_visible)
     keys = candidates[0]
     if isinstance(positions, int):
         positions = torch.arange(positions, positions + keys.shape[2], device=keys.device)
-    norms = keys.float().abs().sum(-1)  # [batch, kv_heads, n]
     valid = (positions >= 0) & (positions[None, :] >= first_real[:, None])
     if first_visible is not None:
         valid = valid & (positions >= first_visible)
-    valid = valid[:, None, :] & norms.isfinite()
-    added = torch.where(valid, norms, 0.0)
-    # the running sums in the order the Triton kernel adds: the total so far, then each candidate
-    running_sum = torch.cat((outliers.norms[0, :, :, None], added), -1).cumsum(-1)[..., 1:]
-    running_count = outliers.norms[1, :, :, None] + valid.cumsum(-1)
-    score = torch.where(valid, -norms * running_count / running_sum.clamp_min(1e-30), -math.inf)
-    outliers.norms[0] = running_sum[..., -1] if running_sum.shape[-1] else outliers.norms[0]
-    outliers.norms[1] = running_count[..., -1] if running_count.shape[-1] else outliers.norms[1]
-
-    count = outliers.positions.shape[-1]
-    best, index = score.topk(min(count, score.shape[-1]), dim=-1)
+    score, norms = _scores(outliers.norms, valid, keys)
+    outliers.norms.copy_(norms)
     if keys.device.type == "cpu" and not torch.compiler.is_compiling() and score.shape[-1]:
         # on the CPU (op-dispatch bound) a step whose token enters no set ends here: most steps, once the sets
         # are full (SmolLM2, 300 decode steps at 600-900 tokens, one thread: 1.23x -> 1.19x the default's time)
-        if not bool((best[..., 0] > outliers.scores.amin(-1)).any()):
+        if not bool((score.amax(-1) > outliers.scores.amin(-1)).any()):
             return
-    new_positions = torch.where(best > -math.inf, positions[index], -1)
-    picked = candidates.gather(3, index[None, ..., None].expand(2, -1, -1, -1, candidates.shape[-1]))
-    all_scores = torch.cat((outliers.scores, best), dim=-1)
-    all_positions = torch.cat((outliers.positions, new_positions), dim=-1)
-    all_kv = torch.cat((outliers.kv, picked.to(outliers.kv.dtype)), dim=3)
-    kept, index = all_scores.topk(count, dim=-1)
+    kept = KeptSet(outliers.kv, outliers.positions, outliers.scores, outliers.norms)
+    new = _merge(kept, positions.expand(valid.shape), score, candidates)
     old_positions = outliers.positions.clone()
-    outliers.scores.copy_(kept)
-    outliers.positions.copy_(all_positions.gather(-1, index))
-    outliers.kv.copy_(all_kv.gather(3, index[None, ..., None].expand(2, -1, -1, -1, candidates.shape[-1])))
+    for now, then in zip(kept[:3], new[:3]):
+        now.copy_(then)
     mark(outliers, old_positions, negative=False)
     mark(outliers, outliers.positions, negative=True)
 

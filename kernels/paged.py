@@ -19,11 +19,12 @@ request's rows are gathered, decoded and attended in turn, never the whole cache
 
 With recent and sink tokens (`RecentRows`), each request also holds its newest and first tokens in the model's
 dtype beside its pages, and those keys are read from there instead of from their codes, as the dense cache reads
-its recent and sink buffers.
+its recent and sink buffers; so are its outlier tokens, per KV head (the pages, which requests share through the
+prefix cache, are not marked: the kept tokens' positions say which codes not to read).
 
 Rotated codes (`RowLayout.rotate`): the codes hold each token's keys and values times a Hadamard matrix
 (`rotation.py`), as the dense cache's do; they are rotated back when decoded. The held recent and sink tokens stay
-as they came.
+as they came (outlier tokens too).
 """
 
 from __future__ import annotations
@@ -128,12 +129,15 @@ class PageGeometry:
 
 @dataclass(frozen=True)
 class RecentRows:
-    """One layer's recent and sink tokens in the model's dtype, per request, beside its pages.
+    """One layer's recent, sink and outlier tokens in the model's dtype, per request, beside its pages.
 
-    `rows` `[slots * (recent + sinks), 2 (K, V), kv_heads, head_dim]`: the request holding slot s keeps its token
-    at position t at row `s * (recent + sinks) + t % recent` while t is among its newest `recent` tokens, and its
-    sink token t (t < `sinks`) at row `s * (recent + sinks) + recent + t`. `requests` (int32 `[4, requests]`, on
-    the rows' device; `host`: the same as lists) gives, per request of the step: its slot, its sink tokens held
+    `rows` `[slots * per_slot, 2 (K, V), kv_heads, head_dim]`, `per_slot = recent + sinks + outliers`: the request
+    holding slot s keeps its token at position t at row `s * per_slot + t % recent` while t is among its newest
+    `recent` tokens, its sink token t (t < `sinks`) at row `s * per_slot + recent + t`, and per KV head h its
+    outlier tokens (coded tokens kept exact too, `hf_fp8kv/outliers.py`'s rule) at rows `s * per_slot + recent +
+    sinks + i`, head h's token at position `outlier_pos[s, h, i]` (int32 `[slots, kv_heads, outliers]`, -1: an
+    empty slot; its codes are in the pages too, read from these rows instead). `requests` (int32 `[4, requests]`,
+    on the rows' device; `host`: the same as lists) gives, per request of the step: its slot, its sink tokens held
     (keys `[0, count)` are read from the sink rows; full-attention layers only), the position from which keys are
     read from the recent rows, and the position of its first key (sliding layers read from their window's start).
     """
@@ -143,18 +147,29 @@ class RecentRows:
     sinks: int
     requests: torch.Tensor
     host: tuple[list[int], list[int], list[int], list[int]]
+    outliers: int = 0
+    outlier_pos: torch.Tensor | None = None
+
+    @property
+    def per_slot(self) -> int:
+        return self.recent + self.sinks + self.outliers
 
     def lay_over(self, kv: torch.Tensor, request: int, as_held: Callable = torch.Tensor.float) -> None:
         """Replace, in request `request`'s decoded keys and values `kv` (`[2, kv_heads, keys, head_dim]`), the
-        codes of its held recent and sink tokens by their model-dtype rows (`as_held` of them)."""
+        codes of its held recent, sink and outlier tokens by their model-dtype rows (`as_held` of them)."""
         slot, sinks, recent_start, key_start = (column[request] for column in self.host)
-        base, keys = slot * (self.recent + self.sinks), kv.shape[2]
+        base, keys = slot * self.per_slot, kv.shape[2]
         if sinks:  # (full-attention layers only: their keys start at position 0)
             kv[:, :, :sinks] = as_held(self.rows[base + self.recent : base + self.recent + sinks].permute(1, 2, 0, 3))
         first = max(recent_start - key_start, 0)
         if first < keys:
             ring = base + torch.arange(key_start + first, key_start + keys, device=self.rows.device) % self.recent
             kv[:, :, first:] = as_held(self.rows[ring].permute(1, 2, 0, 3))
+        if self.outliers:
+            column = self.outlier_pos[slot].long() - key_start  # [kv_heads, outliers]
+            heads, kept = torch.nonzero((column >= 0) & (column < keys), as_tuple=True)
+            held = self.rows[base + self.recent + self.sinks + kept, :, heads]  # [tokens, 2, head_dim]
+            kv[:, heads, column[heads, kept]] = as_held(held).transpose(0, 1)
 
     def codes_read(self, request: int) -> bool:
         """Whether request `request` reads any key from its codes (one before its recent tokens, not a sink)."""

@@ -10,8 +10,9 @@ per-head scales the query and the output. The cached keys are read from the page
 of one page when the page size allows it (`page_tile_tokens`): one physical index per tile, the value plane's
 channels as 16-byte vectors along the tokens; this step's keys from the new rows after them. A request's recent
 and sink tokens held in the model's dtype (`paged.RecentRows`) are left out of the codes' loops and read after
-them, in the same online softmax, as the dense kernel reads its recent and sink buffers. A decode step of few long
-requests is split over the keys (flash-decoding), its partial results merged by `triton_attention`'s reduce.
+them, in the same online softmax, as the dense kernel reads its recent and sink buffers; so are its outlier tokens,
+left out of the codes' tiles by their positions. A decode step of few long requests is split over the keys
+(flash-decoding), its partial results merged by `triton_attention`'s reduce.
 """
 
 from __future__ import annotations
@@ -126,13 +127,35 @@ def _held_keys(meta_ptr, request, requests):
 
 
 @triton.jit
+def _outlier_keys(pos_ptr, key_start, count, BLOCK: tl.constexpr):
+    """The key indices of a request's outlier tokens of one KV head (`pos_ptr`: their positions, `count` of them),
+    -1 where a slot is empty, `[BLOCK]`."""
+    slot = tl.arange(0, BLOCK)
+    t = tl.load(pos_ptr + slot, mask=slot < count, other=-1)
+    return tl.where(t >= 0, t - key_start, -1)
+
+
+@triton.jit
+def _not_outliers(t, outlier_keys):
+    """Which of keys `t` `[N]` are none of `outlier_keys` `[O]` (read from the held rows instead of their codes).
+    gpu_static, sm_90, 64 decode requests, recent 128 + sinks 4 + 16 outliers, d64 / d128 / d256: this comparison
+    0.165 / 0.134 / 0.131 instructions per KV byte (without outliers 0.114 / 0.111 / 0.112), no spill; the tile's
+    outliers as bits of an int64 0.131 / 0.122 / 0.121 but spilled 8-32 B under the split kernel's 168 registers;
+    the comparison only in the tiles holding one (a branch) 0.174 / 0.142 / 0.129."""
+    return tl.max((t[:, None] == outlier_keys[None, :]).to(tl.int32), axis=1) == 0
+
+
+@triton.jit
 def _attend_held(
     q, acc, m_i, l_i, rows_ptr, kv_head, recent_slots, sink_end, recent_lo, key_start, k_end, fp_weight, q_pos,
-    row_ok, d, d_ok, n, window, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr, ONE_POSITION: tl.constexpr,
+    row_ok, d, d_ok, n, window, outlier_pos_ptr, outlier_row, outlier_slots, KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    ONE_POSITION: tl.constexpr, HAS_OUTLIERS: tl.constexpr,
 ):  # fmt: skip
     """A request's held recent and sink tokens (its slot's rows at `rows_ptr`) into the softmax, in values: their
-    scores times `fp_weight`. ONE_POSITION: `q_pos` is the rows' one query position (a decode step)."""
+    scores times `fp_weight`. ONE_POSITION: `q_pos` is the rows' one query position (a decode step).
+    HAS_OUTLIERS: then its `outlier_slots` outlier tokens of the KV head, from row `outlier_row` on (positions at
+    `outlier_pos_ptr`)."""
     row = 2 * KV_HEADS * HEAD_DIM
     k_rows = rows_ptr + kv_head * HEAD_DIM
     v_rows = k_rows + KV_HEADS * HEAD_DIM
@@ -152,6 +175,15 @@ def _attend_held(
             weight, q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, True, False,
             False, ONE_POSITION, False, PRECISION, DOT,
         )  # fmt: skip
+    if HAS_OUTLIERS:  # (coded tokens: before k_end, the causal and window rules the codes' own)
+        for n0 in tl.range(0, tl.where(k_end > 0, outlier_slots, 0), n.shape[0], num_stages=1):
+            slot = n0 + n
+            t = tl.load(outlier_pos_ptr + slot, mask=slot < outlier_slots, other=-1) - key_start
+            acc, m_i, l_i = attend_full_precision(
+                q, acc, m_i, l_i, k_rows, v_rows, outlier_row + slot, t, (t >= 0) & (t < k_end), row, 1, d, d_ok,
+                weight, q_pos, row_ok, k_rows, 0, 0, 0, 0, 0, 0, window, 0, sink_end, 1.0, False, HAS_WINDOW, False,
+                False, False, ONE_POSITION, False, PRECISION, DOT,
+            )  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -160,13 +192,14 @@ def _page_tile(
     q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    PAGE_TILES: tl.constexpr, ALL_IN: tl.constexpr, ONE_POSITION: tl.constexpr,
+    PAGE_TILES: tl.constexpr, ALL_IN: tl.constexpr, ONE_POSITION: tl.constexpr, HAS_OUTLIERS: tl.constexpr,
 ):  # fmt: skip
     """Keys `[n0, n0 + BLOCK_N)` of the pages into the softmax, those in `[k_lo, pages_end)` (ALL_IN: all of them).
     PAGE_TILES: the tile is consecutive slots of one page, read whole from the first one's physical index (values:
-    16-byte vectors of each channel along the tokens); else each key's slot from its own."""
+    16-byte vectors of each channel along the tokens); else each key's slot from its own. HAS_OUTLIERS: the
+    request's outlier tokens (`outlier_keys`) are loaded but not seen (read from the held rows)."""
     (read_ptr, k_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block, row_bytes,
-     page_size, value_bytes, value_boost, kv_head, q_pos, row_ok, window) = tile_args  # fmt: skip
+     page_size, value_bytes, value_boost, kv_head, q_pos, row_ok, window, outlier_keys) = tile_args  # fmt: skip
     t, t_ok = tile_tokens(n0, n, k_lo, pages_end, ALL_IN)
     if PAGE_TILES:
         slot = tl.multiple_of(phys % BLOCK_STRIDE, n.shape[0]) + n
@@ -190,6 +223,8 @@ def _page_tile(
     else:  # per head: folded into the query (K) and the output (V)
         k_scale = 1.0
         v_scale = 1.0
+    if HAS_OUTLIERS:  # (the loads' masks stay `t_ok`: a whole page tile's loads unmasked)
+        t_ok = t_ok & _not_outliers(t, outlier_keys)
     return _attend_codes(
         q, acc, m_i, l_i, k_codes, tl.trans(v_codes), k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN,
         IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, HAS_WINDOW, PAGE_TILES and not ALL_IN, DOT, PRECISION,
@@ -302,20 +337,25 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index,
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, pages_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
-    recent_ptr, recent_meta_ptr, q_scratch_ptr, part_acc_ptr, part_stats_ptr,
+    recent_ptr, recent_meta_ptr, q_scratch_ptr, part_acc_ptr, part_stats_ptr, outlier_pos_ptr,
     q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, value_boost, out_factor,
-    code_factor, new_offset, requests, recent_slots, recent_rows_per_slot, num_splits,
+    code_factor, new_offset, requests, recent_slots, recent_rows_per_slot, outlier_slots, num_splits,
     BLOCK_STRIDE: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_BYTES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
     NAN_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGNED: tl.constexpr, V_AS_COLUMNS: tl.constexpr,
     HAS_RECENT: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, PAGE_TILES: tl.constexpr, NEW_IN_PAGES: tl.constexpr, ONE_POSITION: tl.constexpr,
-    ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, SPLIT: tl.constexpr,
+    ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, SPLIT: tl.constexpr, HAS_OUTLIERS: tl.constexpr,
+    OUTLIER_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile. With HAS_RECENT,
     the request's held recent and sink tokens are read from `recent_ptr`'s model-dtype rows after the codes.
+    HAS_OUTLIERS (with HAS_RECENT): per KV head, the request's outlier tokens (positions at `outlier_pos_ptr`,
+    int32 `[slots, KV_HEADS, outlier_slots]`; `OUTLIER_BLOCK` a power of 2 at least `outlier_slots`) are left out
+    of the codes' tiles by their positions, loaded once (the pages are shared: nothing in them marks a token),
+    and read from the held rows after the recent and sink tokens.
     Rotated codes (ROTATE_STAGES): the codes' scores are those of the rotated query (`q_scratch_ptr`: fp32
     `[tokens, q_heads, BLOCK_D]`), their share of the output is rotated back before the held tokens join it.
     SPLIT (decode steps, one row block): program (request, KV head, KV split); each split reads its share of the
@@ -355,10 +395,14 @@ def _paged_attention_kernel(
         k_lo = tl.maximum(window_lo, 0)
     # the keys read from the codes: [k_lo, codes_end) (key indices; the others are held in full precision)
     codes_end = k_end
+    outlier_keys = 0  # (a placeholder without HAS_OUTLIERS)
     if HAS_RECENT:
-        sink_end, recent_lo, _, _ = _held_keys(recent_meta_ptr, request, requests)
+        sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
         codes_end = tl.minimum(k_end, recent_lo)
         k_lo = tl.maximum(k_lo, sink_end)
+        if HAS_OUTLIERS:
+            outlier_keys = _outlier_keys(outlier_pos_ptr + (recent_slot * KV_HEADS + kv_head) * outlier_slots,
+                                         key_start, outlier_slots, OUTLIER_BLOCK)  # fmt: skip
     # the page bytes as the codes `decode_codes` takes (a typed load, as in `_attention_kernel`): the fp8 type for
     # the hardware conversion, else int8 bits
     codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
@@ -394,7 +438,8 @@ def _paged_attention_kernel(
         new_end = tl.where(split == num_splits - 1, codes_end, 0)
         held_end = tl.where(split == num_splits - 1, k_end, 0)
     tile_args = (read_ptr, pages_lo, pages_end, pages_ptr, codes_ptr, channel, n, d_ok, layer_offset, bytes_per_block,
-                 ROW_BYTES, PAGE_SIZE, KV_HEADS * HEAD_DIM, value_boost, kv_head, q_pos, row_ok, window)  # fmt: skip
+                 ROW_BYTES, PAGE_SIZE, KV_HEADS * HEAD_DIM, value_boost, kv_head, q_pos, row_ok, window,
+                 outlier_keys)  # fmt: skip
     if PAGE_TILES:
         tile_lo = pages_lo - tl.load(read_ptr + pages_lo, mask=pages_lo < pages_end, other=0).to(tl.int32) % BLOCK_N
         whole_lo = tile_lo + tl.where(tile_lo < pages_lo, BLOCK_N, 0)
@@ -405,7 +450,7 @@ def _paged_attention_kernel(
             phys_next = tl.load(read_ptr + n0 + BLOCK_N, mask=n0 + BLOCK_N < whole_hi, other=0)
             acc, m_i, l_i = _page_tile(
                 q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
-                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, True, ONE_POSITION,
+                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, True, ONE_POSITION, HAS_OUTLIERS,
             )  # fmt: skip
         before = (tile_lo < tl.minimum(whole_lo, pages_end)).to(tl.int32)  # a partial tile before the whole ones
         for i in tl.range(0, before + tl.cdiv(pages_end - whole_hi, BLOCK_N), num_stages=1):
@@ -414,7 +459,7 @@ def _paged_attention_kernel(
             phys = (tl.load(read_ptr + first) - (first - n0)).to(tl.int32)
             acc, m_i, l_i = _page_tile(
                 q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
-                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, False, ONE_POSITION,
+                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, True, False, ONE_POSITION, HAS_OUTLIERS,
             )  # fmt: skip
     else:
         phys_next = tl.load(read_ptr + pages_lo + n, mask=pages_lo + n < pages_end, other=0)
@@ -423,7 +468,7 @@ def _paged_attention_kernel(
             phys_next = tl.load(read_ptr + n0 + BLOCK_N + n, mask=n0 + BLOCK_N + n < pages_end, other=0)
             acc, m_i, l_i = _page_tile(
                 q, acc, m_i, l_i, n0, phys, tile_args, BLOCK_STRIDE, PER_TOKEN, IS_FLOAT, HW_CONVERT, FP16_SHIFT,
-                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, False, False, ONE_POSITION,
+                NAN_MASK, NAN_CODE, HAS_WINDOW, ALIGNED, DOT, PRECISION, False, False, ONE_POSITION, HAS_OUTLIERS,
             )  # fmt: skip
     if not NEW_IN_PAGES:  # this step's keys, from the new rows (token-major values)
         for n0 in tl.range(tl.maximum(k_lo, past), new_end, BLOCK_N, num_stages=STAGES):
@@ -447,6 +492,8 @@ def _paged_attention_kernel(
             else:
                 k_scale = 1.0
                 v_scale = 1.0
+            if HAS_OUTLIERS:
+                t_ok = t_ok & _not_outliers(t, outlier_keys)
             acc, m_i, l_i = _attend_codes(
                 q, acc, m_i, l_i, k_codes, v_codes, k_scale, v_scale, t, t_ok, q_pos, row_ok, window, PER_TOKEN,
                 IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, HAS_WINDOW, False, DOT, PRECISION, ONE_POSITION,
@@ -472,7 +519,9 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_held(
             q, acc, m_i, l_i, recent_ptr + recent_slot * recent_rows_per_slot * 2 * KV_HEADS * HEAD_DIM, kv_head,
             recent_slots, sink_end, recent_lo, key_start, held_end, 1.0 / (k_head * code_factor), q_pos, row_ok, d,
-            d_ok, n, window, KV_HEADS, HEAD_DIM, HAS_WINDOW, PRECISION, DOT, ONE_POSITION,
+            d_ok, n, window, outlier_pos_ptr + (recent_slot * KV_HEADS + kv_head) * outlier_slots,
+            recent_rows_per_slot - outlier_slots, outlier_slots, KV_HEADS, HEAD_DIM, HAS_WINDOW, PRECISION, DOT,
+            ONE_POSITION, HAS_OUTLIERS,
         )  # fmt: skip
     if SPLIT:  # rows (token, query head) as `_reduce_kernel` reads them, each split's in turn
         part = (q_rows * (KV_HEADS * GROUP) + kv_head * GROUP + member) * num_splits + tl.program_id(2)
@@ -548,7 +597,7 @@ def paged_attention(
     `pages`: the uint8 page bytes; `new_rows`: uint8 `[tokens, 2, row_bytes]`; `read_index`: int64 physical indices,
     each page's tokens in its consecutive slots (as transformers' allocators place them; with `window`, a sliding
     layer's ring of `window` slots); `k_first` / `past`: int32 `[requests]`; `static_scales`: fp32 `[kv_heads]` K and
-    V scales (None: per-token-head scales stored in the rows); `recent`: the requests' recent and sink tokens in the
+    V scales (None: per-token-head scales stored in the rows); `recent`: the requests' recent, sink and outlier tokens in the
     model's dtype (contiguous rows); `new_in_pages`: each request's `read_index` entries go on after its past keys
     with this step's, whose rows are in the pages already (a full-attention layer: transformers writes the new
     tokens before reading), and those keys are read there; `rotate`: the codes hold the keys and values times a
@@ -625,17 +674,21 @@ def plan_paged_attention(
     offsets = (row_bytes, layer_offset, bytes_per_block, new_offset)
     aligned = all(n % ROW_ALIGNMENT == 0 for n in offsets) and value_bytes % 4 == 0  # 16-byte rows, 4-byte scales
     recent_args = (out, out, 1, 1) if recent is None else (
-        recent.rows, recent.requests, recent.recent or 1, recent.recent + recent.sinks
+        recent.rows, recent.requests, recent.recent or 1, recent.per_slot
     )  # fmt: skip  (placeholders the kernel never reads without HAS_RECENT)
+    outliers = recent is not None and recent.outliers > 0
+    if outliers and (recent.outlier_pos.dtype != torch.int32 or not recent.outlier_pos.is_contiguous()):
+        raise ValueError(f"recent.outlier_pos must be contiguous int32, got {recent.outlier_pos.dtype}")
+    outlier_args = (recent.outlier_pos, recent.outliers) if outliers else (past, 0)  # (a placeholder without)
     scratch = torch.empty(tokens, q_heads, block_d, device=query.device) if rotate else out  # the rotated query's
 
     def arguments(part_acc: torch.Tensor = out, part_stats: torch.Tensor = out, splits: int = 1) -> tuple:
         """The kernel's arguments; `part_acc` / `part_stats`: the splits' partial results (placeholders without)."""
         return (
             query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2], scratch,
-            part_acc, part_stats, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            part_acc, part_stats, outlier_args[0], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             scaling * LOG2E.value * code_factor, window or 0, layer_offset, bytes_per_block, value_boost,
-            code_factor / value_boost, code_factor, new_offset, requests, *recent_args[2:], splits,
+            code_factor / value_boost, code_factor, new_offset, requests, *recent_args[2:], outlier_args[1], splits,
         )  # fmt: skip
 
     constexprs = dict(
@@ -645,7 +698,8 @@ def plan_paged_attention(
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
         HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
         PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1,
-        **rotation(rotate, head_dim), SPLIT=False, **options,
+        **rotation(rotate, head_dim), SPLIT=False, HAS_OUTLIERS=outliers,
+        OUTLIER_BLOCK=next_power_of_2(recent.outliers) if outliers else 1, **options,
     )  # fmt: skip
     attention = Launch(_paged_attention_kernel, grid, arguments(), constexprs)
     split_options = dict(constexprs, SPLIT=True)
@@ -658,7 +712,7 @@ def plan_paged_attention(
         if resident_slots is None:  # the split kernel's (the grid does not change its code)
             probe = Launch(_paged_attention_kernel, (requests, kv_heads, 2), arguments(), split_options)
             resident_slots = target.sms * _blocks_per_sm(probe, target, query.device)
-        held_tiles = cdiv((recent.recent + recent.sinks) * recent.rows.element_size(), block_n) if recent else 0
+        held_tiles = cdiv(recent.per_slot * recent.rows.element_size(), block_n) if recent else 0
         splits = split_count(tokens * kv_heads, cdiv(max_k_len, block_n) + held_tiles, resident_slots)
     if splits == 1:
         return out, [attention]

@@ -3,6 +3,7 @@ agreement with `generate` + `QuantizedFP8Cache` (recent and sink tokens, or pure
 logit for logit, queueing under a tight page budget or few request slots, preemption, forks, prefix sharing,
 cancellation, streaming from the manager, sliding/full layer groups, the memory gain and the errors."""
 
+import math
 import pickle
 import warnings
 
@@ -349,8 +350,8 @@ def test_sink_rows_come_from_a_live_or_kept_request_with_the_same_first_tokens()
     those kept at release (as many prompts as slots, least recently used first out), else none (its codes)."""
     slots = RequestSlots(recent=2, sinks=2, slots=2)
     rows = torch.zeros(2 * 4, 2, 1, 1)
-    slots.add_layer(rows, 4)
-    slots.add_layer(torch.zeros(2 * 2, 2, 1, 1), 2)  # a sliding layer: no sink rows
+    slots.add_layer(rows, sinks=2)
+    slots.add_layer(torch.zeros(2 * 2, 2, 1, 1), sinks=0)  # a sliding layer: no sink rows
 
     def computed(request_id: str, tokens: list[int], value: float) -> None:
         """Admit a request at position 0 and run its first step (its sink rows: `value`)."""
@@ -515,6 +516,111 @@ def test_forked_requests_copy_the_recent_and_sink_tokens():
         assert output.generated_tokens == expected[request_id.split("__child#")[0]], request_id
 
 
+OUTLIERS = dict(scales="dynamic", recent_tokens=4, sink_tokens=2, outlier_tokens=2)
+
+
+@pytest.mark.parametrize("backend, kind, rotate", [("torch", "llama", False), ("triton", "llama", False),
+                                                   ("torch", "llama", True), ("triton", "sliding", False)])  # fmt: skip
+def test_outlier_tokens_give_generates_logits(backend, kind, rotate):
+    """Outlier tokens on the pages (2 per KV head beside recent 4 + sinks 2; a 13-token prompt and 8 more: tokens
+    get codes in the prefill and while decoding; the sliding layer of the hybrid model holds none): the batch's
+    logits are generate's with QuantizedFP8Cache of the same settings, step by step (the torch path's bit for bit;
+    rotated codes, the Triton kernel: up to fp32 rounding), and not those without outlier tokens."""
+    model = tiny_model("llama") if kind == "llama" else tiny_model(
+        "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+        max_window_layers=0,
+    )  # fmt: skip
+    model = model.to(DEVICE)
+    ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    settings = dict(OUTLIERS, backend=backend, rotate=rotate)
+    batch, ref = batch_and_generate_logits(model, ids, settings)
+    if backend == "torch" and not rotate:
+        assert torch.equal(batch, ref.to(batch.device))
+    else:
+        torch.testing.assert_close(batch, ref.to(batch.device), rtol=0, atol=1e-5)
+    plain = generate_logits(model, ids, dict(settings, outlier_tokens=0))
+    assert (plain - ref).abs().max() > 1e-3
+
+
+def kept_outliers(monkeypatch) -> dict[str, list]:
+    """Record, as each request releases its slot, its outlier positions: request id -> per layer with outlier
+    tokens, per KV head, the set of positions kept."""
+    kept, release = {}, RequestSlots.release
+
+    def released(self, request_id: str) -> None:
+        held = self.held.get(request_id)
+        if held is not None:
+            kept[request_id] = [[{t for t in head.tolist() if t >= 0} for head in layer.outliers.positions[held.slot]]
+                                for layer in self.layers if layer.outliers is not None]  # fmt: skip
+        release(self, request_id)
+
+    monkeypatch.setattr(RequestSlots, "release", released)
+    return kept
+
+
+def test_kept_outlier_tokens_are_the_dense_caches(monkeypatch):
+    """Two requests of different lengths in one batch (4-token pages): each keeps, per layer and KV head, the
+    positions QuantizedFP8Cache keeps for its prompt alone."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(7)
+    inputs = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (13, 21)]
+    kept = kept_outliers(monkeypatch)
+    cb.enable(model, max_requests=2, **OUTLIERS)
+    try:
+        outputs = model.generate_batch(inputs, generation_config=GREEDY,
+                                       continuous_batching_config=pages(page_size=4), warmup=False)  # fmt: skip
+    finally:
+        cb.disable(model)
+    assert len(kept) == len(outputs) == 2
+    for request_id, output in outputs.items():
+        ids = output.prompt_ids
+        cache = QuantizedFP8Cache(model, **OUTLIERS)
+        with torch.inference_mode():
+            model.generate(torch.tensor([ids]), **cache_kwargs(cache), max_new_tokens=NEW_TOKENS, do_sample=False,
+                           eos_token_id=None)  # fmt: skip
+        dense = [[{t for t in head.tolist() if t >= 0} for head in layer.outlier_pos[0, 0]] for layer in cache.layers]
+        assert kept[request_id] == dense and all(len(head) == 2 for layer in dense for head in layer)
+
+
+def test_a_slot_taken_again_or_over_a_cached_prefix_starts_with_no_outlier_tokens(monkeypatch):
+    """One slot, three conversations in turn: the second (another prompt) gets generate's logits, none of the
+    first's outlier tokens; the third, over 2 cached pages of the second's prompt, keeps only tokens it computed."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(8)
+    first = torch.randint(3, 128, (13,), generator=generator).tolist()
+    second = torch.randint(3, 128, (15,), generator=generator).tolist()
+    third = second[:8] + torch.randint(3, 128, (9,), generator=generator).tolist()
+    kept = kept_outliers(monkeypatch)
+    cb.enable(model, max_requests=1, **OUTLIERS)
+    try:
+        logits, _, matched = in_turn(model, {"first": first, "second": second, "third": third})
+    finally:
+        cb.disable(model)
+    assert matched == {"first": 0, "second": 0, "third": 8}
+    assert torch.equal(logits["second"], generate_logits(model, second, OUTLIERS))
+    assert kept["third"] and all(t >= 8 for layer in kept["third"] for head in layer for t in head)
+
+
+def test_outlier_sets_follow_their_slot():
+    """A slot's outlier set (rows, positions, scores, norm sums) is copied to a forked child's slot, and a request
+    taking a released slot starts with an empty one."""
+    slots = RequestSlots(recent=2, sinks=0, slots=2, outliers=2)
+    rows = torch.zeros(2 * 4, 2, 1, 1)
+    outliers = slots.add_layer(rows, sinks=0, outliers=2).outliers
+    assert slots.admit("a", [1], 0)
+    a = slots.held["a"].slot
+    outliers.positions[a], outliers.scores[a], outliers.norms[:, a] = 5, 1.0, 3.0
+    rows[a * 4 + 2 : a * 4 + 4] = 7.0
+    assert slots.fork("a", ["b"]) == ["b"]
+    b = slots.held["b"].slot
+    assert (outliers.positions[b] == 5).all() and (outliers.scores[b] == 1).all() and (outliers.norms[:, b] == 3).all()
+    assert (rows[b * 4 + 2 : b * 4 + 4] == 7).all()
+    slots.release("a")
+    assert slots.admit("c", [2], 0) and slots.held["c"].slot == a
+    assert (outliers.positions[a] == -1).all() and (outliers.scores[a] == -math.inf).all()
+    assert (outliers.norms[:, a] == 0).all() and (outliers.positions[b] == 5).all()
+
+
 @pytest.mark.parametrize("page_size, window", [(4, 8), (16, 16)])
 @pytest.mark.parametrize("scales, variant", [(scales, variant) for scales in ("dynamic", 0.05) for variant in VARIANTS]
                          + [("dynamic", variant) for variant in ROTATED])  # fmt: skip
@@ -661,6 +767,10 @@ def test_bad_input_errors(monkeypatch):
         cb.enable(model, scales="dynamic", recent_tokens=-4)
     with pytest.raises(ValueError, match="rotate=True with static scales"):
         cb.enable(model, scales=0.05, rotate=True)
+    with pytest.raises(ValueError, match=r"outlier_tokens=4 needs per-token scales \(scales='dynamic'\)"):
+        cb.enable(model, scales=0.05, outlier_tokens=4)
+    with pytest.raises(ValueError, match="outlier_tokens=4 on FP8 pages needs recent_tokens"):
+        cb.enable(model, scales="dynamic", recent_tokens=0, sink_tokens=2, outlier_tokens=4)
     with pytest.raises(ValueError, match="max_requests=0"):
         cb.enable(model, scales="dynamic", max_requests=0)
     with pytest.raises(ValueError, match="skip_layers"):

@@ -70,6 +70,9 @@ def serve_command() -> click.Command:
                      help="Newest tokens of each request kept in the model dtype (0 with --sink-tokens 0: pure FP8)."),
         click.Option(["--sink-tokens"], type=click.IntRange(min=0), default=dense_default("sink_tokens"), show_default=True,
                      help="First tokens of each request kept in the model dtype."),
+        click.Option(["--outlier-tokens"], type=click.IntRange(min=0), default=dense_default("outlier_tokens"),
+                     show_default=True, help="Per layer and KV head, coded tokens of each request kept in the model "
+                     "dtype too, by Outlier Tokens Tracing's rule (per-token --scales dynamic)."),
         click.Option(["--rotate"], is_flag=True, default=False,
                      help="Rotated codes: keys and values times a Hadamard matrix before FP8 (per-token --scales dynamic)."),
         click.Option(["--max-requests"], type=click.IntRange(min=1), default=None,
@@ -84,8 +87,8 @@ def serve_command() -> click.Command:
     return command
 
 
-def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, rotate,
-         max_requests, kv_memory_mib, force_model, continuous_batching, non_blocking,
+def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, outlier_tokens,
+         rotate, max_requests, kv_memory_mib, force_model, continuous_batching, non_blocking,
          **serve_kwargs) -> FP8Serve:  # fmt: skip
     """Build the options, default the model to the bundled SmolLM2, and run transformers' server on FP8 pages."""
     if not continuous_batching:
@@ -95,7 +98,7 @@ def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_to
 
         force_model = str(smollm2_dir())
     options = FP8Options(kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, rotate,
-                         max_requests, kv_memory_mib)  # fmt: skip
+                         max_requests, kv_memory_mib, outlier_tokens)  # fmt: skip
     return FP8Serve(options, force_model=force_model, continuous_batching=True, blocking=not non_blocking,
                     **serve_kwargs)  # fmt: skip
 

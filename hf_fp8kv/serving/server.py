@@ -45,6 +45,7 @@ class FP8Options:
     rotate: bool = False
     max_requests: int | None = None
     kv_memory_mib: float | None = None  # pages and recent/sink tokens; None: transformers' sizing (CPU: 256)
+    outlier_tokens: int | None = None  # None: QuantizedFP8Cache's default
 
     def __post_init__(self) -> None:
         """The KV memory refused by name (the other options are checked by `continuous_batching.enable`)."""
@@ -118,6 +119,7 @@ class FP8Serve(Serve):
             skip_layers=self.options.skip_layers, backend=self.options.backend,
             recent_tokens=self.options.recent_tokens, sink_tokens=self.options.sink_tokens,
             rotate=self.options.rotate, max_requests=self.options.max_requests,
+            outlier_tokens=self.options.outlier_tokens,
         )  # fmt: skip
         self._set_page_budget(model, settings)
         for endpoint, handler in self.handlers().items():
@@ -209,8 +211,9 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
     scales += ", rotated codes" if layout.rotate else ""
     held = "pure FP8"
     if cache.request_slots is not None:
-        held = (f"recent {settings.recent_tokens} + sinks {settings.sink_tokens} tokens in {layout.dtype} for up to "
-                f"{cache.request_slots.slots} requests at once and {cache.request_slots.slots} prompts' sinks "
+        outliers = f" + outliers {settings.outlier_tokens} per KV head" if settings.outlier_tokens else ""
+        held = (f"recent {settings.recent_tokens} + sinks {settings.sink_tokens}{outliers} tokens in {layout.dtype} "
+                f"for up to {cache.request_slots.slots} requests at once and {cache.request_slots.slots} prompts' sinks "
                 f"({cache.held_bytes / 2**20:.1f} MiB)")  # fmt: skip
     pages = cache.num_blocks * cache.block_bytes
     beside = ""

@@ -1,6 +1,6 @@
 """Paged rows built for tests: requests with cached pages at scattered physical indices and new rows, with what
 the oracle says each request's queries must see; optionally each request's recent and sink tokens held in full
-precision beside the pages (`RecentRows`)."""
+precision beside the pages (`RecentRows`), and per KV head some of its coded tokens too (outlier tokens)."""
 
 import torch
 
@@ -28,7 +28,8 @@ def encode(x: torch.Tensor, fmt, static: torch.Tensor | None, rotate: bool) -> t
 
 
 def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_padding=8, garbage_before=None,
-          recent=None, dtype=torch.float32, page_size=PAGE_SIZE, new_in_pages=False, rotate=False):  # fmt: skip
+          recent=None, dtype=torch.float32, page_size=PAGE_SIZE, new_in_pages=False, rotate=False,
+          outliers=0):  # fmt: skip
     """Pages of `page_size` tokens and new rows of `requests` (`(past, q_len)` each), each request's tokens in its
     blocks' consecutive slots, as transformers' full-attention allocator places them; `garbage_before`: a window,
     whose cached rows before every query's window are overwritten with 0xFF bytes (NaN codes and scales) as a freed
@@ -37,7 +38,9 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
     sharing: neither those sinks nor those recent tokens held), its keys starting at position `key_start` (a sliding
     layer's window; sinks then apply to none). `new_in_pages`: each request's new tokens are in its pages too, their
     read indices after its past ones (a full-attention layer's step). `rotate`: rotated codes (`RowLayout.rotate`),
-    the oracle's keys and values decoded and rotated back."""
+    the oracle's keys and values decoded and rotated back. `outliers` (with `recent`, keys from position 0): per
+    request and KV head, that many random coded tokens of its own (not sinks, before its recent ones; request 1's
+    head 0 half as many, so empty slots show) held in `dtype` rows too, their codes left in the pages."""
     generator = torch.Generator().manual_seed(seed)
     static = None if dynamic else (torch.rand(kv_heads, generator=generator) * 0.02 + 0.01,
                                    torch.rand(kv_heads, generator=generator) * 0.02 + 0.01)  # fmt: skip
@@ -71,7 +74,8 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
         query = torch.randn(q_len, kv_heads * group, head_dim, generator=generator)
         queries.append(query)
         if recent is not None:
-            held.append(hold(keys, values, k_values, v_values, past // 2 if len(held) % 2 else 0, recent, dtype))
+            held.append(hold(keys, values, k_values, v_values, past // 2 if len(held) % 2 else 0, recent, dtype,
+                             outliers, len(held), generator))  # fmt: skip
         expected.append((query, k_values, v_values))
         cu_q.append(cu_q[-1] + q_len)
         pasts.append(past)
@@ -84,12 +88,14 @@ def build(requests, fmt, kv_heads, head_dim, group, dynamic, seed=0, block_paddi
     )  # fmt: skip
     if recent is None:
         return tensors, layout, static, expected
-    return tensors, layout, static, expected, recent_rows(held, recent, kv_heads, head_dim, dtype, generator)
+    rows = recent_rows(held, recent, kv_heads, head_dim, dtype, generator, outliers)
+    return tensors, layout, static, expected, rows
 
 
-def hold(keys, values, k_values, v_values, first, recent, dtype):
-    """The rows one request holds (`first`: the first position it computed itself; `recent`: `(R, S, key_start)`),
-    laid over its expected keys and values: `(meta [sinks, recent_start, key_start], {position: (k, v)})`."""
+def hold(keys, values, k_values, v_values, first, recent, dtype, outliers=0, request=0, generator=None):
+    """The rows one request holds (`first`: the first position it computed itself; `recent`: `(R, S, key_start)`;
+    `outliers`: per KV head, see `build`), laid over its expected keys and values: `(meta [sinks, recent_start,
+    key_start], {position: (k, v)}, outlier tokens {(head, slot): (position, k, v)})`."""
     window, sinks, key_start = recent
     end = key_start + len(keys)
     sink_count = min(sinks, end) if first == 0 and key_start == 0 else 0
@@ -99,17 +105,31 @@ def hold(keys, values, k_values, v_values, first, recent, dtype):
         k, v = keys[t - key_start].to(dtype), values[t - key_start].to(dtype)
         k_values[t - key_start], v_values[t - key_start] = k.float(), v.float()
         rows[t] = (k, v)
-    return (sink_count, recent_start, key_start), rows
+    kept = {}
+    coded = torch.arange(recent_start)[max(first, sinks, key_start) :]
+    for head in range(keys.shape[1] if outliers else 0):
+        count = min(outliers // (2 if (request, head) == (1, 0) else 1), len(coded))
+        for slot, t in enumerate(coded[torch.randperm(len(coded), generator=generator)[:count]].tolist()):
+            k, v = keys[t - key_start, head].to(dtype), values[t - key_start, head].to(dtype)
+            k_values[t - key_start, head], v_values[t - key_start, head] = k.float(), v.float()
+            kept[head, slot] = (t, k, v)
+    return (sink_count, recent_start, key_start), rows, kept
 
 
-def recent_rows(held, recent, kv_heads, head_dim, dtype, generator) -> RecentRows:
-    """Every request's rows in a pool of slots (in shuffled order, one spare), the rows nobody holds NaN."""
+def recent_rows(held, recent, kv_heads, head_dim, dtype, generator, outliers=0) -> RecentRows:
+    """Every request's rows in a pool of slots (in shuffled order, one spare), the rows nobody holds NaN (the
+    outlier positions nobody holds: arbitrary positions, which no request may read)."""
     window, sinks, _ = recent
-    per_slot = window + sinks
+    per_slot = window + sinks + outliers
     slots = torch.randperm(len(held) + 1, generator=generator).tolist()
     rows = torch.full(((len(held) + 1) * per_slot, 2, kv_heads, head_dim), float("nan"), dtype=dtype)
+    positions = torch.randint(0, 8, (len(held) + 1, kv_heads, outliers), generator=generator, dtype=torch.int32)
     meta = []
-    for slot, ((sink_count, recent_start, key_start), tokens) in zip(slots, held):
+    for slot, ((sink_count, recent_start, key_start), tokens, kept) in zip(slots, held):
+        positions[slot] = -1
+        for (head, i), (t, k, v) in kept.items():
+            positions[slot, head, i] = t
+            rows[slot * per_slot + window + sinks + i, :, head] = torch.stack((k, v))
         for t, (k, v) in tokens.items():
             row = slot * per_slot + (window + t if t < sink_count else t % window)
             rows[row, 0], rows[row, 1] = k, v
@@ -117,7 +137,8 @@ def recent_rows(held, recent, kv_heads, head_dim, dtype, generator) -> RecentRow
                 rows[slot * per_slot + t % window] = rows[row]
         meta.append((slot, sink_count, recent_start, key_start))
     host = tuple(list(column) for column in zip(*meta))
-    return RecentRows(rows, window, sinks, torch.tensor(host, dtype=torch.int32), host)
+    return RecentRows(rows, window, sinks, torch.tensor(host, dtype=torch.int32), host, outliers,
+                      positions if outliers else None)  # fmt: skip
 
 
 def oracle(expected, scaling, window):

@@ -1,6 +1,7 @@
 """The torch path of paged rows (`kernels/paged.py`, continuous batching off CUDA) against the oracle: the row
 codec round-trips the CPU path's bits, and attention over rows read in place through the pages' geometry is each
-request's attention alone, whatever its rows before the window hold."""
+request's attention alone, whatever its rows before the window hold; held recent, sink and outlier tokens replace
+their codes."""
 
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ from hf_fp8kv.kernels.cpu import dequantize_stacked
 from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.rotation import hadamard
 from pages import PAGE_SIZE, build, oracle
-from test_triton_paged import CASES, RECENT_CASES
+from test_triton_paged import CASES, OUTLIER_CASES, RECENT_CASES
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -85,13 +86,23 @@ def test_held_recent_and_sink_tokens_replace_their_codes(case, recent, rotate):
     check(case, recent=recent, rotate=rotate)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("kwargs", OUTLIER_CASES, ids=str)
+def test_outlier_tokens_replace_their_codes(kwargs, rotate, dtype):
+    """Each request's outlier tokens, per KV head (request 1's head 0 with an empty slot), are read from its
+    model-dtype rows, not from their codes (rotated codes: rotated in, as the held tokens), with its held recent
+    and sink tokens; the other requests' and heads' codes of the same positions stay read."""
+    check(kwargs["case"], rotate=rotate, recent=kwargs["recent"], outliers=3, dtype=dtype)
+
+
 def check(case, rotate=False, **options) -> None:
     """`paged.attend` against the oracle on `case` (`options`: `pages.build`'s; `rotate`: rotated codes)."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     built = build(requests, fmt, 2, head_dim, group, dynamic, rotate=rotate, **options)
     (query, pages, new_rows, read_index, cu_q, k_first, past), geometry, static, expected = built[:4]
-    layout = paged.RowLayout(fmt, dynamic, 2, head_dim, torch.float32, rotate=rotate)
+    layout = paged.RowLayout(fmt, dynamic, 2, head_dim, options.get("dtype", torch.float32), rotate=rotate)
     out = paged.attend(
         query, pages, new_rows, read_index, cu_q, k_first, past, layout=layout,
         geometry=paged.PageGeometry(geometry["layer_offset"], geometry["bytes_per_block"], geometry["block_stride"],

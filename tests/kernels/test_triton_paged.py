@@ -1,7 +1,7 @@
 """The Triton paged attention and row writer (continuous batching) against the oracle and the torch codec:
 requests with cached pages at scattered physical indices and new rows, mixed query lengths (decode and chunked
-prefill), GQA, sliding windows, every storage format, per-token and per-head scales, recent and sink tokens held
-in full precision beside the pages."""
+prefill), GQA, sliding windows, every storage format, per-token and per-head scales, recent, sink and outlier
+tokens held in full precision beside the pages."""
 
 import math
 from dataclasses import replace
@@ -54,9 +54,10 @@ RECENT_CASES = [
 
 
 def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None, page_size=PAGE_SIZE,
-          new_in_pages=False, rotate=False, num_splits=None) -> dict:  # fmt: skip
+          new_in_pages=False, rotate=False, num_splits=None, outliers=0) -> dict:  # fmt: skip
     """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window;
-    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`; `rotate`: rotated codes;
+    `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`, with `outliers` outlier tokens
+    per request and KV head; `rotate`: rotated codes;
     `num_splits`: KV splits of a decode step, then the reduce); returns the attention launch's constexprs (what the
     kernel was told of its rows) and grid."""
     name, dynamic, requests, group, head_dim, window = case
@@ -64,10 +65,12 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     kv_heads = 2
     built = build(requests, fmt, kv_heads, head_dim, group, dynamic, block_padding=block_padding,
                   garbage_before=window if garbage else None, recent=recent, dtype=dtype,
-                  page_size=page_size, new_in_pages=new_in_pages, rotate=rotate)  # fmt: skip
+                  page_size=page_size, new_in_pages=new_in_pages, rotate=rotate, outliers=outliers)  # fmt: skip
     tensors, layout, static, expected = built[:4]
-    held = None if recent is None else replace(built[4], rows=built[4].rows.to(DEVICE),
-                                               requests=built[4].requests.to(DEVICE))  # fmt: skip
+    held = None if recent is None else replace(
+        built[4], rows=built[4].rows.to(DEVICE), requests=built[4].requests.to(DEVICE),
+        outlier_pos=None if built[4].outlier_pos is None else built[4].outlier_pos.to(DEVICE),
+    )  # fmt: skip
     scaling = head_dim**-0.5
     query, pages, new_rows, read_index, cu_q, k_first, past = (t.to(DEVICE) for t in tensors)
     query = query.to(dtype)
@@ -198,6 +201,39 @@ def test_decode_split_over_the_keys_matches_reference(dtype, kwargs, splits):
     assert (sums != sums[:, :1]).any(dim=1).all()
     if splits == 7:  # 20 and 3 past keys in 16-token tiles: splits 2-5 read nothing (the last: the new rows)
         assert (sums[:, 2:6] == 0).all() and (sums[:, 6] > 0).all()
+
+
+# (check's arguments): outlier tokens beside held recent and sink tokens, 3 per KV head (request 1's head 0: 1, and
+# an empty slot): decode and chunked prefill (this step's coded tokens among them, read from the new rows or the
+# pages), a prefill over several row blocks, page tiles, head_dim 128, per-head scales
+OUTLIER_CASES = [
+    dict(case=CASES[0], recent=(4, 2, 0)),
+    dict(case=CASES[2], recent=(8, 4, 0)),
+    dict(case=CASES[5], recent=(8, 2, 0)),
+    dict(case=("fp8_e4m3", True, [(30, 2), (40, 1)], 2, 128, None), recent=(8, 4, 0), new_in_pages=True),
+    dict(case=PAGE_TILE_CASES[0][0], recent=(16, 5, 0), page_size=16, block_padding=16),
+    dict(case=PAGE_TILE_CASES[2][0], recent=(16, 4, 0), page_size=64, block_padding=16, new_in_pages=True),
+]
+
+
+@pytest.mark.parametrize("dtype, rotate", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+@pytest.mark.parametrize("kwargs", OUTLIER_CASES, ids=str)
+def test_outlier_tokens_are_read_from_their_rows_not_their_codes(dtype, rotate, kwargs):
+    """Each request's outlier tokens (per KV head, by position) are left out of the codes' tiles and read from its
+    model-dtype rows with the held tokens (rotated codes: after the codes' share is rotated back): the oracle
+    over exactly those values, where reading a kept token's codes too, or only them, is off."""
+    told = check(dtype, **kwargs, rotate=rotate, outliers=3)
+    assert told["HAS_OUTLIERS"] and told["OUTLIER_BLOCK"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kwargs, splits", [(dict(SPLIT_CASES[3][0], outliers=8), 3),
+                                            (dict(SPLIT_CASES[4][0], outliers=5), 5)], ids=str)  # fmt: skip
+def test_split_decode_reads_outlier_tokens_once(dtype, kwargs, splits):
+    """Decode split over the keys: every split leaves the outlier tokens out of its share of the codes, the last
+    reads them with the held tokens."""
+    told = check(dtype, **kwargs, num_splits=splits)
+    assert told["SPLIT"] and told["HAS_OUTLIERS"] and told["launches"] == 2
 
 
 def test_prefill_and_single_split_steps_are_not_split():

@@ -26,7 +26,7 @@ def test_help_lists_transformers_options_and_ours(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     for option in ("--cb-num-blocks", "--cb-block-size", "--port", "--dtype", "--kv-cache-dtype", "--scales",
-                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--rotate", "--max-requests",
+                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--outlier-tokens", "--rotate", "--max-requests",
                    "--kv-memory-mib"):  # fmt: skip
         assert option in out, option
 
@@ -41,7 +41,7 @@ def test_defaults_serve_the_bundled_model_with_the_recommended_pages(started):
     options = call["options"]
     assert (options.kv_cache_dtype, options.scales, options.skip_layers) == ("fp8", "dynamic", "")
     assert (options.recent_tokens, options.sink_tokens, options.max_requests) == (128, 4, None)  # the cache's
-    assert options.rotate is False
+    assert options.rotate is False and options.outlier_tokens == 0  # the cache's
 
 
 def test_the_cache_flags_reach_the_server(started):
@@ -60,6 +60,13 @@ def test_the_rotate_flag_reaches_the_server(started):
         cli.main(["serve", "--rotate"])
     (call,) = started
     assert call["options"].rotate is True
+
+
+def test_the_outlier_tokens_flag_reaches_the_server(started):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--outlier-tokens", "16"])
+    (call,) = started
+    assert call["options"].outlier_tokens == 16
 
 
 def test_turning_continuous_batching_off_is_a_usage_error(started, capsys):
