@@ -238,6 +238,13 @@ def enable(
                              resolved.outlier_tokens)  # fmt: skip
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
+    without = [i for i in range(config.num_hidden_layers) if resolved.stored(i) and not settings.outlier_rows(i)]
+    if resolved.outlier_tokens and without:
+        warnings.warn(
+            f"outlier_tokens={resolved.outlier_tokens}: layers {without} (sliding, or in a group with layers kept in "
+            "the model dtype) hold no outlier tokens on FP8 pages, where QuantizedFP8Cache's would: the numbers "
+            "differ from generate's with the same arguments", UserWarning, stacklevel=2,
+        )  # fmt: skip
     setattr(model, SETTINGS_ATTRIBUTE, settings)
     model.init_continuous_batching = FP8InitContinuousBatching(model)
     return settings
