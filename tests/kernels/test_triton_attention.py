@@ -484,6 +484,7 @@ FP8_CASES = [
     Case(Stream(scales="per-tensor", updates=[100, 130], tiled=True), q_len=130, group=1, dtype=torch.float16,
          options=dict(window=70)),  # fmt: skip
     Case(Stream(updates=[150, 130], tiled=True, rotate=True), q_len=130, group=1, dtype=torch.float16),
+    Case(Stream(updates=[150, 130], tiled=True, outliers=8), q_len=130, group=1, dtype=torch.float16),
 ]
 
 
