@@ -17,8 +17,9 @@ beside its pages (`paged_recent.py`; a request over a prefix from the prefix cac
 earlier request with the same ones). Its full-attention pages then store each token once: a token's page row is
 written when it leaves the recent ones, and a block whose tokens are all recent is `VIRTUAL_BLOCK`, which takes
 nothing from the pool (`FP8FullAttentionAllocator`): a request holds `recent_tokens // page_size` fewer blocks.
-With `outlier_tokens`, each request also keeps, per full-attention layer and KV head, that many of its coded tokens
-exact beside them (`paged_recent.SlotOutliers`), chosen as `QuantizedFP8Cache` chooses them.
+With `outlier_tokens`, each request also keeps, per layer and KV head, that many of its coded tokens exact beside
+them (`paged_recent.SlotOutliers`), chosen as `QuantizedFP8Cache` chooses them (a sliding layer's among those its
+window still shows).
 
 These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
 sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the
@@ -139,11 +140,10 @@ class PagedSettings:
         return 0 if self.layouts[layer].fmt is None or layer in self.sliding_layers else self.sink_tokens
 
     def outlier_rows(self, layer: int) -> int:
-        """Outlier tokens a request holds in `layer`: on the full-attention layers when their pages store each
-        token once (a sliding layer's window drops old tokens, as on the dense cache; without recent tokens, or
-        with a full-attention layer kept in the model dtype, no token gets codes in a known step)."""
-        full = self.layouts[layer].fmt is not None and layer not in self.sliding_layers
-        return self.outlier_tokens if full and self.stores_once() else 0
+        """Outlier tokens a request holds in `layer`: every layer stored as codes, with recent tokens (the
+        candidates are those that leave them; a sliding layer's leave its set a window behind, as on the dense
+        cache)."""
+        return self.outlier_tokens if self.layouts[layer].fmt is not None and self.recent_tokens else 0
 
     def held_rows(self, layer: int) -> int:
         """Rows a request holds in `layer` for its recent, sink and outlier tokens (none on a layer kept in the
@@ -198,7 +198,7 @@ def enable(
     and first tokens in the model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is pure FP8, as vLLM
     serves it; `rotate`: the pages' codes hold the keys and values times a Hadamard matrix (rotated codes);
     `outlier_tokens`: per layer and KV head, that many coded tokens of each request kept exact too
-    (`hf_fp8kv/outliers.py`'s rule; per-token scales; full-attention layers whose pages store each token once).
+    (`kernels/outliers.py`'s rule, as `QuantizedFP8Cache`'s; per-token scales and recent tokens).
     `max_requests`: requests in flight at once, each holding its recent and sink tokens (default: as many as an
     eighth of the KV memory holds; others wait, as for pages). Calling `enable` again replaces the settings;
     `disable(model)` restores transformers' own pages. Returns the resolved settings.
@@ -238,13 +238,6 @@ def enable(
                              resolved.outlier_tokens)  # fmt: skip
     if not use_fp8_attention(model):
         raise ValueError(f"a sub-model of {type(model).__name__} runs an attention that FP8 pages cannot replace")
-    without = [i for i in range(config.num_hidden_layers) if resolved.stored(i) and not settings.outlier_rows(i)]
-    if resolved.outlier_tokens and without:
-        warnings.warn(
-            f"outlier_tokens={resolved.outlier_tokens}: layers {without} (sliding, or in a group with layers kept in "
-            "the model dtype) hold no outlier tokens on FP8 pages, where QuantizedFP8Cache's would: the numbers "
-            "differ from generate's with the same arguments", UserWarning, stacklevel=2,
-        )  # fmt: skip
     setattr(model, SETTINGS_ATTRIBUTE, settings)
     model.init_continuous_batching = FP8InitContinuousBatching(model)
     return settings
@@ -644,6 +637,8 @@ class FP8PagesMixin:
         if self.store_once:
             rows = self._encode_once(states, leaving, step, layer_idx)
         else:
+            if recent is not None:
+                self._judge_outliers(torch.cat((leaving, states.index_select(2, step.coded)), dim=2), step, layer_idx)
             rows = self._encode(states, layer_idx, write_index)
         return PagedKV(self, layer_idx, rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
                        recent, max_length_k)  # fmt: skip
@@ -669,12 +664,17 @@ class FP8PagesMixin:
                                device=states.device)  # fmt: skip
         if step.code_targets.numel():
             encoded = torch.cat((leaving, states.index_select(2, step.coded)), dim=2)
-            outliers = self.slot_rows[layer_idx].outliers
-            if outliers is not None:  # judged before the attention reads them, as on the dense cache
-                outliers.judge(step.candidates, encoded, self.settings.sink_rows(layer_idx))
+            self._judge_outliers(encoded, step, layer_idx)
             rows = self._encode(encoded, layer_idx, step.code_targets)
             new_rows.index_copy_(0, step.coded, rows[step.evicted.numel() :])
         return new_rows
+
+    def _judge_outliers(self, leaving_and_coded: torch.Tensor, step, layer_idx: int) -> None:
+        """Judge the step's outlier candidates (`leaving_and_coded`: the exact K/V of the tokens leaving the recent
+        ones, then of the new ones already older), before the attention reads the sets, as on the dense cache."""
+        outliers = self.slot_rows[layer_idx].outliers
+        if outliers is not None and step.candidates is not None:
+            outliers.judge(step.candidates, leaving_and_coded, self.settings.sink_rows(layer_idx))
 
     def _write_recent(self, states: torch.Tensor, layer_idx: int) -> tuple[RecentRows, object, torch.Tensor | None]:
         """Copy this step's recent and sink tokens (`states` `[2, kv_heads, q, head_dim]`) into the layer's rows;
@@ -686,7 +686,8 @@ class FP8PagesMixin:
                                 self.settings.outlier_rows(layer_idx))  # fmt: skip
         layer = self.slot_rows[layer_idx]
         rows = layer.rows
-        leaving = rows.index_select(0, step.evicted).permute(1, 2, 0, 3) if self.store_once else None
+        keep = self.store_once or layer.outliers is not None  # (outlier candidates: read before the rows are reused)
+        leaving = rows.index_select(0, step.evicted).permute(1, 2, 0, 3) if keep else None
         if step.sources.numel():
             new = states.permute(2, 0, 1, 3)  # [q, 2, kv_heads, head_dim]
             rows.index_copy_(0, step.targets, new.index_select(0, step.sources).to(rows.dtype))

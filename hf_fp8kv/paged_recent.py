@@ -22,11 +22,12 @@ found: its sink tokens are read from their codes). Its other tokens before that 
 newest tokens being in no page.) Slots are taken when transformers' scheduler first admits a request (`admit`: none
 free, the request waits as for pages) and given back with its blocks.
 
-Outlier tokens (`outlier_tokens`, `hf_fp8kv/outliers.py`'s rule) follow the slot too, on the layers of a group
-storing each token once: per KV head, the `outliers` coded tokens of best score, in rows after the sink rows, with
-their positions, scores and running norm sums (`SlotOutliers`). The candidates are exactly the tokens getting
-codes in a step (`GroupStep.evicted` and `coded`), judged per request in position order before the attention. A
-request taking a slot starts with an empty set (one starting past position 0 too: its prefix is read from codes).
+Outlier tokens (`outlier_tokens`, `kernels/outliers.py`'s rule) follow the slot too: per KV head, the `outliers`
+coded tokens of best score, in rows after the sink rows, with their positions, scores and running norm sums
+(`SlotOutliers`). The candidates are the tokens leaving the recent ones in a step and the new ones already older
+(`GroupStep.evicted` and `coded`: in a group storing each token once, those it encodes), judged per request in
+position order before the attention; on a sliding layer the kept tokens a window behind leave first. A request
+taking a slot starts with an empty set (one starting past position 0 too: its prefix is read from codes).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class OutlierCandidates(NamedTuple):
     slots: torch.Tensor
     index: torch.Tensor
     positions: torch.Tensor
+    first_visible: torch.Tensor  # int64 [requests]: the first position the step's queries see (sliding layers)
 
 
 class SlotOutliers:
@@ -91,11 +93,11 @@ class SlotOutliers:
     def judge(self, candidates: OutlierCandidates, states: torch.Tensor, sinks: int) -> None:
         """Update the sets of the candidates' slots with them (`states` `[2, kv_heads, tokens, head_dim]`: the
         exact K/V the candidates index; tokens before `sinks` never enter)."""
-        slots, index, positions = candidates
+        slots, index, positions, first_visible = candidates
         kv = states.index_select(2, index.clamp_min(0).flatten()).unflatten(2, index.shape).transpose(1, 2)
         kept = KeptSet(self.rows[slots].permute(2, 0, 3, 1, 4), self.positions[slots], self.scores[slots],
                        self.norms[:, slots])  # fmt: skip
-        new = judge(kept, positions, positions >= sinks, kv)
+        new = judge(kept, positions, positions >= sinks, kv, first_visible)
         self.rows[slots] = new.kv.permute(1, 3, 0, 2, 4)
         self.positions[slots], self.scores[slots], self.norms[:, slots] = new.positions, new.scores, new.norms
 
@@ -263,18 +265,20 @@ class RequestSlots:
             held = self.held[request_id]
             end, base = past + new, held.slot * per_slot
             recent_start = max(held.first, end - recent)
-            if place is not None:  # the ring's tokens now older than the recent ones, and the new ones already so
+            key_start = past - keys_read(past, new)
+            if place is not None or outliers:  # the ring's tokens now older than the recent ones, the new ones already so
                 leaving = range(max(held.first, past - recent), min(recent_start, past))
                 arriving = range(past, min(recent_start, end))
-                if self.outliers and (leaving or arriving):
+                if outliers and (leaving or arriving):
                     judged.append((held.slot, range(len(evicted), len(evicted) + len(leaving)),
-                                   range(len(coded), len(coded) + len(arriving)), [*leaving, *arriving]))  # fmt: skip
+                                   range(len(coded), len(coded) + len(arriving)), [*leaving, *arriving], key_start))  # fmt: skip
                 evicted += self.ring_rows(request_id, leaving, per_slot)
                 coded += [query_row + position - past for position in arriving]
+            if place is not None:  # (a group storing each token once encodes them now)
                 evicted_targets += place(request_id, leaving)
                 coded_targets += place(request_id, arriving)
             sinks_held = min(sinks, end) if held.first == 0 or held.sinks else 0
-            for column, value in zip(columns, (held.slot, sinks_held, recent_start, past - keys_read(past, new))):
+            for column, value in zip(columns, (held.slot, sinks_held, recent_start, key_start)):
                 column.append(value)
             for position in range(past, min(end, sinks)):  # sink tokens arriving
                 sources.append(query_row + position - past)
@@ -294,15 +298,16 @@ class RequestSlots:
     def _candidates(judged: list, evicted: int, device: torch.device) -> OutlierCandidates:
         """The outlier candidates of a step, each request's padded to the most (`evicted`: the tokens leaving the
         ring, encoded before the coded ones)."""
-        width = max(len(positions) for *_, positions in judged)
+        width = max(len(positions) for *_, positions, _ in judged)
 
         def padded(row: list[int]) -> list[int]:
             return row + [-1] * (width - len(row))
 
-        index = [padded([*left, *(evicted + i for i in arrived)]) for _, left, arrived, _ in judged]
-        table = torch.tensor([index, [padded(positions) for *_, positions in judged]], dtype=torch.int64)
-        slots = torch.tensor([slot for slot, *_ in judged])
-        return OutlierCandidates(slots.to(device, non_blocking=True), *table.to(device, non_blocking=True))
+        index = [padded([*left, *(evicted + i for i in arrived)]) for _, left, arrived, _, _ in judged]
+        table = torch.tensor([index, [padded(positions) for *_, positions, _ in judged]], dtype=torch.int64)
+        rows = torch.tensor([[slot for slot, *_ in judged], [first for *_, first in judged]])
+        slots, first_visible = rows.to(device, non_blocking=True)
+        return OutlierCandidates(slots, *table.to(device, non_blocking=True), first_visible)
 
     def fork(self, parent: str, children: list[str]) -> list[str]:
         """Give forked `children` slots holding a copy of `parent`'s rows; returns the children that got one (the

@@ -44,10 +44,19 @@ class KeptSet(NamedTuple):
     norms: torch.Tensor
 
 
-def judge(kept: KeptSet, positions: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor) -> KeptSet:
+def judge(
+    kept: KeptSet, positions: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor,
+    first_visible: torch.Tensor | None = None,
+) -> KeptSet:  # fmt: skip
     """The sets `kept` after the candidates, in position order: tokens `positions` `[rows, n]` (`valid` `[rows, n]`:
     those that may enter), their exact K/V `candidates` `[2, rows, kv_heads, n, head_dim]`; the new sets are the
-    best N of the old ones and the candidates (ties arbitrary)."""
+    best N of the old ones and the candidates (ties arbitrary). `first_visible` `[rows]` (sliding layers): each row's
+    kept tokens before it leave first, and its candidates before it never enter (nothing is marked: `settle` is
+    the dense cache's, with its key scales)."""
+    if first_visible is not None:
+        gone = (kept.positions >= 0) & (kept.positions < first_visible[:, None, None])
+        kept = kept._replace(positions=kept.positions.masked_fill(gone, -1), scores=kept.scores.masked_fill(gone, -math.inf))
+        valid = valid & (positions >= first_visible[:, None])
     score, norms = _scores(kept.norms, valid, candidates[0])
     return _merge(kept._replace(norms=norms), positions, score, candidates)
 

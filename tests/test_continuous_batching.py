@@ -519,13 +519,20 @@ def test_forked_requests_copy_the_recent_and_sink_tokens():
 OUTLIERS = dict(scales="dynamic", recent_tokens=4, sink_tokens=2, outlier_tokens=2)
 
 
-@pytest.mark.parametrize("backend, rotate", [("torch", False), ("triton", False), ("torch", True)])
-def test_outlier_tokens_give_generates_logits(backend, rotate):
+@pytest.mark.parametrize("backend, kind, rotate", [("torch", "llama", False), ("triton", "llama", False),
+                                                   ("torch", "llama", True), ("torch", "sliding", False),
+                                                   ("triton", "sliding", False)])  # fmt: skip
+def test_outlier_tokens_give_generates_logits(backend, kind, rotate):
     """Outlier tokens on the pages (2 per KV head beside recent 4 + sinks 2; a 13-token prompt and 8 more: tokens
-    get codes in the prefill and while decoding): the batch's logits are generate's with QuantizedFP8Cache of the
-    same settings, step by step (the torch path's bit for bit; rotated codes, the Triton kernel: up to fp32
-    rounding), and not those without outlier tokens."""
-    model = tiny_model("llama").to(DEVICE)
+    get codes in the prefill and while decoding; the hybrid model's sliding layer, window 8, drops those a window
+    behind): the batch's logits are generate's with QuantizedFP8Cache of the same settings, step by step (the
+    torch path's bit for bit; rotated codes, the Triton kernel: up to fp32 rounding), and not those without
+    outlier tokens."""
+    model = tiny_model("llama") if kind == "llama" else tiny_model(
+        "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+        max_window_layers=0,
+    )  # fmt: skip
+    model = model.to(DEVICE)
     ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(5)).tolist()
     settings = dict(OUTLIERS, backend=backend, rotate=rotate)
     batch, ref = batch_and_generate_logits(model, ids, settings)
@@ -535,19 +542,6 @@ def test_outlier_tokens_give_generates_logits(backend, rotate):
         torch.testing.assert_close(batch, ref.to(batch.device), rtol=0, atol=1e-5)
     plain = generate_logits(model, ids, dict(settings, outlier_tokens=0))
     assert (plain - ref).abs().max() > 1e-3
-
-
-def test_sliding_layers_hold_no_outlier_tokens_on_pages_and_enable_says_so():
-    """A hybrid model's sliding layer keeps outlier tokens in QuantizedFP8Cache, not on pages (transformers keeps its
-    pages in a ring, written as tokens arrive): enable warns, naming the layer."""
-    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-                       use_sliding_window=True, max_window_layers=0)  # fmt: skip
-    try:
-        with pytest.warns(UserWarning, match=r"layers \[0\] \(sliding.*hold no outlier tokens on FP8 pages"):
-            settings = cb.enable(model, **OUTLIERS)
-        assert (settings.outlier_rows(0), settings.outlier_rows(1)) == (0, 2)
-    finally:
-        cb.disable(model)
 
 
 def kept_outliers(monkeypatch) -> dict[str, list]:
