@@ -229,6 +229,8 @@ def every_case(quick: bool = False) -> list[Case]:
                      if case.per_token and case.recent and not case.sliding]  # fmt: skip
     outliers += [case for case in default_paged if case not in paged]
     outliers += [dataclasses.replace(case, outliers=16) for case in default_paged]
+    sliding_window = Case("paged", batch=64, per_token=True, context=4095, waves=False, sliding=4096, recent=128)
+    outliers += [sliding_window, dataclasses.replace(sliding_window, outliers=16)]
     return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers
 
 
