@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # (hf_fp8kv is imported once the Triton interpreter is chosen
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/kernels/test_triton_write.py", "tests/kernels/test_triton_attention.py",
-                "tests/kernels/test_outliers.py"]
+                "tests/kernels/test_outlier_selection.py"]
 
 
 @dataclass
