@@ -637,7 +637,7 @@ class FP8PagesMixin:
         if self.store_once:
             rows = self._encode_once(states, leaving, step, layer_idx)
         else:
-            if recent is not None:
+            if recent is not None and self.slot_rows[layer_idx].outliers is not None:
                 self._judge_outliers(torch.cat((leaving, states.index_select(2, step.coded)), dim=2), step, layer_idx)
             rows = self._encode(states, layer_idx, write_index)
         return PagedKV(self, layer_idx, rows, read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
