@@ -72,8 +72,9 @@ class QuantizedFP8Cache(Cache):
             attention rotates the query once and the output back, the recent and sink tokens stay as they came.
             Needs per-token scales (`scales="dynamic"`) or the uncalibrated 1.0. Measurements: docs/recent.md.
         outlier_tokens: per layer and KV head, at most this many coded tokens kept in the model's dtype too (on
-            sliding layers, among those the window still shows), those of smallest key L1 norm over the running mean (Outlier Tokens Tracing's rule:
-            delimiters that draw attention like sinks); chosen as they get codes, read exact by the attention.
+            sliding layers, among those the window still shows), those of smallest key L1 norm over the running
+            mean (Outlier Tokens Tracing's rule: delimiters that draw attention like sinks); chosen as they get
+            codes, read exact by the attention.
             Needs per-token scales (`scales="dynamic"`); default 0. Measurements: docs/recent.md.
     """
 

@@ -460,8 +460,7 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             memory = continuous_batching_config.num_blocks * self.block_bytes
         slots = settings.requests_in(memory)
         self.held_bytes = slots * settings.request_bytes()
-        self.request_slots = RequestSlots(settings.recent_tokens, settings.sink_tokens, slots,
-                                          settings.outlier_tokens) if slots else None  # fmt: skip
+        self.request_slots = RequestSlots(settings.recent_tokens, settings.sink_tokens, slots) if slots else None
         per_layer_page = types.SimpleNamespace(get_bytes_per_page=lambda *_: math.ceil(self.block_bytes / num_layers))
         allocators = {
             FULL_ATTENTION: functools.partial(FP8FullAttentionAllocator, settings, self.request_slots),

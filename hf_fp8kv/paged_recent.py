@@ -58,8 +58,8 @@ class Held:
 
 class OutlierCandidates(NamedTuple):
     """A step's outlier candidates of one group, per request with some: slots int64 `[requests]`, their indices
-    among the tokens encoded (`GroupStep.evicted`, then `coded`) int64 `[requests, n]`, and positions int64
-    `[requests, n]` (in order; -1 pads)."""
+    among the tokens leaving the recent ones (`GroupStep.evicted`), then the new ones already older (`coded`) int64
+    `[requests, n]`, and positions int64 `[requests, n]` (in order; -1 pads)."""
 
     slots: torch.Tensor
     index: torch.Tensor
@@ -127,15 +127,15 @@ class GroupStep:
     evicted: torch.Tensor
     coded: torch.Tensor
     code_targets: torch.Tensor
-    candidates: OutlierCandidates | None = None  # (outlier tokens) the tokens encoded, per request
+    candidates: OutlierCandidates | None = None  # (outlier tokens) the tokens getting codes, per request
 
 
 class RequestSlots:
     """The slots of one cache: `slots` requests at a time hold their `recent` newest and `sinks` first tokens, and
-    per KV head `outliers` outlier tokens (layers of a group storing each token once)."""
+    per layer the outlier tokens `add_layer` gives it room for."""
 
-    def __init__(self, recent: int, sinks: int, slots: int, outliers: int = 0):
-        self.recent, self.sinks, self.slots, self.outliers = recent, sinks, slots, outliers
+    def __init__(self, recent: int, sinks: int, slots: int):
+        self.recent, self.sinks, self.slots = recent, sinks, slots
         self.free = list(range(slots - 1, -1, -1))
         self.held: dict[str, Held] = {}
         self.layers: list[LayerRows] = []

@@ -20,7 +20,7 @@ included). A layer stores:
   `[sink_start[b], sink_start[b] + sink_count[b])` (its first real tokens) at slot `t - sink_start[b]`;
 - `outliers` `[2, batch, kv_heads, N, head_dim]` in the model's dtype: coded tokens kept exact too, per row and
   KV head, token `outlier_pos[b, h, i]` (`[batch, kv_heads, N]`, -1: an empty slot) at slot i; their key scales
-  (per-token scales) are stored negated (`hf_fp8kv/outliers.py`).
+  (per-token scales) are stored negated (`outliers.py`).
 
 The attention sees tokens `[start, end)`: sink tokens from `sinks`, tokens at or after `recent_start` from
 `recent`, a head's outlier tokens from `outliers`, every other one from the codes (so each token is read from

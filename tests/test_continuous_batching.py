@@ -606,7 +606,7 @@ def test_a_slot_taken_again_or_over_a_cached_prefix_starts_with_no_outlier_token
 def test_outlier_sets_follow_their_slot():
     """A slot's outlier set (rows, positions, scores, norm sums) is copied to a forked child's slot, and a request
     taking a released slot starts with an empty one."""
-    slots = RequestSlots(recent=2, sinks=0, slots=2, outliers=2)
+    slots = RequestSlots(recent=2, sinks=0, slots=2)
     rows = torch.zeros(2 * 4, 2, 1, 1)
     outliers = slots.add_layer(rows, sinks=0, outliers=2).outliers
     assert slots.admit("a", [1], 0)

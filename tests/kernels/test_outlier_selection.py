@@ -155,3 +155,10 @@ def test_drop_from_forgets_later_tokens_and_restores_their_scales():
     assert (kept.scores[kept.positions < 0] == -math.inf).all()
     negative = kept.key_scales < 0
     assert negative.sum() == (kept.positions >= 0).sum() and torch.equal(kept.key_scales.abs(), magnitudes)
+
+
+def test_the_kernel_refuses_strided_channels():
+    kept = empty_set(4, torch.float32, torch.float32, 0, torch.Generator().manual_seed(0))
+    candidates = torch.randn(2, BATCH, HEADS, HEAD_DIM, 3).transpose(-1, -2)  # channels 3 apart
+    with pytest.raises(ValueError, match="contiguous channels"):
+        triton_outliers.plan_settle(kept, 0, candidates, torch.zeros(BATCH, dtype=torch.int64))
