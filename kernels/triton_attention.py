@@ -352,14 +352,14 @@ def _scaled_query(query_args, HAS_CHANNEL_SCALE: tl.constexpr):
 @triton.jit
 def _full_precision_tokens(
     acc, m_i, l_i, fp_args, part, parts, HAS_CHANNEL_SCALE: tl.constexpr, HAS_RECENT: tl.constexpr,
-    HAS_SINK_TOKENS: tl.constexpr, HAS_OUTLIERS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_ROW: tl.constexpr,
-    ONE_POSITION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_SINK_TOKENS: tl.constexpr, HAS_OUTLIERS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MASK_ROW: tl.constexpr, ONE_POSITION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The recent, sink and outlier tokens (in the model's dtype) into the softmax, `BLOCK_N` at a time: part `part`
-    of `parts` (a share of the recent buffer's slots; the sinks and outliers in the last); `fp_args` the kernel's values they
-    read. Not pipelined: a few tiles (3 stages: a default-window decode kernel's full-precision tiles took 163 ->
-    180 registers). The query is read again: the codes' copy, kept live across their loop, took a batch-64
+    of `parts` (a share of the recent buffer's slots; the sinks and outliers in the last); `fp_args` the kernel's
+    values they read. Not pipelined: a few tiles (3 stages: a default-window decode kernel's full-precision tiles
+    took 163 -> 180 registers). The query is read again: the codes' copy, kept live across their loop, took a batch-64
     default-window decode kernel from 147 registers to 168 and a 20 B spill (gpu_static)."""
     (query_args, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr, r_st, r_sd, x_st, x_sd, recent_slots, sink_slots,
      start, end, recent_start, d, d_ok, k_scaling, q_pos, row_ok, mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos,
