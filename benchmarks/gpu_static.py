@@ -19,7 +19,7 @@ and spills, LDS, and occupancy (LLVM's waves per SIMD, blocks per CU), from the 
 A target Triton itself cannot compile for gets one row saying why (not a miss).
 
     python benchmarks/gpu_static.py                 # every case for sm_90 (a few minutes on 2 cores)
-    python benchmarks/gpu_static.py --quick         # one decode case (attention + reduce), one write, two paged
+    python benchmarks/gpu_static.py --quick         # one decode case, one write, two paged
     python benchmarks/gpu_static.py --arch all --quick --json report.json   # every target (--arch sm_80,gfx942)
 
 How the loop is read (see `main_loop`, `unroll_factor`, `tiles_in_flight`): the loops are the backward branches of
@@ -82,7 +82,6 @@ D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
 # the codes decoded in bit operations (no hardware FP8 conversion): 0.32-0.34 on sm_80, 0.37-0.38 on sm_86, of which
 # the NaN codes' select is about 0.12 (0.323 -> 0.202 on sm_80 without it, head_dim 128, static scales)
 BIT_DECODE_MAX_INSTR_PER_BYTE = 0.40
-MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce spread over at least this many programs
 MIN_PAGED_WAVES = 2  # the paged decode of 16 requests x 32k keys: at least this many programs per SM (issue 34)
 # head_dim 128 prefill with fp8_prefill: FP8 tensor-core dots (each dot's sum promoted): wgmma, mma.sync, tcgen05
 FP8_DOTS = ("QGMMA", "QMMA", "UTCQMMA")
@@ -170,18 +169,18 @@ def every_case(quick: bool = False) -> list[Case]:
         for head_dim in (64, 128, 256)
     ]
     no_split = [Case("decode", batch=64, context=1027)]  # 512 programs: one split, no split epilogue
-    # one KV head at batch 1: hundreds of splits, the reduce's worst case; no wave budget (at 4k context the
-    # 64 KV tiles cannot fill 264 slots)
+    # one KV head at batch 1: the most splits, the merge's worst case; no wave budget (at 4k context the 64 KV
+    # tiles cannot fill 264 slots)
     few_heads = [Case("decode", kv_heads=1, head_dim=d, context=32771, waves=False) for d in (128, 256)]
     prefill = [
         Case("prefill", q_len=500, context=500),
         Case("prefill", batch=2, q_len=500, context=500, mask=True),
-        Case("prefill", q_len=256, context=4096),  # a prompt after a past: splits, then the reduce
+        Case("prefill", q_len=256, context=4096),  # a prompt after a past
     ]
     prefill += [dataclasses.replace(case, per_token=True) for case in prefill]  # the default scales
     prefill += [dataclasses.replace(case, fp8_prefill=True) for case in prefill]  # the opt-in FP8 dots
     # what users run: the default recent 128 + sinks 4 (full-precision tiles in the model dtype next to the codes'
-    # loop), a left-padded batch (a mask), the static cache of compiled generate; GQA 32/8 at 32k (the reduce)
+    # loop), a left-padded batch (a mask), the static cache of compiled generate; GQA 32/8 at 32k (the merge)
     default = dict(per_token=True, recent=128, sinks=4)
     window = [
         Case("decode", **default),
@@ -239,7 +238,7 @@ def plan(
 ) -> list[Launch]:
     """The launches the kernel modules plan for `case` on `gpu` (tensors on `device`: "cpu" to compile, "meta" to
     count), the split count from the launcher's own rule for `slots` resident blocks (SMs x blocks per SM;
-    default 2 per SM), or `num_splits` (paged)."""
+    default 2 per SM), or `num_splits`."""
     fmt = FORMATS[case.fmt]
     dtype = getattr(torch, case.dtype)
     if case.kind == "paged":
@@ -282,7 +281,7 @@ def plan(
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
     _, launches = triton_attention.plan_attention(
         query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots or gpu.sms * 2, target=gpu,
-        fp8_prefill=case.fp8_prefill,
+        fp8_prefill=case.fp8_prefill, num_splits=num_splits,
     )
     return launches
 
@@ -639,22 +638,34 @@ def split_tiles(case: Case, block_n: int) -> tuple[int, int]:
 def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
     """Blocks of `kernel`'s launches and their wave efficiency over the batch x context grid of `case`."""
     grid = []
+    split = [x for x in plan(case, gpu, device="meta", num_splits=2) if x.kernel is kernel][0]
+    merge = merge_per_split(split, slots // gpu.sms)  # (per split, where the kernel merges its splits)
     for batch in BATCHES:
         for context in CONTEXTS:
             launches = plan(dataclasses.replace(case, batch=batch, context=context), gpu, device="meta", slots=slots)
             (launch,) = [launch for launch in launches if launch.kernel is kernel]
             blocks = math.prod(launch.grid)
-            # whole KV tiles: no plan beats ceil(all tiles / slots) tile-times, whatever its waves' fullness
             programs, splits = launch.grid[0] * launch.grid[1], launch.grid[2]
             tiles, held = split_tiles(dataclasses.replace(case, context=context), launch.kwargs["BLOCK_N"])
-            # the split rule's own cost (waves x (the longest split + each program's own reads and writes)), against
-            # every tile spread evenly over the slots
+            # the split rule's own cost (waves x (the longest split + each program's own reads and writes), then the
+            # merge), against the cheapest of every split count up to 8 per slot's share (whole KV tiles: no plan
+            # beats ceil(all tiles / slots) tile-times, whatever its waves' fullness)
+            counts = range(1, min(tiles + held, 8 * -(-slots // programs) + 8) + 1)
             grid.append(dict(
                 batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
-                tile_times=triton_attention.split_cost(programs, tiles, slots, held, splits),
-                fewest_tile_times=-(-programs * (tiles + held) // slots) + triton_attention.PROGRAM_TILES,
+                tile_times=triton_attention.split_cost(programs, tiles, slots, held, splits, merge),
+                fewest_tile_times=min(triton_attention.split_cost(programs, tiles, slots, held, n, merge) for n in counts),
             ))  # fmt: skip
     return grid
+
+
+def merge_per_split(launch: Launch, blocks_per_sm: int) -> float:
+    """The split rule's cost of merging one split of a dense decode launch (`triton_attention.merge_tiles`; none
+    where a reduce launch merges them)."""
+    if not launch.kwargs["MERGE"]:
+        return 0.0
+    rows = min(launch.kwargs["GROUP"], launch.kwargs["BLOCK_M"])
+    return triton_attention.merge_tiles(rows, launch.kwargs["BLOCK_N"], blocks_per_sm)
 
 
 def mma(compiled: Compiled) -> dict | None:
@@ -716,8 +727,8 @@ def middle(ranges: tuple[StepModel, StepModel]) -> StepModel:
 def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[float, float, int]:
     """`(modelled step time, copy time, launches)` (microseconds) of one decode layer step of `case` (its batch and
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
-    max(copy, issue) x the split plan's wave loss (a reduce's reads counted in its launch's fixed cost). The
-    launches: the write's (one new token), the attention's (with splits, its reduce), and a static cache's
+    max(copy, issue) x the split plan's loss (its waves, then the last split's merge, against every tile spread
+    evenly over the GPU). The launches: the write's (one new token), the attention's, and a static cache's
     position update (`StaticFP8Layer._advance`, an op of its own); with outlier tokens, the staging copy of the
     token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging is a few torch
     ops, which its compiled step fuses: counted as one)."""
@@ -737,7 +748,8 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     programs = launch.grid[0] * launch.grid[1]
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
-    loss = waves * triton_attention.longest_split(tiles, held, splits) / ideal
+    merge = merge_per_split(launch, row["blocks_per_sm"]) * splits if splits > 1 else 0
+    loss = (waves * triton_attention.longest_split(tiles, held, splits) + merge) / ideal
     fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
     return fixed_us + max(copy_us, issue_us) * max(loss, 1.0), copy_us, launches
 
@@ -823,10 +835,6 @@ def budget_failures(row: dict) -> list[str]:
     fp8_dots = case["head_dim"] == 128 and case.get("fp8_prefill")  # (the default prefill keeps fp16 dots: quality)
     if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") not in FP8_DOTS:
         failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
-    if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
-        programs = math.prod(row["grid"])
-        if programs < MIN_REDUCE_PROGRAMS:
-            failures.append(f"reduce on {programs} programs < {MIN_REDUCE_PROGRAMS} at batch 1, {case['context']} tokens")
     if row["kernel"] == "_paged_attention_kernel" and case["q_len"] == 1 and case["batch"] <= 16 \
             and case["context"] >= 32768:  # fmt: skip
         least = MIN_PAGED_WAVES * EXAMPLE_GPUS[row["arch"]].sms
@@ -943,7 +951,7 @@ def parse_arches(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="one decode case (attention + reduce), one write, two paged"
+        "--quick", action="store_true", help="one decode case, one write, two paged"
     )
     parser.add_argument("--arch", type=parse_arches, default=["sm_90"], help=f"{','.join(ARCHES)}, a list, or 'all'")
     parser.add_argument("--no-budget", action="store_true", help="exit 0 even when a budget is missed")

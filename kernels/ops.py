@@ -163,7 +163,7 @@ class TritonLayerKernels(TorchLayerKernels):
         super().__init__()
         self.fp8_prefill = fp8_prefill
         self.plans: dict = {}
-        self.decode_splits: dict[tuple, int] = {}
+        self.decode_splits: dict[tuple, tuple[int, torch.Tensor | None]] = {}  # and the merge's tickets
         # (an import per call costs a decode step ~1 us)
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
 
@@ -190,11 +190,12 @@ class TritonLayerKernels(TorchLayerKernels):
         sink_logits=None,
     ) -> torch.Tensor:  # fmt: skip
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
+            splits, tickets = self.decode_splits.get((query.shape[:2], view.layout()), (1, None))
             return triton_ops().attend(
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
-                view.positions, mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, view.fmt.name,
-                view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0,
-                self.decode_splits.get((query.shape[:2], view.layout()), 1), self.fp8_prefill,
+                view.positions, mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, tickets,
+                view.fmt.name, view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0, splits,
+                self.fp8_prefill,
             )  # fmt: skip
         if view.static:
             splits_key = (query.shape[:2], view.layout())
@@ -251,13 +252,20 @@ def _backend_named(name: str) -> TorchBackend:
     return TRITON if name == "triton" else TORCH
 
 
-def _decode_splits(query: torch.Tensor, view: KVView) -> int:
-    """The Triton kernel's KV splits for a decode step over a static view (from the GPU's occupancy), computed
-    outside the compiled graph that will use it."""
+def _decode_splits(query: torch.Tensor, view: KVView) -> tuple[int, torch.Tensor | None]:
+    """The Triton kernel's KV splits for a decode step over a static view (from the GPU's occupancy), and the
+    counters their merge takes (a buffer of fixed address, for CUDA graphs), made outside the compiled graph that
+    will use them."""
     from .triton_attention import AttentionPlan
 
     step = query[:, :, -1:]
-    return AttentionPlan(step, view, None, None, 1.0).splits(step, view)
+    plan = AttentionPlan(step, view, None, None, 1.0)
+    splits = plan.splits(step, view)
+    if splits == 1:
+        return 1, None
+    tickets = plan.new_tickets(query.device)
+    torch._dynamo.mark_static_address(tickets)
+    return splits, tickets
 
 
 # --- the same operations as custom ops, for torch.compile graphs --------------------------------------------------
@@ -286,21 +294,21 @@ def triton_ops():
         for launch in WritePlan(key, value, view, stats).launches(key, value, view, stats):
             launch.run(traced=True)
 
-    @torch.library.triton_op("hf_fp8kv::attend", mutates_args=())
+    @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets"})
     def attend_op(
         query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor | None,
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
         positions: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
-        channel: torch.Tensor | None, outliers: torch.Tensor | None, outlier_pos: torch.Tensor | None, fmt: str,
-        per_token: bool, ring: bool, rotate: bool, scaling: float, window: int, softcap: float, num_splits: int,
-        fp8_prefill: bool,
+        channel: torch.Tensor | None, outliers: torch.Tensor | None, outlier_pos: torch.Tensor | None,
+        tickets: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, rotate: bool, scaling: float,
+        window: int, softcap: float, num_splits: int, fp8_prefill: bool,
     ) -> torch.Tensor:  # fmt: skip
         view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         view.outliers, view.outlier_pos = outliers, outlier_pos
         settings = (scaling, window or None, softcap or None, num_splits)
         plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
-        out, launches = plan.launches(query, view, mask, sink_logits)
+        out, launches = plan.launches(query, view, mask, sink_logits, tickets)
         for launch in launches:
             launch.run(traced=True)
         return out

@@ -1,12 +1,13 @@
 """Triton attention over a layer's cache (`KVView`): one flash-attention kernel for decode and prefill, plus a
-split reduce.
+split reduce where the kernel does not merge its splits itself.
 
 Rows of a program are the (query position, query head) pairs of one KV head, position-major: every query head
 of a GQA group shares each K/V load (GQA packing), and a decode step (one position) fills one row block. The
 codes' part of the timeline is split across programs (flash-decoding) when the row blocks alone would leave the
 GPU idle; the full-precision recent and sink tokens are then read by a split of their own (else after the codes),
-and the splits' partial results are merged by `_reduce_kernel` (in a loop over splits: no spill however many
-there are).
+and the splits' partial results are merged by the last split of each row block to finish, found with an atomic
+ticket, in the same launch (with a mask or rotated codes: by `_reduce_kernel`, a launch of its own); both in a
+loop over splits (`merge_splits`: no spill however many there are).
 
 Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (softmax scale, log2(e), per-head
 K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
@@ -40,10 +41,16 @@ from .view import KVView, scale_dtypes
 # tokens per tile of the full-precision (recent, sink) tokens: 64 took a default-window decode kernel at head_dim
 # 128 to 168 registers and a 12 B spill, 32 to 144 and none (gpu_static)
 FULL_PRECISION_TILE = tl.constexpr(32)
-# a program's own cost in tiles of codes (its query read, its partial results written then read by the reduce):
-# without it, batch 1 at 8k tokens with the default recent and sink tokens was split 132 ways, one tile each
+# a program's own cost in tiles of codes (its query read, its partial results written): without it, batch 1 at 8k
+# tokens with the default recent and sink tokens was split 132 ways, one tile each
 PROGRAM_TILES = 1
+# the merge's reads come from L2, which one SM reads at about 3.5x its share of the memory bandwidth (an
+# assumption: 64 B per clock per SM at 1.98 GHz, 127 GB/s, against an H200's 4.8 TB/s over 132 SMs, 36 GB/s)
+L2_SPEEDUP = 3.5
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
+# the attention launch's merge: splits per iteration, channels per pass (the reduce kernel's figures)
+MERGE_SPLITS = tl.constexpr(4)
+MERGE_CHUNK = tl.constexpr(32)
 REDUCE_CHUNK = 32  # head_dim channels per reduce program
 REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 
@@ -54,7 +61,7 @@ REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, outlier_k_ptr, outlier_v_ptr, outlier_pos_ptr, mask_ptr,
-    sink_logits_ptr, channel_ptr, out_ptr, part_acc_ptr, part_stats_ptr, q_scratch_ptr,
+    sink_logits_ptr, channel_ptr, out_ptr, part_acc_ptr, part_stats_ptr, ticket_ptr, q_scratch_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
@@ -75,9 +82,10 @@ def _attention_kernel(
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr,
     FP8_PV: tl.constexpr, FP_PROGRAM: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
-    HAS_OUTLIERS: tl.constexpr,
+    HAS_OUTLIERS: tl.constexpr, MERGE: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, batch * kv_head, split)."""
+    """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the
+    last split of the row block merges them (else `_reduce_kernel` does, in a launch of its own)."""
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
@@ -93,7 +101,6 @@ def _attention_kernel(
     k_scale_ptr += b * s_sb + kv_head * s_sh
     v_scale_ptr += b * s_sb + kv_head * s_sh
     mask_ptr += b * m_sb
-    out_ptr += b * o_sb
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos = rows // GROUP
@@ -252,14 +259,35 @@ def _attention_kernel(
             )  # fmt: skip
 
     if SPLIT:
-        row_index = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits + split
-        tl.store(part_acc_ptr + row_index[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_stats_ptr + row_index * 2, m_i, mask=row_ok)
-        tl.store(part_stats_ptr + row_index * 2 + 1, l_i, mask=row_ok)
-    else:
+        first_part = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits  # each row's splits in a row
+        part = first_part + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
+    if MERGE:
+        # the last split of the row block to finish merges them all (a ticket per row block, taken after every
+        # thread's stores): no reduce launch. The counter goes back to 0 for the next launch (CUDA graph replays
+        # included).
+        tl.debug_barrier()
+        ticket_ptr += tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid_m
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
+            # MERGE_CHUNK channels at a time: whole [BLOCK_M, BLOCK_D] partial results took the split decode
+            # kernels from 141 to 182 registers at head_dim 128 (3 -> 2 blocks per SM, gpu_static)
+            for first in range(0, BLOCK_D, MERGE_CHUNK):
+                c = first + tl.arange(0, MERGE_CHUNK)
+                acc_c, m_c, l_c = merge_splits(part_acc_ptr, part_stats_ptr, first_part, row_ok, c, num_splits,
+                                               BLOCK_M, MERGE_CHUNK, BLOCK_D, MERGE_SPLITS)  # fmt: skip
+                out = _finalize(acc_c, m_c, l_c, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
+                tl.store(
+                    out_ptr + b * o_sb + head[:, None] * o_sh + row_pos[:, None] * o_sl + c[None, :] * o_sd,
+                    out.to(out_ptr.dtype.element_ty),
+                    mask=row_ok[:, None] & (c < head_dim)[None, :],
+                )
+            tl.store(ticket_ptr, 0)
+    if not SPLIT:
         out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
         tl.store(
-            out_ptr + head[:, None] * o_sh + row_pos[:, None] * o_sl + d[None, :] * o_sd,
+            out_ptr + b * o_sb + head[:, None] * o_sh + row_pos[:, None] * o_sl + d[None, :] * o_sd,
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
@@ -418,6 +446,41 @@ def _finalize(acc, m, l, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS: tl.cons
     return tl.where(attended[:, None], acc / l_safe[:, None], 0.0)
 
 
+@triton.jit
+def merge_splits(
+    part_acc_ptr, part_stats_ptr, first_part, row_ok, d, num_splits,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PART_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """`(acc, m, l)` of BLOCK_R output rows, channels `d`, from their `num_splits` partial results (row r's at
+    `first_part[r]` and the next ones), BLOCK_S splits at a time: registers stay BLOCK_R x BLOCK_C whatever the
+    split count. Each split's weight is read back from its own statistics (an L1 hit), not picked out of the
+    [rows, splits] block; the partial results through L2 (`.cg`: other programs of a launch may have written
+    them)."""
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        part = first_part[:, None] + s[None, :]
+        part_ok = row_ok[:, None] & (s < num_splits)[None, :]
+        m_s = tl.load(part_stats_ptr + part * 2, mask=part_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_stats_ptr + part * 2 + 1, mask=part_ok, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(m_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(l_s * tl.exp2(m_s - m_safe[:, None]), axis=1)
+        acc = acc * alpha[:, None]
+        for j in tl.static_range(BLOCK_S):  # one split's [rows, BLOCK_C] at a time: no 3-D tile in registers
+            part_j = first_part + first + j
+            ok_j = row_ok & (tl.full([BLOCK_R], first + j, tl.int32) < num_splits)
+            m_j = tl.load(part_stats_ptr + part_j * 2, mask=ok_j, other=float("-inf"), cache_modifier=".cg")
+            acc_j = tl.load(part_acc_ptr + part_j[:, None] * PART_D + d[None, :], mask=ok_j[:, None], other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+            acc += acc_j * tl.exp2(m_j - m_safe)[:, None]
+        m = m_new
+    return acc, m, l
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     part_acc_ptr, part_stats_ptr, sink_logits_ptr, out_ptr,
@@ -427,35 +490,15 @@ def _reduce_kernel(
     HAS_SINK_LOGITS: tl.constexpr,
 ):  # fmt: skip
     """Program (block of output rows (batch, q_head, position), chunk of head_dim): merge the splits' partial
-    results, BLOCK_S splits at a time (registers stay BLOCK_R x BLOCK_C whatever the split count). Each split's
-    weight is read back from its own statistics (an L1 hit), not picked out of the [rows, splits] block."""
+    results (the paged kernel's, and the dense one's where it does not merge them itself)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < out_rows
     pos = rows % q_len
     head = (rows // q_len) % q_heads
     b = rows // (q_len * q_heads)
     d = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for first in range(0, num_splits, BLOCK_S):
-        s = first + tl.arange(0, BLOCK_S)
-        part = rows[:, None] * num_splits + s[None, :]
-        part_ok = row_ok[:, None] & (s < num_splits)[None, :]
-        m_s = tl.load(part_stats_ptr + part * 2, mask=part_ok, other=float("-inf"))
-        l_s = tl.load(part_stats_ptr + part * 2 + 1, mask=part_ok, other=0.0)
-        m_new = tl.maximum(m, tl.max(m_s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(l_s * tl.exp2(m_s - m_safe[:, None]), axis=1)
-        acc = acc * alpha[:, None]
-        for j in tl.static_range(BLOCK_S):  # one split's [rows, BLOCK_C] at a time: no 3-D tile in registers
-            part_j = rows * num_splits + first + j
-            ok_j = row_ok & (tl.full([BLOCK_R], first + j, tl.int32) < num_splits)
-            m_j = tl.load(part_stats_ptr + part_j * 2, mask=ok_j, other=float("-inf"))
-            acc_j = tl.load(part_acc_ptr + part_j[:, None] * PART_D + d[None, :], mask=ok_j[:, None], other=0.0)
-            acc += acc_j * tl.exp2(m_j - m_safe)[:, None]
-        m = m_new
+    acc, m, l = merge_splits(part_acc_ptr, part_stats_ptr, rows * num_splits, row_ok, d, num_splits, BLOCK_R,
+                             BLOCK_C, PART_D, BLOCK_S)  # fmt: skip
     out = _finalize(acc, m, l, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
     tl.store(
         out_ptr + (b * o_sb + head * o_sh + pos * o_sl)[:, None] + d[None, :] * o_sd,
@@ -499,22 +542,35 @@ def attention(
 
 
 @functools.lru_cache(maxsize=4096)
-def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int = 0) -> int:
+def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int = 0, merge_per_split: float = 0.0) -> int:
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
     `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
-    for as much again of its own); the smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles
-    of codes' bytes, shared as `held_splits` says."""
+    for as much again of its own), plus the merge's `merge_per_split` tiles per split (`merge_tiles`); the
+    smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles of codes' bytes, shared as
+    `held_splits` says."""
     # up to 8 splits even where the programs fill the GPU: 512 programs on an A100's 324 slots took 2 waves of 65
     # tile-times at 1 or 2 splits (the former cap), 8 of 14 at 5 (gpu_static)
     most = max(1, min(tiles + held_tiles, max(4 * resident_slots // max(programs, 1), 8)))
-    costs = [split_cost(programs, tiles, resident_slots, held_tiles, n) for n in range(1, most + 1)]
+    costs = [split_cost(programs, tiles, resident_slots, held_tiles, n, merge_per_split) for n in range(1, most + 1)]
     return costs.index(min(costs)) + 1
 
 
-def split_cost(programs: int, tiles: int, resident_slots: int, held_tiles: int, splits: int) -> int:
-    """`split_count`'s cost of `splits` splits, in tile-times: waves x (the longest split + PROGRAM_TILES)."""
-    return cdiv(programs * splits, resident_slots) * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES)
+def split_cost(
+    programs: int, tiles: int, resident_slots: int, held_tiles: int, splits: int, merge_per_split: float = 0.0
+) -> float:
+    """`split_count`'s cost of `splits` splits, in tile-times: waves x (the longest split + PROGRAM_TILES), then
+    the last split's merge of them all."""
+    waves = cdiv(programs * splits, resident_slots)
+    merge = merge_per_split * splits if splits > 1 else 0
+    return waves * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES) + merge
+
+
+def merge_tiles(rows: int, block_n: int, blocks_per_sm: float) -> float:
+    """The merge's cost per split, in tile-times: a split's partial results (`rows` rows of fp32 [head_dim]; their
+    8-byte statistics left out) read from L2 by one SM, against a resident block's tile of codes (`block_n` tokens
+    of 1-byte K and V codes) read from memory shared by `blocks_per_sm` blocks on every SM."""
+    return rows * 4 / (block_n * 2 * L2_SPEEDUP * blocks_per_sm)
 
 
 def longest_split(tiles: int, held_tiles: int, splits: int) -> int:
@@ -634,16 +690,23 @@ class AttentionPlan:
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
         # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
+        # the splits merged in the attention launch, but with a mask or rotated codes: there the merge took the
+        # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16 (left padding), and
+        # the rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall (gpu_static)
+        self.merge = mask is None and not view.rotate
         self.launch_options = {
             (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
-                             "FP_PROGRAM": split and held}
+                             "FP_PROGRAM": split and held, "MERGE": split and self.merge}
             for split in (False, True) for words in (False, True)
         }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
         self.reduce = reduce_blocks(batch * q_heads * q_len, self.block_d)  # rows, head_dim chunk, warps
+        self.merge_rows = min(group * q_len, self.block_m)  # a program's rows (the merge reads only those)
+        self.sms = target.sms if target is not None else 1
         self.out_shape = (batch, q_heads, q_len, head_dim)
         self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
         self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
+        self.tickets: torch.Tensor | None = None  # a counter per program of a split (row block, batch x KV head)
         self.scratch: torch.Tensor | None = None  # the rotated query of each program, reused
         self.num_splits = num_splits
         self.resident_slots = resident_slots
@@ -656,18 +719,32 @@ class AttentionPlan:
             attention = self._attention(query, view, mask, sink_logits, 2, held, stored, *buffers)[0]
             self.resident_slots = target.sms * compiled_occupancy(attention, target, query.device)
 
-    def _buffers(self, query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The output, and the splits' partial results (kept from call to call: one allocation per step, the
-        output)."""
+    def _buffers(
+        self, query: torch.Tensor, splits: int, tickets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The output, the splits' partial results and the merge's tickets (kept from call to call: one allocation
+        per step, the output); `tickets` the caller's own (`new_tickets`'s zeros)."""
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=query.device)
         if splits == 1:
-            return out, out, out  # placeholders: a single split writes the output directly
+            return out, out, out, out  # placeholders: a single split writes the output directly
         rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * splits
         if self.parts is None or self.parts[1].numel() < rows * 2:
             device = query.device
             sizes = (rows * self.block_d, rows * 2)  # fp32 whatever torch's default dtype
             self.parts = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
-        return out, *self.parts
+        if not self.merge:
+            tickets = out  # (a placeholder: the reduce launch merges)
+        elif tickets is None or tickets.numel() < self.row_blocks * self.out_shape[0] * self.kv_heads:
+            # (a compiled decode step's are made for one row block: a prompt split by force takes the plan's)
+            if self.tickets is None:
+                self.tickets = self.new_tickets(query.device)
+            tickets = self.tickets
+        return out, *self.parts, tickets
+
+    def new_tickets(self, device: torch.device) -> torch.Tensor:
+        """Zeroed counters for the merge of this plan's split launches (a counter per row block and batch x KV
+        head; each launch leaves them at 0)."""
+        return torch.zeros(self.row_blocks * self.out_shape[0] * self.kv_heads, dtype=torch.int32, device=device)
 
     def _query_scratch(self, query: torch.Tensor, splits: int) -> torch.Tensor:
         """fp32 rows for each program's rotated query (`rotated_query`): kept from call to call for decode steps
@@ -695,17 +772,20 @@ class AttentionPlan:
             splits = 1
         else:
             programs = query.shape[0] * self.kv_heads * self.row_blocks
-            splits = split_count(programs, tiles, self.resident_slots, held_tiles)
+            merge = merge_tiles(self.merge_rows, self.block_n, self.resident_slots / self.sms) if self.merge else 0.0
+            splits = split_count(programs, tiles, self.resident_slots, held_tiles, merge)
         return splits, held_splits(splits, tiles, held_tiles)
 
     def launches(
-        self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None
+        self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
+        tickets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[Launch]]:
+        """The output and the launch that fills it; `tickets`: the merge's counters where the caller keeps them
+        (a compiled graph's plan lives for one call), else the plan's own."""
         stored = view.derived(self, self._stored)
         splits, held = self._split_count(query, view, stored)
-        out, part_acc, part_stats = self._buffers(query, splits)
-        launches = self._attention(query, view, mask, sink_logits, splits, held, stored, out, part_acc, part_stats)
-        return out, launches
+        out, *buffers = self._buffers(query, splits, tickets)
+        return out, self._attention(query, view, mask, sink_logits, splits, held, stored, out, *buffers)
 
     def _stored(self, view: KVView) -> Stored:
         """The kernel arguments that depend only on the view's buffers (tensors, strides, slot counts)."""
@@ -724,7 +804,7 @@ class AttentionPlan:
                       _scale_words(view))  # fmt: skip
 
     def _attention(
-        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats
+        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats, tickets
     ) -> list[Launch]:
         if view.static:  # positions are read on the device
             start, end, recent_start, mask_start = view.start, 0, 0, 0
@@ -735,13 +815,13 @@ class AttentionPlan:
             mask = _expand_mask(mask, *self.out_shape[:3])
         tensors, channel, strides, slots, fp_slots, _, words = stored  # (unpacked: the step's hot path)
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
-            query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats,
+            query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
             self._query_scratch(query, splits) if view.rotate else query,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
             *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
             *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
-        if splits > 1:
+        if splits > 1 and not self.merge:
             launches.append(reduce_launch(part_acc, part_stats, sink_logits, out, out.stride(), self.out_shape, splits,
                                           self.block_d, self.reduce))  # fmt: skip
         return launches

@@ -148,9 +148,9 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     assert {"q_ptr", "k_ptr", "v_ptr", "out_ptr"} <= set(attention["aligned_args"])
     assert "length" not in attention["aligned_args"] + attention["constexpr_args"]
     assert rows["_write_kernel"]["loop"] is None and rows["_reduce_kernel"]["loop"] is None
-    # the decode layer step: the write, the attention and (split at batch 1) its reduce, modelled per point
+    # the decode layer step: the write and the attention (split at batch 1, merged in its launch), modelled per point
     step = attention["step"]
-    assert step["launches"] == 3 and set(step["copy_fraction"]) == {"b1_4k", "b1_32k", "b16_4k", "b16_32k"}
+    assert attention["grid"][2] > 1 and step["launches"] == 2 and set(step["copy_fraction"]) == {"b1_4k", "b1_32k", "b16_4k", "b16_32k"}
     for point, fraction in step["copy_fraction"].items():
         low, high = step["ends"][point]
         assert 0 < low <= fraction <= high < 1, point
@@ -279,7 +279,7 @@ def test_budgets():
         "no block fits: 98 registers x 8 warps, 22528 B shared"
     ]
     # head_dim 128: the tighter loop and occupancy budgets; its opt-in FP8 prefill on FP8 tensor cores (the default
-    # prefill keeps fp16 dots); a 32k reduce spread
+    # prefill keeps fp16 dots)
     d128 = dict(case, head_dim=128)
     assert report.budget_failures(dict(good, case=d128, arch="sm_100")) == [
         "decode loop 0.150 SASS instructions per KV byte > 0.13 (400 instructions x 8 warps / 1 x 16384 B)",
@@ -294,9 +294,6 @@ def test_budgets():
     assert report.budget_failures(dict(prefill, arch="sm_89", mma=dict(kind="QMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, case=d128)) == []  # the default prefill: fp16 dots
-    reduce = dict(good, kind="decode", kernel="_reduce_kernel", loop=None, case=dict(d128, context=32768), grid=[2])
-    assert report.budget_failures(reduce) == ["reduce on 2 programs < 32 at batch 1, 32768 tokens"]
-    assert report.budget_failures(dict(reduce, grid=[32, 4])) == []
     # the decode layer step: launches anywhere, the copy fractions on sm_90
     fractions = {"b1_4k": 0.3, "b1_32k": 0.81, "b16_4k": 0.9, "b16_32k": 0.97}
     step = dict(launches=3, copy_fraction=fractions, step_us=dict.fromkeys(fractions, 5.0))
@@ -312,17 +309,20 @@ def test_the_step_model_is_the_sum_of_its_parts():
     """A decode layer step by hand: batch 64 x 4096 tokens at head_dim 128 on 8 KV heads (static scales: 256 bytes
     a token and head), at the middle of the ranges: 536.9 MB at 0.95 x 4.8 TB/s is 117.7 us of copy, over the
     issue-bound 93.4 us (0.1 instructions per byte at 0.55 x 4 x 1.98 GHz x 132 SMs). The split rule gives 512
-    programs 3 splits on 396 slots: 4 waves of 22 tiles, 88 tile-times where 512 x 64 / 396 = 82.7 would do; one
-    attention launch (2.25 us), the write and the reduce (2.5 us each + 0.65 us before each)."""
+    programs 3 splits on 396 slots: 4 waves of 22 tiles, then the last split's merge of 3 x 8 rows of fp32
+    partial results (8 x 4 B per split against 64 x 2 B of codes per tile, at 3.5 x 3 blocks' share: 0.024
+    tile-times each), 88.07 tile-times where 512 x 64 / 396 = 82.7 would do; one attention launch (2.25 us), the
+    write (2.5 us + 0.65 us before it)."""
     report = gpu_static()
     case = report.Case("decode", batch=64, context=4096)
     gpu = report.EXAMPLE_GPUS["sm_90"]
     row = dict(blocks_per_sm=3, loop=dict(instr_per_byte=0.1))
-    attention, reduce = report.plan(case, gpu, device="meta", slots=396)
-    assert attention.grid == (1, 512, 3) and reduce.kernel.__name__ == "_reduce_kernel"
+    (attention,) = report.plan(case, gpu, device="meta", slots=396)
+    assert attention.grid == (1, 512, 3) and attention.kwargs["MERGE"]
     step_us, copy_us, launches = report.step_time(case, gpu, row, report.middle(report.STEP_RANGES))
-    assert launches == 3 and copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
-    assert step_us == pytest.approx(2.25 + 2 * (2.5 + 0.65) + copy_us * 88 / (512 * 64 / 396))
+    assert launches == 2 and copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
+    merge = 3 * 8 * 4 / (64 * 2 * 3.5 * 3)
+    assert step_us == pytest.approx(2.25 + (2.5 + 0.65) + copy_us * (88 + merge) / (512 * 64 / 396))
 
 
 if __name__ == "__main__":

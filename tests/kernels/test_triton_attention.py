@@ -310,7 +310,7 @@ def test_static_grid_is_fixed():
         query = torch.randn(2, 6, 1, 80, device=DEVICE)
         _, launches = plan_attention(query, view, scaling=0.1, resident_slots=264)
         grids.append([launch.grid for launch in launches])
-    assert grids[0] == grids[1] and len(grids[0]) == 2  # split, then reduced
+    assert grids[0] == grids[1] and len(grids[0]) == 1 and grids[0][0][2] > 1  # split, merged in the launch
 
 
 def test_bad_inputs_are_named():
@@ -327,10 +327,10 @@ def test_bad_inputs_are_named():
         attention(query, view, scaling=1.0, mask=torch.ones(2, 1, 1, 60, dtype=torch.bool, device=DEVICE))
 
 
-def _op_args(view, query, mask, num_splits):
+def _op_args(view, query, mask, num_splits, tickets=None):
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
-            mask, None, None, view.outliers, view.outlier_pos, view.fmt.name, view.per_token, view.ring, view.rotate,
-            0.1, 0, 0.0, num_splits, False)  # fmt: skip
+            mask, None, None, view.outliers, view.outlier_pos, tickets, view.fmt.name, view.per_token, view.ring,
+            view.rotate, 0.1, 0, 0.0, num_splits, False)  # fmt: skip
 
 
 @pytest.mark.parametrize("outliers", [0, 3])
@@ -344,6 +344,34 @@ def test_registered_op_is_the_launcher_on_a_static_view(outliers):
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)
     direct = attention(query, view, scaling=0.1, mask=mask, num_splits=2)
     assert torch.equal(ops.triton_ops().attend(*_op_args(view, query, mask, 2)), direct)
+    # the merge's counters a compiled graph is given (a layer's, of fixed address): the same result at every replay,
+    # and back at 0 after each
+    tickets = torch.zeros(2 * 2, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        assert torch.equal(ops.triton_ops().attend(*_op_args(view, query, mask, 2, tickets)), direct)
+        assert not tickets.any()
+
+
+def test_the_last_split_merges_and_leaves_the_tickets_at_zero():
+    """The splits' partial results are merged in the attention launch by the last split of each program to take
+    its ticket: the plan's counters are back at 0 after every launch, so that the next step merges again."""
+    stream = Stream(updates=[200, 1], recent=5, sinks=2)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(5), DEVICE)
+    query = torch.randn(2, 8, 1, 80, device=DEVICE)
+    plans = {}
+    one = attention(query, view, scaling=0.1, num_splits=1)
+    for _ in range(2):  # a layer's decode steps reuse its plan's counters
+        got = attention(query, view, scaling=0.1, num_splits=5, plans=plans)
+        assert_close(got, one, torch.float32)
+        (plan,) = plans.values()
+        assert plan.tickets is not None and plan.tickets.shape == (2 * 2,) and not plan.tickets.any()
+    # with a mask (or rotated codes) the split kernel leaves the merge to a reduce launch (registers, gpu_static)
+    mask = torch.ones(2, 1, 1, view.end, dtype=torch.bool, device=DEVICE)
+    mask[0, ..., :30] = False  # a left-padded row
+    _, launches = plan_attention(query, view, scaling=0.1, mask=mask, num_splits=5)
+    assert [launch.kernel.fn.__name__ for launch in launches] == ["_attention_kernel", "_reduce_kernel"]
+    assert_close(attention(query, view, scaling=0.1, mask=mask, num_splits=5),
+                 attention(query, view, scaling=0.1, mask=mask, num_splits=1), torch.float32)  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing of Triton kernels needs a GPU")
@@ -423,7 +451,7 @@ def test_stages_reach_the_launch():
     view = KVView(codes=codes, scales=torch.ones(2, 1, 2, 1), fmt=get_format("fp8_e4m3"), end=200, recent_start=200)
     for stages in (None, 4):
         _, launches = plan_attention(query, view, scaling=0.125, stages=stages, num_splits=2)
-        assert [launch.kwargs.get("STAGES") for launch in launches] == [stages or 3, None]
+        assert [launch.kwargs.get("STAGES") for launch in launches] == [stages or 3]  # (splits merged in it)
 
 
 WORD_CASES = [
