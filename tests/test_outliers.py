@@ -154,18 +154,18 @@ def test_crop_and_reset_forget_outliers_and_restore_their_scales(static):
 
 
 @pytest.mark.parametrize("method", [dict(num_beams=2), dict(prompt_lookup_num_tokens=2)], ids=["beams", "assisted"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_beams_and_assisted_decoding_with_outliers(method, backend):
+def test_beams_and_assisted_decoding_with_outliers(method):
     """Beam reordering moves each row's outliers with it, and assisted decoding's crops drop those of rejected
-    tokens: the Triton backend's tokens are the torch path's."""
+    tokens, on both backends: the Triton backend's tokens are the torch path's. (Each backend runs once: a torch
+    case beside this one generated twice with the torch path and compared it with itself.)"""
     model = tiny_model()
     prompt = torch.tensor([[5, 17, 42, 8, 99, 5, 17, 42, 8, 3, 5, 17, 42, 8, 99, 21]])
     out = {}
-    for name in ("torch", backend):
+    for name in ("torch", "triton"):
         cache = QuantizedFP8Cache(model, **WINDOW, backend=name)
         out[name] = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, **cache_kwargs(cache), **method)
         assert (cache.layers[0].outlier_pos >= 0).all()
-    assert torch.equal(out[backend], out["torch"])
+    assert torch.equal(out["triton"], out["torch"])
 
 
 def test_outliers_need_per_token_scales_and_a_count():
