@@ -194,6 +194,8 @@ def every_case(quick: bool = False) -> list[Case]:
     ]
     write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
     write += [Case("write", per_token=True, q_len=n, recent=64) for n in (1, 500)]
+    # a static cache's: the positions moved by the launch's last program
+    write += [Case("write", per_token=True, q_len=1, recent=128, static_cache=16384)]
     # continuous batching: a decode batch and a chunked prefill on FP8 pages
     paged = [
         Case("paged", batch=64, head_dim=d, per_token=p, context=4096, waves=False)
@@ -255,7 +257,7 @@ def plan(
         scales = torch.ones(2, 1, case.kv_heads, 1, device=device)
     end = case.context - (case.q_len if case.kind == "write" else 0)  # a write stores the last q_len tokens
     recent_start = max(end - case.recent, 0)
-    positions = torch.tensor([end, recent_start], device=device) if case.static_cache else None
+    positions = torch.tensor([end, recent_start, 0], device=device) if case.static_cache else None
     # no NaN written (what a layer tracks: NaN codes add a select, and masked columns' values zeroed); the value
     # layout the Triton backend's layers allocate
     view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
@@ -276,7 +278,7 @@ def plan(
     if case.kind == "write":
         key, value = (torch.empty(shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
         stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
-        return triton_write.plan_write(key, value, view, stats)
+        return triton_write.plan_write(key, value, view, stats, advance=view.static)  # (as the layers write)
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
     _, launches = triton_attention.plan_attention(
@@ -654,7 +656,9 @@ def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
             grid.append(dict(
                 batch=batch, context=context, blocks=blocks, efficiency=wave_efficiency(blocks, slots),
                 tile_times=triton_attention.split_cost(programs, tiles, slots, held, splits, merge),
-                fewest_tile_times=min(triton_attention.split_cost(programs, tiles, slots, held, n, merge) for n in counts),
+                fewest_tile_times=min(
+                    triton_attention.split_cost(programs, tiles, slots, held, n, merge) for n in counts
+                ),
             ))  # fmt: skip
     return grid
 
@@ -709,7 +713,7 @@ class StepModel:
     copy_share: float  # of the datasheet bandwidth a copy kernel reaches (H200: 4.3-4.8 of 4.8 TB/s)
     issue_share: float  # of the 4 warp-instructions per clock per SM the KV loop issues
     attention_launch_us: float  # fixed cost of an attention launch (launch, prologue, tail)
-    other_launch_us: float  # of any other launch in the step (the write, a static cache's position update)
+    other_launch_us: float  # of any other launch in the step (the write, a split reduce)
     gap_us: float  # between two launches
 
 
@@ -728,14 +732,14 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     """`(modelled step time, copy time, launches)` (microseconds) of one decode layer step of `case` (its batch and
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
     max(copy, issue) x the split plan's loss (its waves, then the last split's merge, against every tile spread
-    evenly over the GPU). The launches: the write's (one new token), the attention's, and a static cache's
-    position update (`StaticFP8Layer._advance`, an op of its own); with outlier tokens, the staging copy of the
-    token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging is a few torch
+    evenly over the GPU). The launches: the write's (one new token; a static cache's moves its positions too), the
+    attention's (and its reduce where the kernel does not merge its splits); with outlier tokens, the staging copy
+    of the token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging is a few torch
     ops, which its compiled step fuses: counted as one)."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     write = plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
-    launches = len(write) + len(attention) + bool(case.static_cache) + 2 * bool(case.outliers)
+    launches = len(write) + len(attention) + 2 * bool(case.outliers)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
     clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize

@@ -35,7 +35,7 @@ class StaticFP8Layer(FP8Layer):
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
         self.recent_tokens = min(self.recent_tokens, max_cache_len)  # no more tokens than the cache holds
-        self.positions = torch.zeros(2, dtype=torch.int64)  # end, recent_start
+        self.positions = torch.zeros(3, dtype=torch.int64)  # end, recent_start, the write kernel's ticket
         self.position_views = (self.positions[0], self.positions[1])
         # `positions` on the host for the eager paths; None after a compiled step moved them (read back once)
         self.host_positions: tuple[int, int] | None = (0, 0)
@@ -55,7 +55,7 @@ class StaticFP8Layer(FP8Layer):
 
     def _host_positions(self) -> tuple[int, int]:
         if self.host_positions is None:
-            end, recent_start = self.positions.tolist()
+            end, recent_start = self.positions[:2].tolist()
             self.host_positions = (end, recent_start)
         return self.host_positions
 
@@ -158,19 +158,24 @@ class StaticFP8Layer(FP8Layer):
                     f"max_cache_len={self.max_cache_len}"
                 )
 
-    def _advance(self, new_tokens: int) -> None:
+    def _advance(self, new_tokens: int, on_device: bool | None = None) -> None:
+        """Move the positions past `new_tokens`: the host's, and the device's unless the write kernel moved them
+        (`on_device`: None, as the kernels say; a write into a copy of the buffers never does)."""
+        if on_device is None:
+            on_device = not self.kernels.advances_positions
         if torch.compiler.is_compiling():
-            self.positions[0] += new_tokens
-            torch.maximum(self.positions[1], self.positions[0] - self.recent_tokens, out=self.positions[1])
+            if on_device:
+                self.positions[0] += new_tokens
+                torch.maximum(self.positions[1], self.positions[0] - self.recent_tokens, out=self.positions[1])
             self.host_positions = None  # the host learns the new positions when it next needs them
             return
         end, recent_start = self._host_positions()
         end, moved = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens) - recent_start
-        if new_tokens == 1:  # an eager decode step: one in-place add of a delta kept on the device (1 op, not 5)
+        if on_device and new_tokens == 1:  # an eager decode step: one in-place add of a delta kept on the device
             if moved not in self.step_deltas:
-                self.step_deltas[moved] = torch.tensor([1, moved], device=self.positions.device)
-            self.positions.add_(self.step_deltas[moved])
-        else:
+                self.step_deltas[moved] = torch.tensor([1, moved, 0], device=self.positions.device)
+            self.positions.add_(self.step_deltas[moved])  # (1 op, not 5)
+        elif on_device:
             self.positions[0] = end
             self.positions[1] = recent_start + moved
         self.host_positions = (end, recent_start + moved)
@@ -320,7 +325,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         store_token_major(self.codes, ring, self.kernels.value_tiled)
         if self.per_token:
             self.scale.index_copy_(3, kept % slots, scales.index_select(3, kept - first))
-        self._advance(new_tokens)
+        self._advance(new_tokens, on_device=True)  # (the write went to the copy)
         return QuantizedKV(self, linear, stored_key, value_states)
 
 

@@ -110,6 +110,7 @@ class TorchLayerKernels:
     attend = staticmethod(cpu.attend)
     settle_outliers = staticmethod(outliers.settle)  # judge the tokens that got codes (`outliers.settle`)
     value_tiled = False  # the value codes' layout of the buffers a layer allocates (`KVView.value_tiled`)
+    advances_positions = False  # whether `write` moves a static view's device positions past the new tokens
 
     def __init__(self) -> None:
         self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
@@ -154,6 +155,7 @@ class TritonLayerKernels(TorchLayerKernels):
     stored tiled, the layout the attention's PV dot reads without a byte-wise transpose."""
 
     value_tiled = True
+    advances_positions = True  # (the write kernel's last program: no launch of their own)
 
     def __init__(self, fp8_prefill: bool = False) -> None:
         from .triton_attention import attention
@@ -182,7 +184,7 @@ class TritonLayerKernels(TorchLayerKernels):
             triton_ops().write(key, value, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name,
                                view.per_token, view.ring, view.rotate)  # fmt: skip
             return True
-        self._write_kv(key, value, view, stats, self.plans)
+        self._write_kv(key, value, view, stats, self.plans, advance=view.static)
         return True
 
     def attend(
@@ -282,7 +284,7 @@ def triton_ops():
     from .triton_attention import AttentionPlan
     from .triton_write import WritePlan
 
-    written = {"codes", "scales", "recent", "stats"}
+    written = {"codes", "scales", "recent", "stats", "positions"}
 
     @torch.library.triton_op("hf_fp8kv::write", mutates_args=written)
     def write_op(
@@ -291,7 +293,7 @@ def triton_ops():
         ring: bool, rotate: bool,
     ) -> None:  # fmt: skip
         view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
-        for launch in WritePlan(key, value, view, stats).launches(key, value, view, stats):
+        for launch in WritePlan(key, value, view, stats, advance=True).launches(key, value, view, stats):
             launch.run(traced=True)
 
     @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets"})

@@ -542,7 +542,9 @@ def attention(
 
 
 @functools.lru_cache(maxsize=4096)
-def split_count(programs: int, tiles: int, resident_slots: int, held_tiles: int = 0, merge_per_split: float = 0.0) -> int:
+def split_count(
+    programs: int, tiles: int, resident_slots: int, held_tiles: int = 0, merge_per_split: float = 0.0
+) -> int:
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
     `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two

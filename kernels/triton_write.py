@@ -69,14 +69,15 @@ def _write_kernel(
     r_sb, r_sh, r_st, r_sd,
     heads, new_tokens, head_dim, end, recent_start, offset, slots, capacity, recent_slots,
     VALUE_TILED: tl.constexpr, MODE: tl.constexpr, EVICT: tl.constexpr, HAS_RECENT: tl.constexpr, STATIC: tl.constexpr,
-    RING: tl.constexpr,
+    RING: tl.constexpr, ADVANCE: tl.constexpr,
     PER_TOKEN: tl.constexpr, CLIP: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
 ):  # fmt: skip
-    """Program (token block, batch * head, 0 = keys / 1 = values)."""
+    """Program (token block, batch * head, 0 = keys / 1 = values). ADVANCE: the device positions move past the new
+    tokens when every program has read them (the last program to take the ticket at `positions_ptr + 2`)."""
     b = (tl.program_id(1) // heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     h = (tl.program_id(1) % heads).to(tl.int64)
     which = tl.program_id(2)
@@ -138,34 +139,48 @@ def _write_kernel(
             kept = row_ok & (t >= new_recent_start)
             tl.store(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
                      x_raw.to(recent_ptr.dtype.element_ty), mask=kept[:, None] & d_ok[None, :])  # fmt: skip
+    if ADVANCE:  # (a launch of its own before: a static cache's decode step took 4, gpu_static's step model)
+        tl.debug_barrier()
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(positions_ptr + 2, 1, sem="acq_rel") == programs - 1:
+            tl.store(positions_ptr, end + new_tokens)
+            tl.store(positions_ptr + 1, new_recent_start)
+            tl.store(positions_ptr + 2, 0)
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, plans: dict | None = None
+    key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, plans: dict | None = None,
+    advance: bool = False,
 ) -> None:
     """Store the new tokens `key`/`value` `[batch, kv_heads, n, head_dim]` in `view`'s buffers (see
-    `reference.write`). `plans` (a dict the caller keeps) memoizes the validated plan of each kind of call."""
+    `reference.write`). `plans` (a dict the caller keeps) memoizes the validated plan of each kind of call.
+    `advance` (static views): the launch also moves the device positions past the new tokens (`end += n`,
+    `recent_start` as the recent buffer's slots say), with the write ticket `positions[2]` (int64 [3])."""
     if plans is None:
-        plan = WritePlan(key, value, view, stats)
+        plan = WritePlan(key, value, view, stats, advance)
     else:
-        shape = (key.shape, key.dtype, key.device, view.layout())
+        shape = (key.shape, key.dtype, key.device, view.layout(), advance)
         plan = plans.get(shape)
         if plan is None:
-            plan = plans[shape] = WritePlan(key, value, view, stats)
+            plan = plans[shape] = WritePlan(key, value, view, stats, advance)
     launch_all(plan.launches(key, value, view, stats), key.device)
 
 
-def plan_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> list[Launch]:
+def plan_write(
+    key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, advance: bool = False
+) -> list[Launch]:
     """The launches of `write_kv`: the window's leaving tokens first when more than a window arrives at once,
-    then the new tokens."""
-    return WritePlan(key, value, view, stats).launches(key, value, view, stats)
+    then the new tokens (which move the positions, with `advance`)."""
+    return WritePlan(key, value, view, stats, advance).launches(key, value, view, stats)
 
 
 class WritePlan:
     """What stays the same from one write to the next of one kind: validation, tile sizes, grids and constexprs."""
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor):
-        _check_write(key, value, view, stats)
+    def __init__(
+        self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, advance: bool = False
+    ):
+        _check_write(key, value, view, stats, advance)
         batch, heads, new_tokens, head_dim = key.shape
         self.recent_slots = view.recent.shape[3] if view.recent is not None else 0
         block_d = next_power_of_2(head_dim)
@@ -185,7 +200,8 @@ class WritePlan:
             # and spilled 24-32 B at 255 on sm_80 / sm_86 / sm_89; with 8, 106-158 (gpu_static)
             warps = 8 if block_t * block_d >= MAX_TILE else 4
             self.kinds.append(((cdiv(tokens, block_t), batch * heads, 2),
-                               dict(MODE=mode, BLOCK_T=block_t, num_warps=warps, **common)))  # fmt: skip
+                               dict(MODE=mode, BLOCK_T=block_t, num_warps=warps, ADVANCE=advance and mode == NEW,
+                                    **common)))  # fmt: skip
 
     def launches(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> list[Launch]:
         tensors, strides, slots = view.derived(self, self._stored)
@@ -208,7 +224,7 @@ class WritePlan:
         return tensors, strides, (view.slots, view.codes.shape[3])
 
 
-def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> None:
+def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, advance: bool) -> None:
     if key.shape != value.shape or key.dtype != value.dtype:
         raise ValueError(f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} differ")
     batch, heads, new_tokens, head_dim = key.shape
@@ -229,6 +245,9 @@ def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: to
             f"scales must be fp32 (per-token: or bf16) {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}"
         )
     view.check_layout()
+    if advance and (view.positions is None or view.positions.dtype != torch.int64 or view.positions.shape != (3,)):
+        positions = None if view.positions is None else (view.positions.dtype, tuple(view.positions.shape))
+        raise ValueError(f"a write that moves the positions needs int64 [3] device positions, got {positions}")
     if stats.dtype != torch.int64 or stats.shape != (2, 2):
         raise ValueError(f"stats must be an int64 [2, 2] counter, got {stats.dtype} {tuple(stats.shape)}")
     devices = {t.device for t in (key, value, view.codes, view.scales, stats)}

@@ -77,7 +77,7 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
     else:
         scales = static_scales(stream, generator)
     recent = torch.zeros(*shape[:3], stream.recent, stream.head_dim, dtype=stream.dtype) if stream.recent else None
-    positions = torch.zeros(2, dtype=torch.int64, device=device) if stream.static else None
+    positions = torch.zeros(3, dtype=torch.int64, device=device) if stream.static else None  # (and a write ticket)
     view = KVView(
         codes=codes.to(device), scales=scales.to(device), fmt=fmt, per_token=stream.scales == "dynamic",
         end=positions[0] if stream.static else 0, recent_start=positions[1] if stream.static else 0,

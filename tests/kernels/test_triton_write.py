@@ -1,6 +1,7 @@
 """The Triton write kernel against the oracle: bit-identical codes, exact scales, the same recent tokens, clipped
 and non-finite counts, for every format, scale kind, recent buffer and position kind."""
 
+import dataclasses
 import math
 import os
 
@@ -15,7 +16,7 @@ from hf_fp8kv.kernels.reference import quantize
 from hf_fp8kv.kernels.triton_common import to_e4m3
 from hf_fp8kv.kernels.triton_write import encode, encoding, write_kv
 from hf_fp8kv.kernels.view import KVView, token_major
-from streams import Stream, fill
+from streams import Stream, empty_view, fill, tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EDGES = [31.6, 125.4, 447.0, 448.0, 449.0, 464.0, 465.0, 1e30, -math.inf, math.inf, 2.0**-10, 2.0**-9 * 1.5,
@@ -178,10 +179,41 @@ def test_registered_op_is_the_launcher_on_a_static_view():
             ops.triton_ops().write(key, -key, view.codes, view.scales, view.recent, stats, view.positions,
                                    view.fmt.name, True, False, True)  # fmt: skip
         else:
-            write_kv(key, -key, view, stats)
-        buffers.append((view.codes.view(torch.uint8)[:, :, :, :8], view.scales[..., :8], view.recent, stats))
+            write_kv(key, -key, view, stats, advance=True)
+        buffers.append((view.codes.view(torch.uint8)[:, :, :, :8], view.scales[..., :8], view.recent, stats,
+                        view.positions))  # fmt: skip
     for a, b in zip(*buffers):
         assert torch.equal(a, b)
+    assert view.positions.tolist() == [9, 5, 0]  # moved past the new token by the op too
+
+
+@pytest.mark.parametrize("stream", [
+    Stream(static=24, recent=4, updates=[7, 1, 1, 6, 1]),
+    Stream(static=8, ring=True, recent=2, updates=[5, 1, 1, 1, 1, 1, 1, 1], tiled=True),
+    Stream(static=24, updates=[7, 1, 9]),
+], ids=str)  # fmt: skip
+def test_a_static_write_moves_the_positions_as_the_layers_do(stream):
+    """`write_kv(advance=True)`, a static layer's write: the launch's last program moves the device positions past
+    the new tokens as the layers' rule does (`streams.advance`), and leaves its ticket at 0 for the next write; the
+    buffers are those of a write followed by that rule (a prompt longer than the recent buffer: two launches, the
+    second moves them)."""
+    expected, kv, _ = fill(stream, write_kv, torch.Generator().manual_seed(0), DEVICE)
+    generator = torch.Generator().manual_seed(0)
+    tokens(stream, generator)  # (the generator's state fill's view was made in)
+    view = empty_view(stream, generator, DEVICE)
+    stats = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    end = recent_start = first = 0
+    for new in stream.updates:
+        chunk = kv[:, :, :, first : first + new].to(DEVICE)
+        write_kv(chunk[0], chunk[1], view, stats, advance=True)
+        first, end = first + new, end + new
+        recent_start = max(recent_start, end - stream.recent)
+        assert view.positions.tolist() == [end, recent_start, 0]
+    assert torch.equal(view.codes.view(torch.uint8), expected.codes.view(torch.uint8))
+    assert torch.equal(view.scales, expected.scales)
+    assert view.recent is None or torch.equal(view.recent, expected.recent)
+    with pytest.raises(ValueError, match=r"int64 \[3\] device positions"):
+        write_kv(chunk[0], chunk[1], dataclasses.replace(view, positions=view.positions[:2]), stats, advance=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing of Triton kernels needs a GPU")
