@@ -56,6 +56,10 @@ NVIDIA_LIMITS = {
 # AMD CDNA by gfx name: 4 SIMDs per CU, 8 waves of 64 lanes per SIMD, 512 VGPRs per lane (arch + accumulation)
 AMD_LIMITS = {"gfx90a": Limits(64 * 1024, 32, 32), "gfx942": Limits(64 * 1024, 32, 32), "gfx950": Limits(160 * 1024, 32, 32)}
 AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
+# where a split decode's last split merges the others' results in its own launch (`triton_attention`): the targets
+# whose compiled decode kernels kept their spills and blocks per SM with the merge (gpu_static --match decode); on
+# sm_80 and sm_100 it spilled 4-12 B or cost a block per SM, and the other targets are not yet compiled with it
+MERGING_TARGETS = frozenset({"sm_86", "sm_90", "gfx942"})
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,11 @@ class GpuTarget:
     def default_fp8(self) -> str:
         """The format "fp8" names here: e4m3fnuz on MI300 (gfx94x), as in vLLM; e4m3fn elsewhere."""
         return "fp8_e4m3fnuz" if self.arch.startswith("gfx94") else "fp8_e4m3"
+
+    @property
+    def merges_splits(self) -> bool:
+        """Whether the split decode kernel merges its splits itself (`MERGING_TARGETS`), else a reduce launch does."""
+        return self.arch in MERGING_TARGETS
 
     @property
     def limits(self) -> Limits | None:

@@ -692,10 +692,11 @@ class AttentionPlan:
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
         # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
-        # the splits merged in the attention launch, but with a mask or rotated codes: there the merge took the
-        # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16 (left padding), and
-        # the rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall (gpu_static)
-        self.merge = mask is None and not view.rotate
+        # the splits merged in the attention launch, but with a mask or rotated codes (there the merge took sm_90's
+        # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16, left padding, and the
+        # rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall, gpu_static) and on
+        # targets where it costs registers (`GpuTarget.merges_splits`; the interpreter merges: the tests' path)
+        self.merge = mask is None and not view.rotate and (target is None or target.merges_splits)
         self.launch_options = {
             (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
                              "FP_PROGRAM": split and held, "MERGE": split and self.merge}
