@@ -405,7 +405,7 @@ def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded
         _, attention = plan_attention(query, view, scaling=sizes.head_dim**-0.5, mask=mask, stages=stages,
                                       resident_slots=sizes.resident_slots)  # fmt: skip
         partials = batch * sizes.q_heads * attention[0].grid[2] * (sizes.head_dim + 2) * 4
-        reads = (kv_bytes(view), partials)  # of the attention, then the reduce (with splits)
+        reads = (kv_bytes(view), partials)  # of the attention, then its reduce (where a split launch does not merge)
         launches += [(stages, launch, nbytes) for launch, nbytes in zip(attention, reads)]
     window = (f"recent {layer.recent_tokens} + sinks {layer.sink_tokens}"
               if layer.recent_tokens or layer.sink_tokens else "pure FP8")  # fmt: skip
