@@ -77,6 +77,7 @@ CLOCKS_AND_BANDWIDTH = {
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 MAX_INSTR_PER_BYTE, MIN_TILES_IN_FLIGHT, MIN_LAST_WAVE = 0.18, 2, 0.85  # decode budgets
+MIN_REDUCE_PROGRAMS = 32  # a batch-1 32k reduce (where the kernel does not merge) over at least this many programs
 # head_dim 128 decode (pure, default recent + sinks, padded, static cache), issue 21's targets (sm_90's blocks)
 D128_MAX_INSTR_PER_BYTE, D128_MIN_BLOCKS_PER_SM = 0.13, 3
 # the codes decoded in bit operations (no hardware FP8 conversion): 0.32-0.34 on sm_80, 0.37-0.38 on sm_86, of which
@@ -839,6 +840,10 @@ def budget_failures(row: dict) -> list[str]:
     fp8_dots = case["head_dim"] == 128 and case.get("fp8_prefill")  # (the default prefill keeps fp16 dots: quality)
     if row["kind"] == "prefill" and fp8_dots and (row["mma"] or {}).get("kind") not in FP8_DOTS:
         failures.append(f"prefill dots are {(row['mma'] or {}).get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
+    if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
+        programs = math.prod(row["grid"])
+        if programs < MIN_REDUCE_PROGRAMS:
+            failures.append(f"reduce on {programs} programs < {MIN_REDUCE_PROGRAMS} at batch 1, {case['context']} tokens")
     if row["kernel"] == "_paged_attention_kernel" and case["q_len"] == 1 and case["batch"] <= 16 \
             and case["context"] >= 32768:  # fmt: skip
         least = MIN_PAGED_WAVES * EXAMPLE_GPUS[row["arch"]].sms

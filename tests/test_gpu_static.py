@@ -280,7 +280,7 @@ def test_budgets():
         "no block fits: 98 registers x 8 warps, 22528 B shared"
     ]
     # head_dim 128: the tighter loop and occupancy budgets; its opt-in FP8 prefill on FP8 tensor cores (the default
-    # prefill keeps fp16 dots)
+    # prefill keeps fp16 dots); a 32k reduce spread (on targets whose kernel does not merge its splits)
     d128 = dict(case, head_dim=128)
     assert report.budget_failures(dict(good, case=d128, arch="sm_100")) == [
         "decode loop 0.150 SASS instructions per KV byte > 0.13 (400 instructions x 8 warps / 1 x 16384 B)",
@@ -295,6 +295,9 @@ def test_budgets():
     assert report.budget_failures(dict(prefill, arch="sm_89", mma=dict(kind="QMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, case=d128)) == []  # the default prefill: fp16 dots
+    reduce = dict(good, kind="decode", kernel="_reduce_kernel", loop=None, case=dict(d128, context=32768), grid=[2])
+    assert report.budget_failures(reduce) == ["reduce on 2 programs < 32 at batch 1, 32768 tokens"]
+    assert report.budget_failures(dict(reduce, grid=[32, 4])) == []
     # the decode layer step: launches anywhere, the copy fractions on sm_90
     fractions = {"b1_4k": 0.3, "b1_32k": 0.81, "b16_4k": 0.9, "b16_32k": 0.97}
     step = dict(launches=3, copy_fraction=fractions, step_us=dict.fromkeys(fractions, 5.0))
