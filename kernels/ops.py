@@ -263,8 +263,8 @@ def _decode_splits(query: torch.Tensor, view: KVView) -> tuple[int, torch.Tensor
     step = query[:, :, -1:]
     plan = AttentionPlan(step, view, None, None, 1.0)
     splits = plan.splits(step, view)
-    if splits == 1:
-        return 1, None
+    if splits == 1 or not plan.merge:
+        return splits, None
     tickets = plan.new_tickets(query.device)
     torch._dynamo.mark_static_address(tickets)
     return splits, tickets

@@ -48,7 +48,8 @@ PROGRAM_TILES = 1
 # assumption: 64 B per clock per SM at 1.98 GHz, 127 GB/s, against an H200's 4.8 TB/s over 132 SMs, 36 GB/s)
 L2_SPEEDUP = 3.5
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
-# the attention launch's merge: splits per iteration, channels per pass (the reduce kernel's figures)
+# the attention launch's merge: splits per iteration (16 spilled 40-44 B in sm_90's default-window decode, 4 none)
+# and channels per pass (whole 128-channel rows took the per-token decode from 141 to 182 registers; gpu_static)
 MERGE_SPLITS = tl.constexpr(4)
 MERGE_CHUNK = tl.constexpr(32)
 REDUCE_CHUNK = 32  # head_dim channels per reduce program
@@ -271,8 +272,6 @@ def _attention_kernel(
         tl.debug_barrier()
         ticket_ptr += tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid_m
         if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
-            # MERGE_CHUNK channels at a time: whole [BLOCK_M, BLOCK_D] partial results took the split decode
-            # kernels from 141 to 182 registers at head_dim 128 (3 -> 2 blocks per SM, gpu_static)
             for first in range(0, BLOCK_D, MERGE_CHUNK):
                 c = first + tl.arange(0, MERGE_CHUNK)
                 acc_c, m_c, l_c = merge_splits(part_acc_ptr, part_stats_ptr, first_part, row_ok, c, num_splits,
@@ -453,9 +452,8 @@ def merge_splits(
 ):  # fmt: skip
     """`(acc, m, l)` of BLOCK_R output rows, channels `d`, from their `num_splits` partial results (row r's at
     `first_part[r]` and the next ones), BLOCK_S splits at a time: registers stay BLOCK_R x BLOCK_C whatever the
-    split count. Each split's weight is read back from its own statistics (an L1 hit), not picked out of the
-    [rows, splits] block; the partial results through L2 (`.cg`: other programs of a launch may have written
-    them)."""
+    split count. Each split's weight is read back from its own statistics, not picked out of the [rows, splits]
+    block. Everything is read through L2 (`.cg`: other programs of the launch may have written it)."""
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
@@ -689,14 +687,14 @@ class AttentionPlan:
             FP8_QK=fp8_qk, FP8_PV=fp8_qk and not view.per_token, **rotation(view.rotate, head_dim),
             HAS_OUTLIERS=view.outliers is not None,
         )  # fmt: skip
-        # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
-        # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
-        # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
         # the splits merged in the attention launch, but with a mask or rotated codes (there the merge took sm_90's
         # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16, left padding, and the
         # rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall, gpu_static) and on
         # targets where it costs registers (`GpuTarget.merges_splits`; the interpreter merges: the tests' path)
         self.merge = mask is None and not view.rotate and (target is None or target.merges_splits)
+        # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
+        # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
+        # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
         self.launch_options = {
             (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
                              "FP_PROGRAM": split and held, "MERGE": split and self.merge}
@@ -783,8 +781,9 @@ class AttentionPlan:
         self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
         tickets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[Launch]]:
-        """The output and the launch that fills it; `tickets`: the merge's counters where the caller keeps them
-        (a compiled graph's plan lives for one call), else the plan's own."""
+        """The output and the launches that fill it (the attention, then its reduce where the kernel does not
+        merge its splits); `tickets`: the merge's counters where the caller keeps them (a compiled graph's plan
+        lives for one call), else the plan's own."""
         stored = view.derived(self, self._stored)
         splits, held = self._split_count(query, view, stored)
         out, *buffers = self._buffers(query, splits, tickets)
