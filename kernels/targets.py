@@ -57,9 +57,10 @@ NVIDIA_LIMITS = {
 AMD_LIMITS = {"gfx90a": Limits(64 * 1024, 32, 32), "gfx942": Limits(64 * 1024, 32, 32), "gfx950": Limits(160 * 1024, 32, 32)}
 AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
 # where a split decode's last split merges the others' results in its own launch (`triton_attention`): the targets
-# whose compiled decode kernels kept their spills and blocks per SM with the merge (gpu_static --match decode); on
-# sm_80 and sm_100 it spilled 4-12 B or cost a block per SM, and the other targets are not yet compiled with it
-MERGING_TARGETS = frozenset({"sm_86", "sm_90", "gfx942"})
+# whose compiled decode kernels kept their spills and blocks per SM with the merge (gpu_static --match decode: on
+# sm_75, sm_89 and sm_120 all 110 rows as without it); on sm_80 and sm_100 it spilled 4-12 B or cost a block per
+# SM, on gfx90a and gfx950 36 B at head_dim 64 or a block per SM at 128
+MERGING_TARGETS = frozenset({"sm_75", "sm_86", "sm_89", "sm_90", "sm_120", "gfx942"})
 
 
 @dataclass(frozen=True)
