@@ -61,6 +61,11 @@ AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
 # sm_75, sm_89 and sm_120 all 110 rows as without it); on sm_80 and sm_100 it spilled 4-12 B or cost a block per
 # SM, on gfx90a and gfx950 36 B at head_dim 64 or a block per SM at 128
 MERGING_TARGETS = frozenset({"sm_75", "sm_86", "sm_89", "sm_90", "sm_120", "gfx942"})
+# where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`): the
+# targets whose decode kernels did not spill with it (gpu_static --match decode; sm_90 loses a block per SM at head_dim
+# 128 with per-token scales, 4 -> 3); sm_80 spilled 4-8 B, sm_86 8-48 B, gfx942 36 B, sm_100 and gfx90a / gfx950 lost
+# blocks or spilled
+WRITING_TARGETS = frozenset({"sm_89", "sm_90", "sm_120"})
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,12 @@ class GpuTarget:
     def merges_splits(self) -> bool:
         """Whether the split decode kernel merges its splits itself (`MERGING_TARGETS`), else a reduce launch does."""
         return self.arch in MERGING_TARGETS
+
+    @property
+    def writes_in_attention(self) -> bool:
+        """Whether a decode step's attention launch writes the step's token (`WRITING_TARGETS`), else a write
+        launch does."""
+        return self.arch in WRITING_TARGETS
 
     @property
     def limits(self) -> Limits | None:

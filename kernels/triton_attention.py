@@ -22,6 +22,7 @@ the full buffer); splits with no tokens write an empty partial result and exit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -31,13 +32,18 @@ import triton.language as tl
 
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
-    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, hadamard, load_token_scales,
+    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, encoding, hadamard,
+    load_token_scales,
     program_scratch, query_target, rotated_query, rotation, tile_tokens, to_e4m3, visibility, zero_columns,
 )
 from .targets import GpuTarget
+from .triton_write import check_write, move_positions, write_decode_token
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
-from .view import KVView, scale_dtypes
+from .view import KVView, NewToken, scale_dtypes
 
+# tokens of the tile that reads the token entering the codes in a decode step's write (the smallest a dot takes: a
+# whole tile of codes took sm_90's default-window decode kernel from 128 to 135 registers, 3 blocks per SM)
+ENTERING_TILE = tl.constexpr(16)
 # tokens per tile of the full-precision (recent, sink) tokens: 64 took a default-window decode kernel at head_dim
 # 128 to 168 registers and a 12 B spill, 32 to 144 and none (gpu_static)
 FULL_PRECISION_TILE = tl.constexpr(32)
@@ -58,11 +64,13 @@ REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 
 # positions move every step and the split count with the context (a multiple of 16 would compile a second
 # kernel mid-generation): none of them specialized, one compile
-@triton.jit(do_not_specialize=["num_splits", "held_splits", "start", "end", "recent_start", "mask_start"])
+@triton.jit(do_not_specialize=["num_splits", "held_splits", "start", "end", "recent_start", "mask_start",
+                             "prior_recent_start"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, outlier_k_ptr, outlier_v_ptr, outlier_pos_ptr, mask_ptr,
-    sink_logits_ptr, channel_ptr, out_ptr, part_acc_ptr, part_stats_ptr, ticket_ptr, q_scratch_ptr,
+    sink_logits_ptr, channel_ptr, out_ptr, part_acc_ptr, part_stats_ptr, ticket_ptr, q_scratch_ptr, new_k_ptr,
+    new_v_ptr, stats_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
@@ -71,8 +79,9 @@ def _attention_kernel(
     u_sb, u_sh, u_st, u_sd, p_sb, p_sh, p_st,
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
+    nk_sb, nk_sh, nk_sd, nv_sb, nv_sh, nv_sd,
     kv_heads, q_len, head_dim, num_splits, held_splits, slots, capacity, offset, recent_slots, sink_slots,
-    outlier_slots, start, end, recent_start, mask_start, window,
+    outlier_slots, start, end, recent_start, mask_start, prior_recent_start, window,
     score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
@@ -83,10 +92,17 @@ def _attention_kernel(
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr,
     FP8_PV: tl.constexpr, FP_PROGRAM: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
-    HAS_OUTLIERS: tl.constexpr, MERGE: tl.constexpr,
+    HAS_OUTLIERS: tl.constexpr, MERGE: tl.constexpr, WRITE: tl.constexpr, CLIP: tl.constexpr,
+    ENC_IS_FLOAT: tl.constexpr, ENC_MAX: tl.constexpr, ENC_ROW_MAX: tl.constexpr, ENC_ROUND_SHIFT: tl.constexpr,
+    ENC_NORMAL_OFFSET: tl.constexpr, ENC_MIN_NORMAL: tl.constexpr, ENC_SUB_MAGIC: tl.constexpr,
+    ENC_SUB_MAGIC_BITS: tl.constexpr, ENC_NAN_CODE: tl.constexpr, ENC_SIGNED_ZERO: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the
-    last split of the row block merges them (else `_reduce_kernel` does, in a launch of its own)."""
+    last split of the row block merges them (else `_reduce_kernel` does, in a launch of its own). WRITE: a decode
+    step's new token (`new_k_ptr`, `new_v_ptr`) is written by this launch (`write_decode_token`, the ENC_ constexprs
+    `encoding`'s): `end` and `recent_start` are the positions after it, `prior_recent_start` before it (static: the
+    device positions are the ones before it, moved here and stored by the last program); one program per row
+    writes it and attends the token entering the codes itself."""
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
@@ -94,6 +110,20 @@ def _attention_kernel(
     if STATIC:  # positions on the device: nothing about them reaches the host (CUDA graphs); int32 as the host's
         end = tl.load(positions_ptr).to(tl.int32)  # (int64 positions made every index in the loop 64-bit)
         recent_start = tl.load(positions_ptr + 1).to(tl.int32)
+    if WRITE:  # the new token is the last; the token it replaces in its recent slot (else itself) gets codes
+        if STATIC:
+            prior_recent_start = recent_start
+            end += 1
+            recent_start = end
+            if HAS_RECENT:
+                recent_start = tl.maximum(prior_recent_start, end - recent_slots)
+        new_pos = end - 1
+        if HAS_RECENT:  # (the host's positions stay parameters: computed ones took registers across the loop)
+            entering_pos = new_pos - recent_slots
+            entering = (entering_pos >= prior_recent_start) & (entering_pos >= (0 if RING else offset))
+        else:
+            entering_pos = new_pos
+            entering = new_pos >= 0
     if RING:  # a slot holds the latest coded token of its residue: the last `slots` tokens before the recent ones
         start = tl.maximum(start, recent_start - slots)
     q_ptr += b * q_sb
@@ -115,6 +145,23 @@ def _attention_kernel(
         row_pos = pos.to(tl.int64)  # its row offsets pass 2^31 in a long prefill (262k tokens x 64 heads x 128)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
+    code_splits = num_splits - held_splits
+    if WRITE:  # one program per row writes (before the query is read: fewer values live), the one reading the new
+        # token's recent slot (else the last split)
+        owner = num_splits - 1
+        if HAS_RECENT and FP_PROGRAM:
+            share = tl.cdiv(tl.cdiv(recent_slots, FULL_PRECISION_TILE), held_splits) * FULL_PRECISION_TILE
+            owner = code_splits + (new_pos % recent_slots) // share
+        if split == owner:
+            write_decode_token(
+                new_k_ptr + b * nk_sb + kv_head * nk_sh, new_v_ptr + b * nv_sb + kv_head * nv_sh, nk_sd, nv_sd, k_ptr,
+                v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr + b * r_sb + kv_head * r_sh,
+                recent_v_ptr + b * r_sb + kv_head * r_sh, stats_ptr, c_st, c_sd, s_st, r_st, r_sd, d, d_ok, new_pos,
+                entering_pos, entering, slots, offset, capacity, recent_slots, VALUE_TILED, HAS_RECENT, RING,
+                PER_TOKEN_K, CLIP, ROTATE_STAGES, ROTATE_NORM, ENC_IS_FLOAT, ENC_MAX, ENC_ROW_MAX, ENC_ROUND_SHIFT,
+                ENC_NORMAL_OFFSET, ENC_MIN_NORMAL, ENC_SUB_MAGIC, ENC_SUB_MAGIC_BITS, ENC_NAN_CODE, ENC_SIGNED_ZERO,
+            )  # fmt: skip
+
 
     # the query, scaled once: softmax scale and log2(e) (score_scale), per-head K scale, per-channel K scale
     q_scale = score_scale
@@ -143,6 +190,23 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if WRITE:  # the entering token is left out of the codes' splits: the writing program starts from it (a one-token
+        # tile; after the loop instead, what it reads kept live across the loop took sm_90's default-window decode
+        # kernel from 128 registers to 168 and a 28 B spill, gpu_static)
+        attends_entering = (split == owner) & entering & (entering_pos >= start)
+        if attends_entering:
+            base = 0 if RING else offset
+            entering_args = (
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, c_st, c_sd, s_st, slots, offset, capacity, head_dim,
+                entering_pos, entering_pos + 1, tl.arange(0, ENTERING_TILE), d, d_ok, value_boost, q_pos, row_ok,
+                mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, q_row,
+            )  # fmt: skip
+            acc, m_i, l_i = _codes_tile(
+                q_codes, acc, m_i, l_i, base + (entering_pos - base) // ENTERING_TILE * ENTERING_TILE, entering_args, IS_FLOAT,
+                HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW,
+                HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION, DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D,
+                VALUE_TILED, WHOLE_TILES, FP8_QK, FP8_PV, False, False, HAS_OUTLIERS,
+            )  # fmt: skip
 
     # the full-precision tokens' arguments; their scores undo the query's K scaling (the scale and code factor)
     fp_args = (
@@ -157,8 +221,12 @@ def _attention_kernel(
     # disjoint branches (the two in one program took a default-window decode kernel at head_dim 128 to 185
     # registers, 2 blocks per SM; apart, with 32-token tiles, 144: gpu_static); else one split reads the codes,
     # then the full-precision tokens
-    code_splits = num_splits - held_splits
     if (split >= code_splits) & FP_PROGRAM:
+        if WRITE:
+            if attends_entering:  # the entering token's share as values, as the codes' splits turn theirs
+                acc = acc * _values_scale(out_factor, v_scale_ptr, code_factor, PER_TOKEN_V, FP8_PV)
+                if ROTATE_STAGES > 0:
+                    acc = hadamard(acc, ROTATE_STAGES, ROTATE_NORM)
         acc, m_i, l_i = _full_precision_tokens(
             acc, m_i, l_i, fp_args, split - code_splits, held_splits, HAS_CHANNEL_SCALE, HAS_RECENT, HAS_SINK_TOKENS,
             HAS_OUTLIERS, HAS_MASK, HAS_WINDOW, MASK_ROW, ONE_POSITION, HAS_SOFTCAP, PRECISION, DOT,
@@ -168,6 +236,8 @@ def _attention_kernel(
         # the codes' share of this split: [lo, hi) of [start, recent_start), narrowed to what the causal / window rule
         # lets this row block see (without a mask: masks skip whole tiles below instead)
         codes_end = tl.maximum(recent_start, start)
+        if WRITE:
+            codes_end = tl.maximum(recent_start - entering.to(tl.int32), start)
         origin = start
         if WHOLE_TILES:  # splits from the tile holding `start`: only the codes' first and last tiles can be partial
             base = 0 if RING else offset  # a token's slot is t - base in whole blocks (a ring's are whole blocks)
@@ -243,14 +313,8 @@ def _attention_kernel(
                         FP8_QK, FP8_PV, False, False, HAS_OUTLIERS,
                     )  # fmt: skip
 
-        # from here on `acc` holds values, not codes: the output scale of the codes (fp16 factor, V boost, per-head
-        # V scale) applied once
-        out_scale = out_factor
-        if not PER_TOKEN_V:
-            out_scale *= tl.load(v_scale_ptr)
-        if FP8_PV:  # e4m3 values, the probabilities times P_SCALE
-            out_scale /= code_factor * P_SCALE
-        acc = acc * out_scale
+        # from here on `acc` holds values, not codes: the output scale of the codes applied once
+        acc = acc * _values_scale(out_factor, v_scale_ptr, code_factor, PER_TOKEN_V, FP8_PV)
         if ROTATE_STAGES > 0:  # the codes' share rotated back, before the full-precision tokens join it
             acc = hadamard(acc, ROTATE_STAGES, ROTATE_NORM)
         if (split == num_splits - 1) & (not FP_PROGRAM):
@@ -290,6 +354,20 @@ def _attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+    if WRITE and STATIC:  # the device positions move past the new token once every program has read them
+        move_positions(positions_ptr, end, recent_start)
+
+
+@triton.jit
+def _values_scale(out_factor, v_scale_ptr, code_factor, PER_TOKEN_V: tl.constexpr, FP8_PV: tl.constexpr):
+    """The factor that turns the codes' accumulated PV into values: the fp16 decode's factor and V boost
+    (`out_factor`), the per-head V scale, and with FP8_PV the probabilities' P_SCALE."""
+    out_scale = out_factor
+    if not PER_TOKEN_V:
+        out_scale *= tl.load(v_scale_ptr)
+    if FP8_PV:  # e4m3 values, the probabilities times P_SCALE
+        out_scale /= code_factor * P_SCALE
+    return out_scale
 
 
 @triton.jit
@@ -506,6 +584,18 @@ def _reduce_kernel(
 
 
 # --- launchers ---------------------------------------------------------------------------------------------------
+def can_write_in_launch(view: KVView, new_tokens: int) -> bool:
+    """Whether the attention launch can write an update's new tokens itself (`NewToken`): a decode step's one
+    token, but with outlier tokens (their staging runs between the write and the attention)."""
+    return new_tokens == 1 and view.outliers is None
+
+
+def writes_in_launch(view: KVView, new_tokens: int, target: GpuTarget | None) -> bool:
+    """Whether it does on `target` (None: the interpreter): where it costs no spill (`GpuTarget.writes_in_attention`),
+    and not over rotated codes (their decode kernels spilled 4-20 B with it on sm_90, sm_100 and sm_120, gpu_static)."""
+    return can_write_in_launch(view, new_tokens) and not view.rotate and (target is None or target.writes_in_attention)
+
+
 def attention(
     query: torch.Tensor,
     view: KVView,
@@ -519,22 +609,26 @@ def attention(
     stages: int | None = None,
     fp8_prefill: bool = False,
     plans: dict | None = None,
+    new_token: NewToken | None = None,
 ) -> torch.Tensor:
     """Attention of `query` `[batch, q_heads, q_len, head_dim]` over the tokens of `view` (see
     `reference.attend`); `num_splits` forces the number of KV splits (default: from the compiled kernel's
     occupancy on the GPU, one off GPU); `stages` the KV tiles the loop keeps in flight (default 3);
     `fp8_prefill`: a prefill's dots over e4m3 codes run on FP8 tensor cores (see `fp8_dots`), else in fp16. `plans` (a dict the caller keeps, e.g. one per cache layer) memoizes the plan of
-    each kind of call, so that a decode step only fills in positions and tensors."""
+    each kind of call, so that a decode step only fills in positions and tensors. `new_token`: a decode step whose
+    write this launch does (see `NewToken`)."""
     settings = (scaling, window, softcap, num_splits, stages)
     if plans is None:
-        plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
+        plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill, new_token=new_token)
     else:
         key = (*settings, fp8_prefill, query.shape, query.dtype, view.layout(),
-               None if mask is None else mask.shape[:-1], sink_logits is not None)  # fmt: skip
+               None if mask is None else mask.shape[:-1], sink_logits is not None,
+               None if new_token is None else (new_token.key.dtype, new_token.key.stride()))  # fmt: skip
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
-    out, launches = plan.launches(query, view, mask, sink_logits)
+            plan = plans[key] = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill,
+                                              new_token=new_token)  # fmt: skip
+    out, launches = plan.launches(query, view, mask, sink_logits, new_token=new_token)
     launch_all(launches, query.device)
     return out
 
@@ -605,13 +699,14 @@ def plan_attention(
     resident_slots: int | None = None,
     target: GpuTarget | None = None,
     fp8_prefill: bool = False,
+    new_token: NewToken | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches (attention, then the split reduce if any) that fill it.
     For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `target`
     plans that GPU's code path for tensors that are not on it."""
     plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, stages, resident_slots,
-                         target, fp8_prefill=fp8_prefill)  # fmt: skip
-    return plan.launches(query, view, mask, sink_logits)
+                         target, fp8_prefill=fp8_prefill, new_token=new_token)  # fmt: skip
+    return plan.launches(query, view, mask, sink_logits, new_token=new_token)
 
 
 class Stored(NamedTuple):
@@ -646,8 +741,11 @@ class AttentionPlan:
         target: GpuTarget | None = None,
         *,
         fp8_prefill: bool = False,
+        new_token: NewToken | None = None,
     ):
         _check_attention(query, view, mask, sink_logits)
+        if new_token is not None:
+            _check_new_token(query, view, new_token)
         batch, q_heads, q_len, head_dim = query.shape
         fmt = view.fmt
         self.kv_heads = view.codes.shape[2]
@@ -659,6 +757,12 @@ class AttentionPlan:
         )
         if stages is not None:
             options["STAGES"] = stages
+        if new_token is not None and target is not None and not target.is_amd and "maxnreg" not in options:
+            # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel
+            # from 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2
+            # warps) from 128 to 168 and 12-16 B. Capped: no spill, 8 blocks at head_dim 64, 3 at 128, 2 at 256 (was
+            # 1; gpu_static, sm_89 and sm_120 too)
+            options["maxnreg"] = 128 if options["num_warps"] == 2 else 168
         self.row_blocks = cdiv(group * q_len, self.block_m)
         check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
         decode = decode_settings(fmt, query, view.per_token, target)
@@ -685,7 +789,8 @@ class AttentionPlan:
             # tiled values in whole blocks over every slot: what the layers allocate (a ring may have any slots)
             VALUE_TILED=view.value_tiled, WHOLE_TILES=view.value_tiled and view.slots % VALUE_TILE.value == 0,
             FP8_QK=fp8_qk, FP8_PV=fp8_qk and not view.per_token, **rotation(view.rotate, head_dim),
-            HAS_OUTLIERS=view.outliers is not None,
+            HAS_OUTLIERS=view.outliers is not None, WRITE=new_token is not None, CLIP=fmt.clip_bound,
+            **{f"ENC_{name}": value for name, value in encoding(fmt).items()},
         )  # fmt: skip
         # the splits merged in the attention launch, but with a mask or rotated codes (there the merge took sm_90's
         # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16, left padding, and the
@@ -717,7 +822,7 @@ class AttentionPlan:
             # that is not the layer's would hold its buffers after the layer replaced them)
             stored, buffers = self._stored(view), self._buffers(query, 2)
             held = int(stored.fp_tokens > 0)
-            attention = self._attention(query, view, mask, sink_logits, 2, held, stored, *buffers)[0]
+            attention = self._attention(query, view, mask, sink_logits, 2, held, stored, *buffers, new_token)[0]
             self.resident_slots = target.sms * compiled_occupancy(attention, target, query.device)
 
     def _buffers(
@@ -779,15 +884,15 @@ class AttentionPlan:
 
     def launches(
         self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
-        tickets: torch.Tensor | None = None,
+        tickets: torch.Tensor | None = None, new_token: NewToken | None = None,
     ) -> tuple[torch.Tensor, list[Launch]]:
         """The output and the launches that fill it (the attention, then its reduce where the kernel does not
         merge its splits); `tickets`: the merge's counters where the caller keeps them (a compiled graph's plan
-        lives for one call), else the plan's own."""
+        lives for one call), else the plan's own; `new_token`: the step's write (the plan's kind)."""
         stored = view.derived(self, self._stored)
         splits, held = self._split_count(query, view, stored)
         out, *buffers = self._buffers(query, splits, tickets)
-        return out, self._attention(query, view, mask, sink_logits, splits, held, stored, out, *buffers)
+        return out, self._attention(query, view, mask, sink_logits, splits, held, stored, out, *buffers, new_token)
 
     def _stored(self, view: KVView) -> Stored:
         """The kernel arguments that depend only on the view's buffers (tensors, strides, slot counts)."""
@@ -806,21 +911,28 @@ class AttentionPlan:
                       _scale_words(view))  # fmt: skip
 
     def _attention(
-        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats, tickets
+        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats, tickets,
+        new_token: NewToken | None = None,
     ) -> list[Launch]:
         if view.static:  # positions are read on the device
             start, end, recent_start, mask_start = view.start, 0, 0, 0
         else:
             start, end, recent_start = view.start, view.end, view.recent_start
             mask_start = view.mask_start if view.mask_start is not None else end - mask.shape[-1] if mask is not None else 0
+        if new_token is not None:
+            new_k, new_v, stats = new_token.key, new_token.value, new_token.stats
+            new_strides = (*new_k.stride()[:2], new_k.stride(3), *new_v.stride()[:2], new_v.stride(3))
+        else:
+            new_k, new_v, stats, new_strides = query, query, query, (0,) * 6
         if mask is not None:
             mask = _expand_mask(mask, *self.out_shape[:3])
         tensors, channel, strides, slots, fp_slots, _, words = stored  # (unpacked: the step's hot path)
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
-            self._query_scratch(query, splits) if view.rotate else query,
+            self._query_scratch(query, splits) if view.rotate else query, new_k, new_v, stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
+            *new_strides, *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
+            new_token.recent_start if new_token is not None else 0,
             *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
         if splits > 1 and not self.merge:
@@ -921,6 +1033,18 @@ def _expand_mask(mask: torch.Tensor, batch: int, q_heads: int, q_len: int) -> to
             f"mask {tuple(mask.shape)} does not broadcast to [batch, heads, q_len, columns] = "
             f"{[batch, q_heads, q_len, mask.shape[-1]]}"
         ) from None
+
+
+def _check_new_token(query: torch.Tensor, view: KVView, new_token: NewToken) -> None:
+    """Refuse, by name, a write in the attention launch that it cannot do: more than one query token, outlier
+    tokens (their staging runs between the write and the attention), anything `write_kv` refuses."""
+    if query.shape[2] != 1 or not can_write_in_launch(view, new_token.key.shape[2]):
+        raise ValueError(
+            f"the attention launch writes one new token of a decode step without outlier tokens, got query "
+            f"{tuple(query.shape)}, new keys {tuple(new_token.key.shape)}, outliers {view.outliers is not None}"
+        )
+    before = view if view.static else dataclasses.replace(view, end=view.end - 1, recent_start=new_token.recent_start)
+    check_write(new_token.key, new_token.value, before, new_token.stats, view.static)
 
 
 def _check_attention(query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None) -> None:

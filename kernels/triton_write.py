@@ -58,6 +58,50 @@ def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_s
     tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=valid)
 
 
+@triton.jit
+def write_decode_token(
+    new_k_ptr, new_v_ptr, nk_sd, nv_sd, k_codes_ptr, v_codes_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr,
+    recent_v_ptr, stats_ptr, c_st, c_sd, s_st, r_st, r_sd, d, d_ok, new_pos, entering_pos, entering, slots, offset,
+    capacity, recent_slots,
+    VALUE_TILED: tl.constexpr, HAS_RECENT: tl.constexpr, RING: tl.constexpr, PER_TOKEN: tl.constexpr,
+    CLIP: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, IS_FLOAT: tl.constexpr,
+    MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
+    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
+):  # fmt: skip
+    """A decode step's write of one (batch, KV head) row, for the program that then reads it (`_attention_kernel`
+    with WRITE): the token `entering` the codes at `entering_pos` is quantized (with a recent buffer, the one the
+    new token replaces in its slot; else the new token itself), then the new token `new_pos` takes its recent
+    slot. The pointers are at the row's buffers; the codes may be typed fp8 (stored as their bytes)."""
+    row = tl.arange(0, 1)
+    ok = tl.zeros([1], tl.int32) + entering.to(tl.int32) != 0  # (a [1] mask: the interpreter refuses a scalar's)
+    valid = ok[:, None] & d_ok[None, :]
+    slot = (entering_pos % slots if RING else entering_pos - offset).to(tl.int64) + row
+    if HAS_RECENT:
+        r_slot = (new_pos % recent_slots).to(tl.int64)
+        k_src, v_src, k_sd, v_sd = recent_k_ptr + r_slot * r_st, recent_v_ptr + r_slot * r_st, r_sd, r_sd
+    else:
+        k_src, v_src, k_sd, v_sd = new_k_ptr, new_v_ptr, nk_sd, nv_sd
+    k_codes_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint8))
+    v_codes_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint8))
+    x = tl.load(k_src + row[:, None] * 0 + d[None, :] * k_sd, mask=valid, other=0.0).to(tl.float32)
+    _quantize_rows(x, ok, valid, slot, k_codes_ptr, k_scale_ptr, stats_ptr, c_st, c_sd, s_st, d, False, capacity,
+                   VALUE_TILED, PER_TOKEN, CLIP, ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
+                   NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+    tl.debug_barrier()  # (the keys' values dead before the values' are read: registers)
+    x = tl.load(v_src + row[:, None] * 0 + d[None, :] * v_sd, mask=valid, other=0.0).to(tl.float32)
+    _quantize_rows(x, ok, valid, slot, v_codes_ptr, v_scale_ptr, stats_ptr + 2, c_st, c_sd, s_st, d, True, capacity,
+                   VALUE_TILED, PER_TOKEN, CLIP, ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
+                   NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+    if HAS_RECENT:
+        tl.debug_barrier()  # every thread has read the leaving token before the new one takes its slot
+        k = tl.load(new_k_ptr + d * nk_sd, mask=d_ok, other=0.0)
+        tl.store(recent_k_ptr + r_slot * r_st + d * r_sd, k.to(recent_k_ptr.dtype.element_ty), mask=d_ok)
+        v = tl.load(new_v_ptr + d * nv_sd, mask=d_ok, other=0.0)
+        tl.store(recent_v_ptr + r_slot * r_st + d * r_sd, v.to(recent_v_ptr.dtype.element_ty), mask=d_ok)
+    tl.debug_barrier()  # the codes, scales and recent slot written are seen by every thread of the program
+
+
 @triton.jit(do_not_specialize=["end", "recent_start"])  # they move every step: one compile
 def _write_kernel(
     key_ptr, value_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr,
@@ -140,12 +184,19 @@ def _write_kernel(
             tl.store(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
                      x_raw.to(recent_ptr.dtype.element_ty), mask=kept[:, None] & d_ok[None, :])  # fmt: skip
     if ADVANCE:  # (a launch of its own before: a static cache's decode step took 4, gpu_static's step model)
-        tl.debug_barrier()
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        if tl.atomic_add(positions_ptr + 2, 1, sem="acq_rel") == programs - 1:
-            tl.store(positions_ptr, end + new_tokens)
-            tl.store(positions_ptr + 1, new_recent_start)
-            tl.store(positions_ptr + 2, 0)
+        move_positions(positions_ptr, end + new_tokens, new_recent_start)
+
+
+@triton.jit
+def move_positions(positions_ptr, end, recent_start):
+    """Store a static view's device positions `end`, `recent_start` once every program of the launch has read them:
+    by the last program to take the ticket at `positions_ptr + 2` (set back to 0 for the next launch)."""
+    tl.debug_barrier()
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    if tl.atomic_add(positions_ptr + 2, 1, sem="acq_rel") == programs - 1:
+        tl.store(positions_ptr, end)
+        tl.store(positions_ptr + 1, recent_start)
+        tl.store(positions_ptr + 2, 0)
 
 
 def write_kv(
@@ -180,7 +231,7 @@ class WritePlan:
     def __init__(
         self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, advance: bool = False
     ):
-        _check_write(key, value, view, stats, advance)
+        check_write(key, value, view, stats, advance)
         batch, heads, new_tokens, head_dim = key.shape
         self.recent_slots = view.recent.shape[3] if view.recent is not None else 0
         block_d = next_power_of_2(head_dim)
@@ -224,7 +275,8 @@ class WritePlan:
         return tensors, strides, (view.slots, view.codes.shape[3])
 
 
-def _check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, advance: bool) -> None:
+def check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor, advance: bool) -> None:
+    """Refuse, by name, a write of `key`/`value` into `view` that the kernels cannot do (or would do wrong)."""
     if key.shape != value.shape or key.dtype != value.dtype:
         raise ValueError(f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} differ")
     batch, heads, new_tokens, head_dim = key.shape

@@ -37,7 +37,7 @@ the `R` recent ones, or of a ring's tokens before the recent ones).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -57,6 +57,18 @@ def coded_end(end: Position, recent_start: Position, new_tokens: int, recent_slo
 def scale_dtypes(view: "KVView") -> tuple[torch.dtype, ...]:
     """The dtypes a view's scales may have: fp32, and for per-token scales bf16 (rounded up when written)."""
     return (torch.float32, torch.bfloat16) if view.per_token else (torch.float32,)
+
+
+class NewToken(NamedTuple):
+    """A decode step's new token for the attention launch to write (`triton_write.write_kv`'s work, no launch of its own): its
+    keys and values `[batch, kv_heads, 1, head_dim]`, the write's statistics (`write_kv`'s `stats`) and the view's
+    `recent_start` before it (the view given with it is the one after it; a static view's device positions are
+    the ones before it, and the launch moves them)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    stats: torch.Tensor
+    recent_start: int = 0
 
 
 @dataclass(kw_only=True, slots=True)

@@ -2,6 +2,7 @@
 written from token streams: pure FP8, recent and sink tokens in full precision, static (device-position)
 buffers and rings."""
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.triton_attention import (
-    AttentionPlan, _scale_words, attention, held_splits, plan_attention, reduce_blocks, split_count,
+    AttentionPlan, NewToken, _scale_words, attention, held_splits, plan_attention, reduce_blocks, split_count,
 )
+from hf_fp8kv.kernels.triton_write import write_kv
 from hf_fp8kv.kernels.view import KVView, slot_codes
 from streams import Stream, fill
 
@@ -557,3 +559,110 @@ def test_fp8_prefill_only_where_it_applies():
     stream = Stream(fmt="fp8_e5m2", updates=[140], tiled=True)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
     assert not uses_fp8(prefill.half(), fp8_prefill=True)  # e5m2 codes keep fp16 dots
+
+
+WRITING_CASES = [  # decode steps whose last token the attention launch writes
+    Case(),
+    Case(splits=3),
+    Case(Stream(fmt="fp8_e5m2", head_dim=64, scales="per-tensor"), group=1, splits=2),
+    Case(Stream(fmt="fp8_e4m3fnuz", head_dim=256, scales="per-head", updates=[19, 1])),
+    Case(Stream(fmt="int8_per_token_head", head_dim=96), group=8, splits=2),
+    Case(Stream(recent=8, updates=[5, 1]), splits=2),  # the recent buffer not full: no token gets codes
+    Case(Stream(recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, options=dict(window=40)),
+    Case(Stream(recent=8, sinks=2, updates=[100, 1]), options=dict(window=40, channel=True)),
+    Case(Stream(recent=70, sinks=2, updates=[100, 1]), splits=4, mask="padding"),  # 3 splits of held tokens
+    Case(Stream(recent=70, sinks=2, updates=[100, 1, 1, 1, 1, 1, 1]), splits=4),  # another held split writes
+    Case(Stream(dtype=torch.bfloat16, recent=8, sinks=2, updates=[90, 1], tiled=True), dtype=torch.bfloat16,
+         splits=3, mask="padding"),  # fmt: skip
+    Case(Stream(recent=4, sinks=2, dtype=torch.float16), dtype=torch.float16, splits=2,
+         options=dict(softcap=8.0, sink_logits=True)),  # fmt: skip
+    Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1]), splits=2, mask="padding"),
+    Case(Stream(static=80, updates=[30, 1])),
+    Case(Stream(static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]), mask="padding"),
+    Case(Stream(static=64, ring=True, recent=3, updates=[60, 1, 1, 1, 1, 1, 1, 1], tiled=True), splits=2),
+    Case(Stream(rotate=True, recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, options=dict(window=40)),
+]
+
+
+def _copy(view: KVView) -> KVView:
+    copies = {name: getattr(view, name).clone() for name in ("codes", "scales", "recent", "positions")
+              if getattr(view, name) is not None}  # fmt: skip
+    if view.static:  # (a static view's host fields are its positions' elements)
+        copies.update(end=copies["positions"][0], recent_start=copies["positions"][1])
+    return dataclasses.replace(view, **copies)
+
+
+@pytest.mark.parametrize("case", WRITING_CASES, ids=str)
+def test_a_decode_step_written_by_its_attention_launch_is_write_then_attend(case):
+    """`attention(new_token=...)`: one launch writes the step's token (the one it replaces in the recent buffer
+    gets codes) and attends. The buffers, statistics and static positions it leaves are bit for bit those of
+    `write_kv` (which the write tests hold to the oracle), and its output is the attention after that write."""
+    stream = case.stream
+    generator = torch.Generator().manual_seed(0)
+    last = len(stream.updates) - 1
+    held = {}
+
+    def write_but_the_last(key, value, view, stats):
+        if len(held) == 0 and int(view.end) + key.shape[2] == stream.length:
+            held.update(key=key, value=value, before=(int(view.end), int(view.recent_start)), stats=stats.clone())
+            return
+        reference.write(key, value, view, stats)
+
+    view, _, _ = fill(stream, write_but_the_last, generator, DEVICE)  # positions after the last update
+    assert stream.updates[last] == 1 and held
+    q_heads = stream.kv_heads * case.group
+    query = torch.randn(stream.batch, q_heads, 1, stream.head_dim, generator=generator).to(DEVICE, case.dtype)
+    mask = make_mask(case, view, generator)
+    if case.options.get("channel"):
+        view.key_channel_scale = (torch.rand(stream.kv_heads, stream.head_dim, generator=generator) + 0.5).to(DEVICE)
+    sink_logits = torch.randn(q_heads, generator=generator).to(DEVICE) if case.options.get("sink_logits") else None
+    kwargs = dict(scaling=stream.head_dim**-0.5, mask=None if mask is None else mask.to(DEVICE),
+                  window=case.options.get("window"), softcap=case.options.get("softcap"), sink_logits=sink_logits,
+                  num_splits=case.splits)  # fmt: skip
+    end, recent_start = held["before"]
+    if view.static:  # the device positions as they were before the step
+        view.positions[:2] = torch.tensor([end, recent_start])
+
+    apart, apart_stats = _copy(view), held["stats"].clone()
+    before = apart if view.static else dataclasses.replace(apart, end=end, recent_start=recent_start)
+    write_kv(held["key"], held["value"], before, apart_stats, advance=view.static)
+    expected = attention(query, apart, **kwargs)
+
+    fused, fused_stats = _copy(view), held["stats"].clone()
+    new_token = NewToken(held["key"], held["value"], fused_stats, recent_start)
+    got = attention(query, fused, new_token=new_token, **kwargs)
+    for name in ("codes", "scales", "recent", "positions"):
+        if getattr(view, name) is not None:
+            a, b = getattr(apart, name), getattr(fused, name)
+            assert torch.equal(a.view(torch.uint8) if name == "codes" else a, b.view(torch.uint8) if name == "codes" else b), name
+    assert torch.equal(apart_stats, fused_stats)
+    assert_close(got, expected.float(), case.dtype)
+    assert_close(got, reference.attend(query.float(), apart, **{k: v for k, v in kwargs.items() if k != "num_splits"}), case.dtype)
+
+
+def test_a_write_the_attention_launch_cannot_do_is_refused_by_name():
+    stream = Stream(recent=4, outliers=2, updates=[40, 1])
+    generator = torch.Generator().manual_seed(0)
+    view, kv, stats = fill(stream, reference.write, generator, DEVICE)
+    query = torch.randn(stream.batch, stream.kv_heads, 1, stream.head_dim, generator=generator).to(DEVICE)
+    new = kv[:, :, :, -1:].to(DEVICE)
+    with pytest.raises(ValueError, match="without outlier tokens"):
+        attention(query, view, scaling=1.0, new_token=NewToken(new[0], new[1], stats, int(view.recent_start)))
+    view.outliers = view.outlier_pos = None
+    with pytest.raises(ValueError, match="one new token"):
+        attention(query.expand(-1, -1, 2, -1), view, scaling=1.0, new_token=NewToken(new[0], new[1], stats, 0))
+    with pytest.raises(ValueError, match="stats must be an int64"):
+        attention(query, view, scaling=1.0, new_token=NewToken(new[0], new[1], stats.int(), int(view.recent_start)))
+
+
+def test_the_launch_writes_a_decode_step_only_where_it_was_measured_clean():
+    """`writes_in_launch`: the interpreter and the targets gpu_static measured without a spill; never over rotated
+    codes or with outlier tokens (a write launch of its own, as before), never for several tokens."""
+    from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
+    from hf_fp8kv.kernels.triton_attention import writes_in_launch
+
+    view, _, _ = fill(Stream(recent=4, updates=[20, 1]), reference.write, torch.Generator().manual_seed(0), DEVICE)
+    assert writes_in_launch(view, 1, None) and not writes_in_launch(view, 2, None)
+    assert {arch for arch, gpu in EXAMPLE_GPUS.items() if writes_in_launch(view, 1, gpu)} == {"sm_89", "sm_90", "sm_120"}
+    assert not writes_in_launch(dataclasses.replace(view, rotate=True), 1, None)
+    assert not writes_in_launch(dataclasses.replace(view, outliers=view.recent), 1, EXAMPLE_GPUS["sm_90"])
