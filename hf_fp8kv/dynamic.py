@@ -152,6 +152,7 @@ class DynamicFP8Layer(FP8Layer):
         for name in ("codes", "scale", "recent", "sinks", "sink_start", "sink_count", *OUTLIER_BUFFERS):
             self.__dict__.pop(name, None)
         self.outlier_tracker.pending = None
+        self.pending = None  # (its token is forgotten with the rest)
         self.first = self.end = self.recent_start = self.offset = 0
         self.stats = torch.zeros(2, 2, dtype=torch.int64)
         self.has_nan = False
@@ -159,6 +160,7 @@ class DynamicFP8Layer(FP8Layer):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.write_pending()
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
         self._crop_to(max(self.end + tokens_to_remove, self.first))
@@ -173,6 +175,7 @@ class DynamicFP8Layer(FP8Layer):
             self.outlier_tracker.crop(self, end)
 
     def _select_rows(self, rows: list[int]) -> None:
+        self.write_pending()
         self.outlier_tracker.settle(self)
         index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         self._map_buffers(lambda t: t.index_select(1, index))
@@ -180,10 +183,12 @@ class DynamicFP8Layer(FP8Layer):
         self.sink_tracker.select(rows)
 
     def offload(self) -> None:
+        self.write_pending()
         if self.is_initialized:
             self._map_buffers(lambda t: t.to("cpu", non_blocking=True))
 
     def prefetch(self) -> None:
+        self.write_pending()
         if self.is_initialized and self.codes.device != self.device:
             self._map_buffers(lambda t: t.to(self.device, non_blocking=True))
 
@@ -234,6 +239,7 @@ class DynamicFP8SlidingLayer(DynamicFP8Layer):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove `-tokens_to_remove` tokens and keep at most `sliding_window - 1` (so `crop(0)` may trim), as
         transformers' `DynamicSlidingWindowLayer` does (its count of tokens seen drops by the tokens removed)."""
+        self.write_pending()
         if self.end < self.sliding_window:
             super().crop(tokens_to_remove)
             return

@@ -11,6 +11,7 @@ tokens `outliers.py` keeps exact too. `recent_tokens=0, sink_tokens=0, outlier_t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Callable, NamedTuple
 
@@ -21,7 +22,7 @@ from hf_fp8kv.attention import FP8KeyStates
 from hf_fp8kv.kernels import ops
 from hf_fp8kv.kernels.cpu import materialize
 from hf_fp8kv.kernels.formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
-from hf_fp8kv.kernels.view import VALUE_TILE, KVView
+from hf_fp8kv.kernels.view import VALUE_TILE, KVView, NewToken
 from hf_fp8kv.outliers import BUFFERS as OUTLIER_BUFFERS
 from hf_fp8kv.outliers import OutlierTracker
 from hf_fp8kv.scales import LayerScales
@@ -32,10 +33,14 @@ NO_CONTEXT = contextlib.nullcontext()  # stateless, reentrant
 
 class QuantizedKV(FP8KeyStates):
     """What `update` hands to the FP8 attention function instead of full-precision tensors: the layer, the
-    tokens its attention sees and this update's new (full-precision) states. No copy is made."""
+    tokens its attention sees and this update's new (full-precision) states. No copy is made. `pending`: the
+    update's write, left to the attention launch that reads it (`FP8Layer.write_pending`)."""
 
-    def __init__(self, layer: "FP8Layer", view: KVView, new_key: torch.Tensor, new_value: torch.Tensor):
-        self.layer, self.view, self.new_key, self.new_value = layer, view, new_key, new_value
+    def __init__(
+        self, layer: "FP8Layer", view: KVView, new_key: torch.Tensor, new_value: torch.Tensor,
+        pending: NewToken | None = None,
+    ):  # fmt: skip
+        self.layer, self.view, self.new_key, self.new_value, self.pending = layer, view, new_key, new_value, pending
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -48,12 +53,16 @@ class QuantizedKV(FP8KeyStates):
         if torch.compiler.is_compiling() and not layer.is_compileable:
             return _eager_attend(self, query, scaling=scaling, mask=mask, **kwargs)
         if layer.sink_tracker.capture(layer, self.new_key, self.new_value, mask, self.view):
+            layer.write_pending()
             self.view = layer.view(self.view.start)
         layer.outlier_tracker.settle(layer)  # (the sinks known: padding and sinks never enter)
+        if self.pending is not None and layer.pending is self:  # this launch writes the update's token
+            kwargs["new_token"], self.pending, layer.pending = self.pending, None, None
         return layer.kernels.attend(query, self.view, scaling=scaling, mask=mask, **kwargs)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the visible tokens (the slow path: a full copy)."""
+        self.layer.write_pending()
         self.layer.outlier_tracker.settle(self.layer)
         return self.layer.materialize(self.view)
 
@@ -105,6 +114,19 @@ class FP8Layer(CacheLayerMixin):
         self.has_nan = False
         self.kernels: ops.TorchLayerKernels | None = None
         self.is_initialized = False
+        self.pending: QuantizedKV | None = None  # the last update, if its write waits for the attention launch
+
+    def write_pending(self) -> None:
+        """Write the last update's token if the attention launch that was to write it has not run (something read
+        the layer first: a fallback attention, a batch operation, a crop, a read of the buffers)."""
+        kv, self.pending = self.pending, None
+        if kv is None or kv.pending is None:
+            return
+        new, kv.pending = kv.pending, None
+        view = kv.view
+        if not view.static:  # (the view is the one after the update)
+            view = dataclasses.replace(view, end=view.end - 1, recent_start=new.recent_start)
+        self.kernels.write(new.key, new.value, view, self.stats)
 
     @property
     def sink_tokens(self) -> int:
@@ -123,27 +145,33 @@ class FP8Layer(CacheLayerMixin):
     @property
     def clipped(self) -> torch.Tensor:
         """Values saturated at the format's max, `[keys, values]`."""
+        self.write_pending()
         return self.stats[:, 0]
 
     @property
     def nonfinite(self) -> torch.Tensor:
         """NaN or infinite inputs, `[keys, values]`."""
+        self.write_pending()
         return self.stats[:, 1]
 
     @property
     def key_codes(self) -> torch.Tensor:
+        self.write_pending()
         return self.codes[0]
 
     @property
     def value_codes(self) -> torch.Tensor:
+        self.write_pending()
         return self.codes[1]
 
     @property
     def key_scale(self) -> torch.Tensor:
+        self.write_pending()
         return self.scale[0]
 
     @property
     def value_scale(self) -> torch.Tensor:
+        self.write_pending()
         return self.scale[1]
 
     # --- allocation ------------------------------------------------------------------------------------------
@@ -225,20 +253,33 @@ class FP8Layer(CacheLayerMixin):
         )
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> QuantizedKV:
-        """Write the new tokens; the tokens this update's queries attend to."""
+        """Write the new tokens (a decode step's on the Triton path: by the attention launch that reads them, see
+        `write_pending`); the tokens this update's queries attend to."""
         new_tokens = key_states.shape[2]
-        self.outlier_tracker.settle(self)  # (the last update's, if no attention read it)
+        self.write_pending()  # (the last update's, if no attention read it)
+        self.outlier_tracker.settle(self)
         self._make_room(new_tokens)
         view = self.view()
         self.outlier_tracker.stage(view, key_states, value_states)
-        stored_key = self._write(key_states, value_states, view)
+        pending = None
+        if self.kernels.writes_in_attention(view, new_tokens):
+            pending = NewToken(self._stored_key(key_states), value_states, self.stats, view.recent_start)
+            self.has_nan = True  # (as the Triton write reports: NaN codes may be written)
+            stored_key = pending.key
+        else:
+            stored_key = self._write(key_states, value_states, view)
         self._advance(new_tokens)
-        return QuantizedKV(self, self._visible(view, new_tokens), stored_key, value_states)
+        kv = QuantizedKV(self, self._visible(view, new_tokens), stored_key, value_states, pending)
+        self.pending = kv if pending is not None else None
+        return kv
+
+    def _stored_key(self, key_states: torch.Tensor) -> torch.Tensor:
+        """The keys as stored: divided by the per-channel key scales, if any (the attention folds them back)."""
+        return key_states if self.key_channel_scale is None else key_states / self.key_channel_scale[:, None, :]
 
     def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, view: KVView) -> torch.Tensor:
-        """Write the new tokens into `view`'s buffers; the keys as stored (divided by the per-channel key scales,
-        if any: the attention folds them back)."""
-        key = key_states if self.key_channel_scale is None else key_states / self.key_channel_scale[:, None, :]
+        """Write the new tokens into `view`'s buffers; the keys as stored (`_stored_key`)."""
+        key = self._stored_key(key_states)
         # codes are not differentiable; scales must not hold the model's graph (generate runs without grad
         # already: entering no_grad costs 1.6 us, a twentieth of a decode step's host time, measured here)
         with torch.no_grad() if torch.is_grad_enabled() else NO_CONTEXT:
@@ -265,6 +306,7 @@ class FP8Layer(CacheLayerMixin):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the stored tokens (a full copy)."""
+        self.write_pending()
         return self.materialize(self.view())
 
     def materialize(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,6 +343,7 @@ class FP8Layer(CacheLayerMixin):
     # --- pickling: torch pickles a float8 tensor it cannot load back (it has no typed storage), so the codes
     # travel as their uint8 bits; the kernel handle is rebuilt (its plans and memos are caches)
     def __getstate__(self) -> dict:
+        self.write_pending()
         state = {**self.__dict__, "kernels": None}
         memo: dict[int, Float8Bits] = {}
         return {name: _map_float8(value, lambda t: memo.setdefault(id(t), Float8Bits(t.view(torch.uint8), t.dtype)))
@@ -310,6 +353,7 @@ class FP8Layer(CacheLayerMixin):
         memo: dict[int, torch.Tensor] = {}
         restore = lambda bits: memo.setdefault(id(bits), bits.bits.view(bits.dtype))  # noqa: E731
         self.__dict__.update({name: _map_float8(value, restore) for name, value in state.items()})
+        self.__dict__.setdefault("pending", None)  # (a layer pickled before the attention wrote decode steps)
         if self.is_initialized:
             self.kernels = self.backend.layer_kernels(fp8_prefill=self.fp8_prefill)
 

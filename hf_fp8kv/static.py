@@ -185,6 +185,7 @@ class StaticFP8Layer(FP8Layer):
         return self.max_cache_len, 0
 
     def get_seq_length(self):
+        self.write_pending()  # (the device positions move with the write)
         return self.positions[0] if self.is_initialized else 0
 
     def get_max_length(self) -> int:
@@ -194,6 +195,7 @@ class StaticFP8Layer(FP8Layer):
         """Forget every token; the buffers (and their addresses) stay."""
         if not self.is_initialized:
             return
+        self.pending = None  # (its token is forgotten with the rest)
         self.positions.zero_()
         self.stats.zero_()
         self.host_positions = (0, 0)
@@ -203,6 +205,7 @@ class StaticFP8Layer(FP8Layer):
         self.rows = None
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.write_pending()
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
         end = max(self.host_end() + tokens_to_remove, 0)
@@ -214,6 +217,7 @@ class StaticFP8Layer(FP8Layer):
 
     def _select_rows(self, rows: list[int]) -> None:
         """In place, in the first rows of the buffers (their addresses stay)."""
+        self.write_pending()
         if len(rows) > self.allocated_rows:
             self._use_rows(len(rows))  # raises, naming max_batch_size
         self.outlier_tracker.settle(self)
@@ -262,6 +266,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         return self.max_cache_len <= self.sliding_window
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.write_pending()
         if tokens_to_remove < 0 and self.is_initialized:
             end = self.host_end()
             needed = max(end + tokens_to_remove - (self.sliding_window - 1), 0)  # the oldest token seen next
@@ -300,6 +305,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         """Several tokens once the ring is full: they are written into a linear copy of the coded tokens they may
         see (and of the recent tokens that leave the recent buffer now, whose codes are written then), attend over
         it, and its last `code_slots` coded tokens become the ring's."""
+        self.write_pending()
         new_tokens, slots = key_states.shape[2], self.code_slots
         self._make_room(new_tokens)
         end, recent_start = self._host_positions()

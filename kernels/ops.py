@@ -26,7 +26,7 @@ import torch
 from . import cpu, outliers, paged
 from .formats import StorageFormat, get_format
 from .targets import GpuTarget, device_target
-from .view import KVView
+from .view import KVView, NewToken
 
 BACKENDS = ("auto", "triton", "torch")
 SETTLE_KERNEL_TOKENS = 64  # updates up to this many tokens leaving the recent ones have their outliers chosen by
@@ -112,6 +112,10 @@ class TorchLayerKernels:
     value_tiled = False  # the value codes' layout of the buffers a layer allocates (`KVView.value_tiled`)
     advances_positions = False  # whether `write` moves a static view's device positions past the new tokens
 
+    def writes_in_attention(self, view: KVView, new_tokens: int) -> bool:
+        """Whether an update's write is left to the attention that reads it (`attend(new_token=...)`)."""
+        return False
+
     def __init__(self) -> None:
         self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
 
@@ -158,7 +162,8 @@ class TritonLayerKernels(TorchLayerKernels):
     advances_positions = True  # (the write kernel's last program: no launch of their own)
 
     def __init__(self, fp8_prefill: bool = False) -> None:
-        from .triton_attention import attention
+        from .triton_attention import attention, writes_in_launch
+        from .triton_common import query_target
         from .triton_outliers import settle
         from .triton_write import write_kv
 
@@ -168,6 +173,7 @@ class TritonLayerKernels(TorchLayerKernels):
         self.decode_splits: dict[tuple, tuple[int, torch.Tensor | None]] = {}  # and the merge's tickets
         # (an import per call costs a decode step ~1 us)
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
+        self._writes_in_launch, self._target = writes_in_launch, query_target
 
     def settle_outliers(self, outlier_set, positions: torch.Tensor | int, candidates: torch.Tensor, first_real,
                         first_visible=None) -> None:  # fmt: skip
@@ -187,9 +193,13 @@ class TritonLayerKernels(TorchLayerKernels):
         self._write_kv(key, value, view, stats, self.plans, advance=view.static)
         return True
 
+    def writes_in_attention(self, view: KVView, new_tokens: int) -> bool:
+        # a decode step: one launch where two were (a compiled graph keeps its write op)
+        return not torch.compiler.is_compiling() and self._writes_in_launch(view, new_tokens, self._target(view.codes))
+
     def attend(
         self, query: torch.Tensor, view: KVView, *, scaling: float, mask=None, window=None, softcap=None,
-        sink_logits=None,
+        sink_logits=None, new_token: NewToken | None = None,
     ) -> torch.Tensor:  # fmt: skip
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             splits, tickets = self.decode_splits.get((query.shape[:2], view.layout()), (1, None))
@@ -204,7 +214,8 @@ class TritonLayerKernels(TorchLayerKernels):
             if splits_key not in self.decode_splits:
                 self.decode_splits[splits_key] = _decode_splits(query, view)
         return self._attention(query, view, scaling=scaling, mask=mask, window=window, softcap=softcap,
-                               sink_logits=sink_logits, fp8_prefill=self.fp8_prefill, plans=self.plans)  # fmt: skip
+                               sink_logits=sink_logits, fp8_prefill=self.fp8_prefill, plans=self.plans,
+                               new_token=new_token)  # fmt: skip
 
 
 class TritonBackend(TorchBackend):

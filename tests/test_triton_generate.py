@@ -69,3 +69,61 @@ def test_fp8_prefill_reaches_the_kernels_and_keeps_the_logits_close():
     fp16, fp8 = prefill_logits(), prefill_logits(fp8_prefill=True)
     difference = ((fp8 - fp16).abs().mean() / fp16.abs().mean()).item()
     assert 0 < difference < 0.05
+
+
+def _launched(monkeypatch) -> list[str]:
+    """The Triton kernels launched from here on, by name."""
+    from hf_fp8kv.kernels import triton_attention, triton_launch, triton_write
+
+    names = []
+
+    def launch_all(launches, device):
+        names.extend(launch.kernel.fn.__name__ for launch in launches)
+        triton_launch.launch_all(launches, device)
+
+    for module in (triton_attention, triton_write):
+        monkeypatch.setattr(module, "launch_all", launch_all)
+    return names
+
+
+@pytest.mark.parametrize("cache_kwargs", [dict(scales="dynamic"), dict(scales="dynamic", max_cache_len=16)],
+                         ids=["dynamic", "static"])  # fmt: skip
+def test_a_decode_step_is_one_launch_per_layer(model, monkeypatch, cache_kwargs):
+    """The attention launch writes a decode step's token (`NewToken`): no write launch of its own, and the layer
+    it leaves holds what the torch backend's holds."""
+    caches = {backend: QuantizedFP8Cache(model, backend=backend, **cache_kwargs) for backend in ("torch", "triton")}
+    for cache in caches.values():
+        model(input_ids=PROMPTS[1:, :7], past_key_values=cache)
+    launched = _launched(monkeypatch)
+    for cache in caches.values():
+        model(input_ids=PROMPTS[1:, 7:], past_key_values=cache)
+    assert launched == ["_attention_kernel"] * model.config.num_hidden_layers
+    # (the first layer's: the later ones' inputs differ by the attention's rounding)
+    torch_layer, triton_layer = (cache.layers[0] for cache in caches.values())
+    assert all(map(torch.equal, triton_layer.dequantized(), torch_layer.dequantized()))
+    assert torch.equal(triton_layer.stats, torch_layer.stats)
+
+
+def test_an_update_no_attention_reads_is_written_when_the_layer_is_read(model, monkeypatch):
+    """A one-token `update` called directly (no attention launch follows to write it): the layer's next read
+    writes it first, whichever read it is."""
+    caches = {backend: QuantizedFP8Cache(model, backend=backend, scales="dynamic") for backend in ("torch", "triton")}
+    for cache in caches.values():
+        model(input_ids=PROMPTS, attention_mask=PADDING, past_key_values=cache)
+    key, value = torch.randn(2, 2, model.config.num_key_value_heads, 1, model.config.head_dim).unbind()
+    reads = [
+        lambda layer: layer.key_codes.view(torch.uint8), lambda layer: layer.value_scale, lambda layer: layer.clipped,
+        lambda layer: layer.dequantized()[1],
+    ]  # fmt: skip
+    for read in reads:
+        for cache in caches.values():
+            cache.layers[0].update(key, value)
+        assert caches["triton"].layers[0].pending is not None
+        assert torch.equal(read(caches["triton"].layers[0]), read(caches["torch"].layers[0]))
+        assert caches["triton"].layers[0].pending is None
+    for cache in caches.values():  # a batch operation, then a crop
+        cache.layers[0].update(key, value)
+        cache.batch_select_indices(torch.tensor([1]))
+        cache.layers[0].update(key[1:], value[1:])
+        cache.crop(-1)
+    assert all(map(torch.equal, caches["triton"].layers[0].dequantized(), caches["torch"].layers[0].dequantized()))
