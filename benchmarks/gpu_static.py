@@ -282,9 +282,17 @@ def plan(
         return triton_write.plan_write(key, value, view, stats, advance=view.static)  # (as the layers write)
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
+    new_token = None
+    # as the layers' steps run: the write in the attention launch, but in a static cache's compiled graph (its
+    # registered ops: the write's and the attention's)
+    if case.kind == "decode" and not case.static_cache and triton_attention.writes_in_launch(view, case.q_len, gpu):
+        new_shape = (case.batch, 1, case.kv_heads, case.head_dim)
+        key, value = (torch.empty(new_shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
+        stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
+        new_token = triton_attention.NewToken(key, value, stats, max(end - 1 - case.recent, 0))
     _, launches = triton_attention.plan_attention(
         query, view, scaling=case.head_dim**-0.5, mask=mask, resident_slots=slots or gpu.sms * 2, target=gpu,
-        fp8_prefill=case.fp8_prefill, num_splits=num_splits,
+        fp8_prefill=case.fp8_prefill, num_splits=num_splits, new_token=new_token,
     )
     return launches
 
@@ -733,15 +741,16 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     """`(modelled step time, copy time, launches)` (microseconds) of one decode layer step of `case` (its batch and
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
     max(copy, issue) x the split plan's loss (its waves, then the last split's merge, against every tile spread
-    evenly over the GPU). The launches: the write's (one new token; a static cache's moves its positions too), the
-    attention's (and its reduce where the kernel does not merge its splits); with outlier tokens, the staging copy
-    of the token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging is a few torch
-    ops, which its compiled step fuses: counted as one)."""
+    evenly over the GPU). The launches: the attention's (which writes the new token itself, but with outlier tokens
+    and in a static cache's compiled graph: a write launch of its own), its reduce where the kernel does not merge
+    its splits; with outlier tokens, the staging copy of the token leaving the recent ones and the selection
+    (`triton_outliers`; a static cache's staging is a few torch ops, which its compiled step fuses: counted as
+    one)."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
-    write = plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
-    launches = len(write) + len(attention) + 2 * bool(case.outliers)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
+    write = [] if launch.kwargs["WRITE"] else plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
+    launches = len(write) + len(attention) + 2 * bool(case.outliers)
     clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize
     codes_bytes = tile_bytes(case, case.context - case.recent)

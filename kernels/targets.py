@@ -58,8 +58,8 @@ AMD_LIMITS = {"gfx90a": Limits(64 * 1024, 32, 32), "gfx942": Limits(64 * 1024, 3
 AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
 # where a split decode's last split merges the others' results in its own launch (`triton_attention`): the targets
 # whose compiled decode kernels kept their spills and blocks per SM with the merge (gpu_static --match decode: on
-# sm_75, sm_89 and sm_120 all 110 rows as without it); on sm_80 and sm_100 it spilled 4-12 B or cost a block per
-# SM, on gfx90a and gfx950 36 B at head_dim 64 or a block per SM at 128
+# sm_75, sm_89 and sm_120 all 132 attention rows as without it); on sm_80 and sm_100 it spilled 4-12 B or cost a
+# block per SM, on gfx90a and gfx950 36 B at head_dim 64 or a block per SM at 128
 MERGING_TARGETS = frozenset({"sm_75", "sm_86", "sm_89", "sm_90", "sm_120", "gfx942"})
 # where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`): the
 # targets whose decode kernels did not spill with it (gpu_static --match decode; sm_90 loses a block per SM at head_dim

@@ -41,8 +41,9 @@ from .triton_write import check_write, move_positions, write_decode_token
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, NewToken, scale_dtypes
 
-# tokens of the tile that reads the token entering the codes in a decode step's write (the smallest a dot takes: a
-# whole tile of codes took sm_90's default-window decode kernel from 128 to 135 registers, 3 blocks per SM)
+# tokens of the tile that reads the token entering the codes in a decode step's write (the smallest a dot takes: with
+# a whole 64-token tile sm_90's d128 per-token decode held 136 registers, 3 blocks per SM; with 16, 112 and 4;
+# gpu_static)
 ENTERING_TILE = tl.constexpr(16)
 # tokens per tile of the full-precision (recent, sink) tokens: 64 took a default-window decode kernel at head_dim
 # 128 to 168 registers and a 12 B spill, 32 to 144 and none (gpu_static)
@@ -202,10 +203,10 @@ def _attention_kernel(
                 mask_ptr, mask_start, m_sh, m_sl, m_st, head, pos, window, sink_lo, sink_hi, softcap, q_row,
             )  # fmt: skip
             acc, m_i, l_i = _codes_tile(
-                q_codes, acc, m_i, l_i, base + (entering_pos - base) // ENTERING_TILE * ENTERING_TILE, entering_args, IS_FLOAT,
-                HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK, HAS_WINDOW,
-                HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION, DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION, DOT, BLOCK_D,
-                VALUE_TILED, WHOLE_TILES, FP8_QK, FP8_PV, False, False, HAS_OUTLIERS,
+                q_codes, acc, m_i, l_i, base + (entering_pos - base) // ENTERING_TILE * ENTERING_TILE, entering_args,
+                IS_FLOAT, HW_CONVERT, FP16_SHIFT, NAN_MASK, NAN_CODE, PER_TOKEN_K, PER_TOKEN_V, RING, HAS_MASK,
+                HAS_WINDOW, HAS_SINK_TOKENS, HAS_SOFTCAP, PRECISION, DROP_UNSEEN, SCALE_WORDS, MASK_ROW, ONE_POSITION,
+                DOT, BLOCK_D, VALUE_TILED, WHOLE_TILES, FP8_QK, FP8_PV, False, False, HAS_OUTLIERS,
             )  # fmt: skip
 
     # the full-precision tokens' arguments; their scores undo the query's K scaling (the scale and code factor)
@@ -931,8 +932,8 @@ class AttentionPlan:
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
             self._query_scratch(query, splits) if view.rotate else query, new_k, new_v, stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *new_strides, *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
-            new_token.recent_start if new_token is not None else 0,
+            *new_strides, *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start,
+            mask_start, new_token.recent_start if new_token is not None else 0,
             *self.scalars,
         ), self.launch_options[splits > 1, words])]  # fmt: skip
         if splits > 1 and not self.merge:

@@ -60,10 +60,10 @@ def scale_dtypes(view: "KVView") -> tuple[torch.dtype, ...]:
 
 
 class NewToken(NamedTuple):
-    """A decode step's new token for the attention launch to write (`triton_write.write_kv`'s work, no launch of its own): its
-    keys and values `[batch, kv_heads, 1, head_dim]`, the write's statistics (`write_kv`'s `stats`) and the view's
-    `recent_start` before it (the view given with it is the one after it; a static view's device positions are
-    the ones before it, and the launch moves them)."""
+    """A decode step's new token for the attention launch to write (`triton_write.write_kv`'s work, no launch of
+    its own): its keys and values `[batch, kv_heads, 1, head_dim]`, the write's statistics (`write_kv`'s `stats`)
+    and the view's `recent_start` before it (the view given with it is the one after it; a static view's device
+    positions are the ones before it, and the launch moves them)."""
 
     key: torch.Tensor
     value: torch.Tensor

@@ -4,6 +4,7 @@ kernels whose loops are known, and its IR check of 32-bit offsets on kernels wit
 run in a subprocess without the interpreter (run as a script, this file writes the report and the known kernels'
 readings to the folder it is given)."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -148,9 +149,10 @@ def test_quick_report_prints_the_table_and_judges_the_budgets(compiled):
     assert {"q_ptr", "k_ptr", "v_ptr", "out_ptr"} <= set(attention["aligned_args"])
     assert "length" not in attention["aligned_args"] + attention["constexpr_args"]
     assert rows["_write_kernel"]["loop"] is None and rows["_reduce_kernel"]["loop"] is None
-    # the decode layer step: the write and the attention (split at batch 1, merged in its launch), modelled per point
+    # the decode layer step: the attention, which writes the step's token (split at batch 1, merged in its launch),
+    # modelled per point
     step = attention["step"]
-    assert attention["grid"][2] > 1 and step["launches"] == 2
+    assert attention["grid"][2] > 1 and step["launches"] == 1
     assert set(step["copy_fraction"]) == {"b1_4k", "b1_32k", "b16_4k", "b16_32k"}
     for point, fraction in step["copy_fraction"].items():
         low, high = step["ends"][point]
@@ -315,18 +317,23 @@ def test_the_step_model_is_the_sum_of_its_parts():
     issue-bound 93.4 us (0.1 instructions per byte at 0.55 x 4 x 1.98 GHz x 132 SMs). The split rule gives 512
     programs 3 splits on 396 slots: 4 waves of 22 tiles, then the last split's merge of 3 x 8 rows of fp32
     partial results (8 x 4 B per split against 64 x 2 B of codes per tile, at 3.5 x 3 blocks' share: 0.024
-    tile-times each), 88.07 tile-times where 512 x 64 / 396 = 82.7 would do; one attention launch (2.25 us), the
-    write (2.5 us + 0.65 us before it)."""
+    tile-times each), 88.07 tile-times where 512 x 64 / 396 = 82.7 would do; one attention launch (2.25 us), which
+    writes the step's token. A static cache's compiled step has the write's launch too (2.5 us + 0.65 us before
+    it)."""
     report = gpu_static()
     case = report.Case("decode", batch=64, context=4096)
     gpu = report.EXAMPLE_GPUS["sm_90"]
     row = dict(blocks_per_sm=3, loop=dict(instr_per_byte=0.1))
     (attention,) = report.plan(case, gpu, device="meta", slots=396)
-    assert attention.grid == (1, 512, 3) and attention.kwargs["MERGE"]
-    step_us, copy_us, launches = report.step_time(case, gpu, row, report.middle(report.STEP_RANGES))
-    assert launches == 2 and copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
+    assert attention.grid == (1, 512, 3) and attention.kwargs["MERGE"] and attention.kwargs["WRITE"]
+    middle = report.middle(report.STEP_RANGES)
+    step_us, copy_us, launches = report.step_time(case, gpu, row, middle)
+    assert launches == 1 and copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
     merge = 3 * 8 * 4 / (64 * 2 * 3.5 * 3)
-    assert step_us == pytest.approx(2.25 + (2.5 + 0.65) + copy_us * (88 + merge) / (512 * 64 / 396))
+    assert step_us == pytest.approx(2.25 + copy_us * (88 + merge) / (512 * 64 / 396))
+    static = dataclasses.replace(case, static_cache=8192)
+    assert not report.plan(static, gpu, device="meta", slots=396)[0].kwargs["WRITE"]
+    assert report.step_time(static, gpu, row, middle)[2] == 2
 
 
 if __name__ == "__main__":
