@@ -568,6 +568,7 @@ WRITING_CASES = [  # decode steps whose last token the attention launch writes
     Case(Stream(fmt="fp8_e4m3fnuz", head_dim=256, scales="per-head", updates=[19, 1])),
     Case(Stream(fmt="int8_per_token_head", head_dim=96), group=8, splits=2),
     Case(Stream(recent=8, updates=[5, 1]), splits=2),  # the recent buffer not full: no token gets codes
+    Case(Stream(sinks=3, updates=[60, 1]), splits=3),  # sinks alone: the held split writes the new token's codes
     Case(Stream(recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, options=dict(window=40)),
     Case(Stream(recent=8, sinks=2, updates=[100, 1]), options=dict(window=40, channel=True)),
     Case(Stream(recent=70, sinks=2, updates=[100, 1]), splits=4, mask="padding"),  # 3 splits of held tokens
