@@ -63,9 +63,11 @@ AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
 MERGING_TARGETS = frozenset({"sm_75", "sm_86", "sm_89", "sm_90", "sm_120", "gfx942"})
 # where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`): the
 # targets whose decode kernels did not spill with it (gpu_static --match decode; sm_90 loses a block per SM at head_dim
-# 128 with per-token scales, 4 -> 3); sm_80 spilled 4-8 B, sm_86 8-48 B, gfx942 36 B, sm_100 and gfx90a / gfx950 lost
-# blocks or spilled
-WRITING_TARGETS = frozenset({"sm_89", "sm_90", "sm_120"})
+# 128 with per-token scales, 4 -> 3), with the register caps (`maxnreg` by warps per block) they need: ptxas' own
+# spilled 12-36 B on sm_90 (default window, batch 64; head_dim 64), the caps 16-48 B on sm_86. sm_80 and sm_100
+# spilled 8 B or lost blocks per SM either way; AMD is not compiled with it yet
+WRITE_CAPS = {2: 128, 4: 168, 8: 168}
+WRITING_TARGETS = {"sm_86": {}, "sm_89": WRITE_CAPS, "sm_90": WRITE_CAPS, "sm_120": WRITE_CAPS}
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,10 @@ class GpuTarget:
         """Whether a decode step's attention launch writes the step's token (`WRITING_TARGETS`), else a write
         launch does."""
         return self.arch in WRITING_TARGETS
+
+    def write_register_cap(self, warps: int) -> int | None:
+        """`maxnreg` for a decode kernel of `warps` warps that writes the step's token (`WRITING_TARGETS`)."""
+        return WRITING_TARGETS.get(self.arch, {}).get(warps)
 
     @property
     def limits(self) -> Limits | None:

@@ -758,12 +758,13 @@ class AttentionPlan:
         )
         if stages is not None:
             options["STAGES"] = stages
-        if new_token is not None and target is not None and not target.is_amd and "maxnreg" not in options:
+        cap = target.write_register_cap(options["num_warps"]) if new_token is not None and target is not None else None
+        if cap and "maxnreg" not in options:
             # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel
             # from 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2
             # warps) from 128 to 168 and 12-16 B. Capped: no spill, 8 blocks at head_dim 64, 3 at 128, 2 at 256 (was
-            # 1; gpu_static, sm_89 and sm_120 too)
-            options["maxnreg"] = 128 if options["num_warps"] == 2 else 168
+            # 1; gpu_static)
+            options["maxnreg"] = cap
         self.row_blocks = cdiv(group * q_len, self.block_m)
         check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
         decode = decode_settings(fmt, query, view.per_token, target)
