@@ -18,6 +18,10 @@ codes' share of the output rotated back once, before the full-precision tokens (
 
 Static caches (CUDA graphs): positions are read from a device tensor and the grid is fixed (the split count for
 the full buffer); splits with no tokens write an empty partial result and exit.
+
+A decode step's new token can be written by the launch itself (`NewToken`, WRITE): one program per (batch, KV head)
+codes the token leaving the recent buffer and stores the new one before it reads anything, and attends the leaving
+token itself; no write launch.
 """
 
 from __future__ import annotations
@@ -32,8 +36,7 @@ import triton.language as tl
 
 from .triton_common import (
     E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
-    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, encoding, hadamard,
-    load_token_scales,
+    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, encoding, hadamard, load_token_scales,
     program_scratch, query_target, rotated_query, rotation, tile_tokens, to_e4m3, visibility, zero_columns,
 )
 from .targets import GpuTarget
@@ -162,7 +165,6 @@ def _attention_kernel(
                 PER_TOKEN_K, CLIP, ROTATE_STAGES, ROTATE_NORM, ENC_IS_FLOAT, ENC_MAX, ENC_ROW_MAX, ENC_ROUND_SHIFT,
                 ENC_NORMAL_OFFSET, ENC_MIN_NORMAL, ENC_SUB_MAGIC, ENC_SUB_MAGIC_BITS, ENC_NAN_CODE, ENC_SIGNED_ZERO,
             )  # fmt: skip
-
 
     # the query, scaled once: softmax scale and log2(e) (score_scale), per-head K scale, per-channel K scale
     q_scale = score_scale
