@@ -126,7 +126,7 @@ class FP8Layer(CacheLayerMixin):
         view = kv.view
         if not view.static:  # (the view is the one after the update)
             view = dataclasses.replace(view, end=view.end - 1, recent_start=new.recent_start)
-        self.kernels.write(new.key, new.value, view, self.stats)
+        self._write_stored(new.key, new.value, view)
 
     @property
     def sink_tokens(self) -> int:
@@ -280,11 +280,15 @@ class FP8Layer(CacheLayerMixin):
     def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, view: KVView) -> torch.Tensor:
         """Write the new tokens into `view`'s buffers; the keys as stored (`_stored_key`)."""
         key = self._stored_key(key_states)
+        self._write_stored(key, value_states, view)
+        return key
+
+    def _write_stored(self, key: torch.Tensor, value: torch.Tensor, view: KVView) -> None:
+        """Write keys as stored and values into `view`'s buffers."""
         # codes are not differentiable; scales must not hold the model's graph (generate runs without grad
         # already: entering no_grad costs 1.6 us, a twentieth of a decode step's host time, measured here)
         with torch.no_grad() if torch.is_grad_enabled() else NO_CONTEXT:
-            self.has_nan |= self.kernels.write(key, value_states, view, self.stats)
-        return key
+            self.has_nan |= self.kernels.write(key, value, view, self.stats)
 
     def _make_room(self, new_tokens: int) -> None:
         raise NotImplementedError
