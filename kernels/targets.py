@@ -56,18 +56,23 @@ NVIDIA_LIMITS = {
 # AMD CDNA by gfx name: 4 SIMDs per CU, 8 waves of 64 lanes per SIMD, 512 VGPRs per lane (arch + accumulation)
 AMD_LIMITS = {"gfx90a": Limits(64 * 1024, 32, 32), "gfx942": Limits(64 * 1024, 32, 32), "gfx950": Limits(160 * 1024, 32, 32)}
 AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
-# where a split decode's last split merges the others' results in its own launch (`triton_attention`): the targets
-# whose compiled decode kernels kept their spills and blocks per SM with the merge (gpu_static --match decode: on
-# sm_75, sm_89 and sm_120 all 132 attention rows as without it); on sm_80 and sm_100 it spilled 4-12 B or cost a
-# block per SM, on gfx90a and gfx950 36 B at head_dim 64 or a block per SM at 128
-MERGING_TARGETS = frozenset({"sm_75", "sm_86", "sm_89", "sm_90", "sm_120", "gfx942"})
-# where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`): the
-# targets whose decode kernels did not spill with it (gpu_static --match decode; sm_90 loses a block per SM at head_dim
-# 128 with per-token scales, 4 -> 3), with the register caps (`maxnreg` by warps per block) they need: ptxas' own
-# spilled 12-36 B on sm_90 (default window, batch 64; head_dim 64), the caps 16-48 B on sm_86. sm_80 and sm_100
-# spilled 8 B or lost blocks per SM either way; AMD is not compiled with it yet
-WRITE_CAPS = {2: 128, 4: 168, 8: 168}
-WRITING_TARGETS = {"sm_86": {}, "sm_89": WRITE_CAPS, "sm_90": WRITE_CAPS, "sm_120": WRITE_CAPS}
+# register caps (`maxnreg` by warps per block) for a decode kernel that merges its splits or writes the step's token
+# in its launch: ptxas' own spilled 12-36 B with the write on sm_90 (default window, batch 64; head_dim 64) and 8-12 B
+# with the merge alone on sm_100 (it settled at 128 registers); with them, none (gpu_static --match decode)
+FUSED_CAPS = {2: 128, 4: 168, 8: 168}
+# where a split decode's last split merges the others' results in its own launch (`triton_attention`), with the caps
+# a kernel that merges but does not write needs there: the targets whose compiled decode kernels kept their spills
+# with the merge (on sm_75, sm_89 and sm_120 all 132 attention rows as without it; sm_90's caps would cost its
+# static-cache and outlier decodes a block per SM, 4 -> 3). sm_80 compiled it without a spill under caps of 168 (2
+# and 4 warps) and 128 (8), but its step model gained little (-2 to +6 points of copy bandwidth at batch 1 with 8 KV
+# heads, the default window -1: one program's merge costs there about what the reduce launch did) and lost 4-13
+# points at 32k with one KV head: it keeps the reduce launch. gfx90a and gfx950 spilled 36 B at head_dim 64 or lost a block per SM at 128
+MERGING_TARGETS = {"sm_75": {}, "sm_86": {}, "sm_89": {}, "sm_90": {}, "sm_100": FUSED_CAPS, "sm_120": {}, "gfx942": {}}
+# where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`), with
+# the caps a kernel that writes needs there: the targets whose decode kernels did not spill with it (sm_90 loses a
+# block per SM at head_dim 128 with per-token scales, 4 -> 3; on sm_86 the caps spilled 16-48 B); sm_80 spilled 4-8 B
+# at head_dim 256 and under a mask with every cap tried; AMD is not compiled with it yet
+WRITING_TARGETS = {"sm_86": {}, "sm_89": FUSED_CAPS, "sm_90": FUSED_CAPS, "sm_100": FUSED_CAPS, "sm_120": FUSED_CAPS}
 
 
 @dataclass(frozen=True)
@@ -125,9 +130,10 @@ class GpuTarget:
         launch does."""
         return self.arch in WRITING_TARGETS
 
-    def write_register_cap(self, warps: int) -> int | None:
-        """`maxnreg` for a decode kernel of `warps` warps that writes the step's token (`WRITING_TARGETS`)."""
-        return WRITING_TARGETS.get(self.arch, {}).get(warps)
+    def fused_register_cap(self, warps: int, writes: bool) -> int | None:
+        """`maxnreg` for a decode kernel of `warps` warps that writes the step's token (`writes`), else merges its
+        splits, in the launch (`WRITING_TARGETS`, `MERGING_TARGETS`)."""
+        return (WRITING_TARGETS if writes else MERGING_TARGETS).get(self.arch, {}).get(warps)
 
     @property
     def limits(self) -> Limits | None:

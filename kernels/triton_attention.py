@@ -760,15 +760,21 @@ class AttentionPlan:
         )
         if stages is not None:
             options["STAGES"] = stages
-        cap = target.write_register_cap(options["num_warps"]) if new_token is not None and target is not None else None
+        # the splits merged in the attention launch, but with a mask or rotated codes (there the merge took sm_90's
+        # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16, left padding, and the
+        # rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall, gpu_static) and on
+        # targets where it costs registers (`GpuTarget.merges_splits`; the interpreter merges: the tests' path)
+        self.merge = mask is None and not view.rotate and (target is None or target.merges_splits)
+        self.row_blocks = cdiv(group * q_len, self.block_m)
+        check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
+        fused = new_token is not None or (self.merge and self.row_blocks == 1)  # (only one row block is split)
+        cap = target.fused_register_cap(options["num_warps"], new_token is not None) if fused and target else None
         if cap and "maxnreg" not in options:
             # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel
             # from 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2
             # warps) from 128 to 168 and 12-16 B. Capped: no spill, 8 blocks at head_dim 64, 3 at 128, 2 at 256 (was
-            # 1; gpu_static)
+            # 1). sm_100's merge alone settled at 128 registers and spilled 8-12 B; capped, none (gpu_static)
             options["maxnreg"] = cap
-        self.row_blocks = cdiv(group * q_len, self.block_m)
-        check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
         decode = decode_settings(fmt, query, view.per_token, target)
         self.hw_convert = decode.hw_convert
         _, code_factor, dot, value_boost = decode
@@ -796,11 +802,6 @@ class AttentionPlan:
             HAS_OUTLIERS=view.outliers is not None, WRITE=new_token is not None, CLIP=fmt.clip_bound,
             **{f"ENC_{name}": value for name, value in encoding(fmt).items()},
         )  # fmt: skip
-        # the splits merged in the attention launch, but with a mask or rotated codes (there the merge took sm_90's
-        # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16, left padding, and the
-        # rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall, gpu_static) and on
-        # targets where it costs registers (`GpuTarget.merges_splits`; the interpreter merges: the tests' path)
-        self.merge = mask is None and not view.rotate and (target is None or target.merges_splits)
         # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
         # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
         # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)

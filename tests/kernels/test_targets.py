@@ -56,6 +56,23 @@ def test_the_plan_follows_the_target():
     assert (mma_sync["BLOCK_M"], mma_sync["STAGES"], wgmma["BLOCK_M"], wgmma["STAGES"]) == (64, 2, 128, 3)
 
 
+def test_register_caps_only_where_a_decode_kernel_merges_or_writes_in_its_launch():
+    """`maxnreg` from `MERGING_TARGETS` for a decode plan whose splits merge in the launch (sm_100 caps it, sm_90
+    leaves it to ptxas), never for a prefill of many row blocks (they are not split) nor under a mask (the
+    reduce launch merges); the 4-warp blocks of SMs of 100 KB or less keep `register_room`'s 255."""
+    merging = {a: plan_on(gpu, num_splits=2).get("maxnreg") for a, gpu in EXAMPLE_GPUS.items() if gpu.merges_splits}
+    assert merging == {"sm_75": 255, "sm_86": 255, "sm_89": 255, "sm_90": None, "sm_100": 168,
+                       "sm_120": 255, "gfx942": None}  # fmt: skip
+    assert "maxnreg" not in plan_on(EXAMPLE_GPUS["sm_80"], num_splits=2)  # (the reduce launch merges there)
+    for arch in ("sm_90", "sm_100"):
+        assert "maxnreg" not in plan_on(EXAMPLE_GPUS[arch], q_len=140, num_splits=1), arch
+        stream = Stream(updates=[140], tiled=True)
+        view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), "cpu")
+        query, mask = torch.randn(2, 2, 1, 80, dtype=torch.float16), torch.zeros(2, 1, 1, 140, dtype=torch.bool)
+        masked = AttentionPlan(query, view, mask, None, 0.1, num_splits=2, target=EXAMPLE_GPUS[arch])
+        assert not masked.merge and "maxnreg" not in masked.launch_options[True, False], arch
+
+
 def test_occupancy():
     h200, mi300 = EXAMPLE_GPUS["sm_90"], EXAMPLE_GPUS["gfx942"]
     assert h200.blocks_per_sm(98, 8, 22528) == 2  # 104 x 32 registers per warp: 4 warps per sub-partition
