@@ -66,7 +66,8 @@ FUSED_CAPS = {2: 128, 4: 168, 8: 168}
 # static-cache and outlier decodes a block per SM, 4 -> 3). sm_80 compiled it without a spill under caps of 168 (2
 # and 4 warps) and 128 (8), but its step model gained little (-2 to +6 points of copy bandwidth at batch 1 with 8 KV
 # heads, the default window -1: one program's merge costs there about what the reduce launch did) and lost 4-13
-# points at 32k with one KV head: it keeps the reduce launch. gfx90a and gfx950 spilled 36 B at head_dim 64 or lost a block per SM at 128
+# points at 32k with one KV head: it keeps the reduce launch. gfx90a and gfx950 spilled 36 B at head_dim 64 or lost
+# a block per SM at 128
 MERGING_TARGETS = {"sm_75": {}, "sm_86": {}, "sm_89": {}, "sm_90": {}, "sm_100": FUSED_CAPS, "sm_120": {}, "gfx942": {}}
 # where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`), with
 # the caps a kernel that writes needs there: the targets whose decode kernels did not spill with it (sm_90 loses a
