@@ -68,12 +68,9 @@ from hf_fp8kv.kernels.triton_launch import Launch  # noqa: E402
 from hf_fp8kv.kernels.view import KVView  # noqa: E402
 
 ARCHES = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950")
-# boost clock (GHz) and memory bandwidth (TB/s, datasheet) of each target's example GPU (`targets.EXAMPLE_GPUS`):
-# the decode loop's issue-bound ceiling, 4 warp-instructions per clock per SM, against the memory's
-CLOCKS_AND_BANDWIDTH = {
-    "sm_75": (1.59, 0.32), "sm_80": (1.41, 2.04), "sm_86": (1.71, 0.60), "sm_89": (2.04, 0.30), "sm_90": (1.98, 4.8),
-    "sm_100": (1.97, 8.0), "sm_120": (2.41, 1.79),
-}  # fmt: skip
+# boost clock (GHz) of each NVIDIA target's example GPU (`targets.EXAMPLE_GPUS`, which holds its datasheet memory
+# bandwidth): the decode loop's issue-bound ceiling, 4 warp-instructions per clock per SM, against the memory's
+CLOCKS = {"sm_75": 1.59, "sm_80": 1.41, "sm_86": 1.71, "sm_89": 2.04, "sm_90": 1.98, "sm_100": 1.97, "sm_120": 2.41}
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 MAX_INSTR_PER_BYTE, MIN_TILES_IN_FLIGHT, MIN_LAST_WAVE = 0.18, 2, 0.85  # decode budgets
@@ -649,12 +646,11 @@ def split_tiles(case: Case, block_n: int) -> tuple[int, int]:
 def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
     """Blocks of `kernel`'s launches and their wave efficiency over the batch x context grid of `case`."""
     grid = []
-    split = [x for x in plan(case, gpu, device="meta", num_splits=2) if x.kernel is kernel][0]
-    merge = merge_per_split(split, slots // gpu.sms)  # (per split, where the kernel merges its splits)
     for batch in BATCHES:
         for context in CONTEXTS:
             launches = plan(dataclasses.replace(case, batch=batch, context=context), gpu, device="meta", slots=slots)
             (launch,) = [launch for launch in launches if launch.kernel is kernel]
+            merge = merge_per_split(launch, gpu, slots, case.head_dim)  # (where the launch merges its splits)
             blocks = math.prod(launch.grid)
             programs, splits = launch.grid[0] * launch.grid[1], launch.grid[2]
             tiles, held = split_tiles(dataclasses.replace(case, context=context), launch.kwargs["BLOCK_N"])
@@ -672,13 +668,13 @@ def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
     return grid
 
 
-def merge_per_split(launch: Launch, blocks_per_sm: int) -> float:
-    """The split rule's cost of merging one split of a dense decode launch (`triton_attention.merge_tiles`; none
-    where a reduce launch merges them)."""
+def merge_per_split(launch: Launch, gpu: GpuTarget, slots: int, head_dim: int) -> float:
+    """The split rule's cost of merging one split of a dense decode launch on `gpu` with `slots` resident blocks
+    (`triton_attention.TileTime.merge`; none where a reduce launch merges them)."""
     if not launch.kwargs["MERGE"]:
         return 0.0
     rows = min(launch.kwargs["GROUP"], launch.kwargs["BLOCK_M"])
-    return triton_attention.merge_tiles(rows, launch.kwargs["BLOCK_N"], blocks_per_sm)
+    return triton_attention.TileTime(launch.kwargs["BLOCK_N"], head_dim, slots, gpu.memory_bandwidth).merge(rows)
 
 
 def mma(compiled: Compiled) -> dict | None:
@@ -710,7 +706,7 @@ def loop_report(compiled: Compiled, tile_bytes: int, gpu: GpuTarget) -> dict | N
 
 def issue_rate(gpu: GpuTarget) -> float:
     """Warp-instructions per second: 4 per clock per SM at the example GPU's boost clock."""
-    return 4 * CLOCKS_AND_BANDWIDTH[gpu.arch][0] * 1e9 * gpu.sms
+    return 4 * CLOCKS[gpu.arch] * 1e9 * gpu.sms
 
 
 # --- a decode layer step on the example GPU, modelled from the compiled code ---------------------------------------
@@ -751,18 +747,18 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
     write = [] if launch.kwargs["WRITE"] else plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
     launches = len(write) + len(attention) + 2 * bool(case.outliers)
-    clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
+    clock, bandwidth = CLOCKS[gpu.arch], gpu.bandwidth
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize
     codes_bytes = tile_bytes(case, case.context - case.recent)
     kv_bytes = case.batch * case.kv_heads * (codes_bytes + fp_bytes)
-    copy_us = kv_bytes / (bandwidth * 1e12 * model.copy_share) * 1e6
+    copy_us = kv_bytes / (bandwidth * model.copy_share) * 1e6
     issue_us = kv_bytes * row["loop"]["instr_per_byte"] / (4 * clock * 1e9 * gpu.sms * model.issue_share) * 1e6
     splits = launch.grid[2]
     tiles, held = split_tiles(case, launch.kwargs["BLOCK_N"])
     programs = launch.grid[0] * launch.grid[1]
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
-    merge = merge_per_split(launch, row["blocks_per_sm"]) * splits if splits > 1 else 0
+    merge = merge_per_split(launch, gpu, slots, case.head_dim) * splits if splits > 1 else 0
     loss = (waves * triton_attention.longest_split(tiles, held, splits) + merge) / ideal
     fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
     return fixed_us + max(copy_us, issue_us) * max(loss, 1.0), copy_us, launches
@@ -815,7 +811,7 @@ def analyze_case(job: tuple[Case, str]) -> list[dict]:
         if row["loop"] is not None and case.kind == "decode" and case.waves and fits:
             grid = last_waves(case, gpu, launch.kernel, gpu.sms * fits)  # the split rule fed this kernel's occupancy
             row["waves"] = dict(slots=gpu.sms * fits, worst=min(grid, key=lambda g: g["efficiency"]), grid=grid)
-        if row["loop"] is not None and case.kind == "decode" and fits and gpu.arch in CLOCKS_AND_BANDWIDTH:
+        if row["loop"] is not None and case.kind == "decode" and fits and gpu.arch in CLOCKS:
             row["step"] = step_record(case, gpu, row)
         row["failures"] = budget_failures(row)
         rows.append(row)
@@ -941,10 +937,9 @@ def target_header(gpu: GpuTarget) -> str:
     line = f"{gpu.arch} ({gpu.name}: {gpu.sms} {'CUs' if gpu.is_amd else 'SMs'}), {fmt.name} codes decoded by {decode}"
     if gpu.is_amd:
         return line + "; blk/CU from the VGPRs (512 per SIMD lane, 8 waves per SIMD, 4 SIMDs) and the LDS"
-    clock, bandwidth = CLOCKS_AND_BANDWIDTH[gpu.arch]
     return line + (
-        f"; ceiling = issue-bound decode bandwidth (4 warp-instructions/clock/SM at {clock} GHz) against "
-        f"{bandwidth} TB/s; last wave = worst over batch {'/'.join(map(str, BATCHES))} x context "
+        f"; ceiling = issue-bound decode bandwidth (4 warp-instructions/clock/SM at {CLOCKS[gpu.arch]} GHz) against "
+        f"{gpu.bandwidth / 1e12:g} TB/s; last wave = worst over batch {'/'.join(map(str, BATCHES))} x context "
         f"{'/'.join(f'{c // 1024}k' for c in CONTEXTS)}"
     )
 

@@ -267,14 +267,14 @@ def _backend_named(name: str) -> TorchBackend:
 
 def _decode_splits(query: torch.Tensor, view: KVView) -> tuple[int, torch.Tensor | None]:
     """The Triton kernel's KV splits for a decode step over a static view (from the GPU's occupancy), and the
-    counters their merge takes (a buffer of fixed address, for CUDA graphs), made outside the compiled graph that
-    will use them."""
+    counters their merge in the attention launch takes (a buffer of fixed address, for CUDA graphs; None: a reduce
+    launch merges them), made outside the compiled graph that will use them."""
     from .triton_attention import AttentionPlan
 
     step = query[:, :, -1:]
     plan = AttentionPlan(step, view, None, None, 1.0)
-    splits = plan.splits(step, view)
-    if splits == 1 or not plan.merge:
+    splits, merged = plan.splits(step, view)
+    if not merged:
         return splits, None
     tickets = plan.new_tickets(query.device)
     torch._dynamo.mark_static_address(tickets)
@@ -289,7 +289,8 @@ def triton_ops():
     capture them) without tracing the launchers' Python.
 
     Capture safety: the views are static (positions read on the device by the kernels, never by the host), the
-    grid is fixed (the split count of a full buffer, passed in; empty splits write an empty partial result),
+    grid is fixed (the split count of a full buffer, passed in, merged in the attention launch where the merge's
+    counters are passed, else by a reduce launch; empty splits write an empty partial result),
     every buffer keeps its address (marked static), and nothing syncs with the host.
     """
     from .triton_attention import AttentionPlan
@@ -320,7 +321,8 @@ def triton_ops():
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         view.outliers, view.outlier_pos = outliers, outlier_pos
         settings = (scaling, window or None, softcap or None, num_splits)
-        plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill)
+        plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill,
+                             merge=tickets is not None)  # fmt: skip
         out, launches = plan.launches(query, view, mask, sink_logits, tickets)
         for launch in launches:
             launch.run(traced=True)

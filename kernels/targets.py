@@ -56,6 +56,7 @@ NVIDIA_LIMITS = {
 # AMD CDNA by gfx name: 4 SIMDs per CU, 8 waves of 64 lanes per SIMD, 512 VGPRs per lane (arch + accumulation)
 AMD_LIMITS = {"gfx90a": Limits(64 * 1024, 32, 32), "gfx942": Limits(64 * 1024, 32, 32), "gfx950": Limits(160 * 1024, 32, 32)}
 AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT = 4, 512, 8
+SM_BANDWIDTH = 4.8e12 / 132  # an H200's memory bandwidth per SM, bytes per second
 # register caps (`maxnreg` by warps per block) for a decode kernel that merges its splits or writes the step's token
 # in its launch: ptxas' own spilled 12-36 B with the write on sm_90 (default window, batch 64; head_dim 64) and 8-12 B
 # with the merge alone on sm_100 (it settled at 128 registers); with them, none (gpu_static --match decode)
@@ -83,6 +84,12 @@ class GpuTarget:
     arch: str
     name: str  # the device's own name, for messages ("NVIDIA A100-SXM4-80GB")
     sms: int  # multiprocessors (AMD: compute units)
+    bandwidth: float = 0.0  # memory bandwidth, bytes per second (0: not known; see `memory_bandwidth`)
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """`bandwidth`, or where it is not known an H200's per SM (`SM_BANDWIDTH`) times the SMs."""
+        return self.bandwidth or SM_BANDWIDTH * self.sms
 
     @property
     def is_amd(self) -> bool:
@@ -186,20 +193,21 @@ class GpuTarget:
         return min(by_registers, by_shared, limits.warps // warps, limits.blocks)
 
 
-# a real GPU of each kind (its SM count: what `torch.cuda.get_device_properties` reports), for planning without it
+# a real GPU of each kind (its SM count: what `torch.cuda.get_device_properties` reports; its datasheet memory
+# bandwidth), for planning without it
 EXAMPLE_GPUS = {
     target.arch: target
     for target in (
-        GpuTarget("sm_75", "Tesla T4", 40),
-        GpuTarget("sm_80", "NVIDIA A100-SXM4-80GB", 108),
-        GpuTarget("sm_86", "NVIDIA A10G", 80),
-        GpuTarget("sm_89", "NVIDIA L4", 58),
-        GpuTarget("sm_90", "NVIDIA H200", 132),
-        GpuTarget("sm_100", "NVIDIA B200", 148),
-        GpuTarget("sm_120", "NVIDIA GeForce RTX 5090", 170),
-        GpuTarget("gfx90a", "AMD Instinct MI250X (one GCD)", 110),
-        GpuTarget("gfx942", "AMD Instinct MI300X", 304),
-        GpuTarget("gfx950", "AMD Instinct MI355X", 256),
+        GpuTarget("sm_75", "Tesla T4", 40, 0.32e12),
+        GpuTarget("sm_80", "NVIDIA A100-SXM4-80GB", 108, 2.04e12),
+        GpuTarget("sm_86", "NVIDIA A10G", 80, 0.60e12),
+        GpuTarget("sm_89", "NVIDIA L4", 58, 0.30e12),
+        GpuTarget("sm_90", "NVIDIA H200", 132, 4.8e12),
+        GpuTarget("sm_100", "NVIDIA B200", 148, 8.0e12),
+        GpuTarget("sm_120", "NVIDIA GeForce RTX 5090", 170, 1.79e12),
+        GpuTarget("gfx90a", "AMD Instinct MI250X (one GCD)", 110, 1.6e12),
+        GpuTarget("gfx942", "AMD Instinct MI300X", 304, 5.3e12),
+        GpuTarget("gfx950", "AMD Instinct MI355X", 256, 8.0e12),
     )
 }
 
@@ -213,4 +221,11 @@ def device_target(device: torch.device) -> GpuTarget:
 def _read_target(index: int) -> GpuTarget:
     props = torch.cuda.get_device_properties(index)
     arch = props.gcnArchName.split(":")[0] if torch.version.hip else f"sm_{props.major}{props.minor}"
-    return GpuTarget(arch, props.name, props.multi_processor_count)
+    return GpuTarget(arch, props.name, props.multi_processor_count, memory_bandwidth(props))
+
+
+def memory_bandwidth(props) -> float:
+    """Bytes per second from the memory clock (kHz) and bus width (bits) a device reports (two transfers a clock:
+    an H100 SXM's 2.619 GHz x 5120 bits, 3.35 TB/s); 0 where this torch does not report them."""
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return clock_khz * 1e3 * 2 * bus_bits / 8

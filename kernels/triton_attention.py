@@ -39,7 +39,7 @@ from .triton_common import (
     attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, encoding, hadamard, load_token_scales,
     program_scratch, query_target, rotated_query, rotation, tile_tokens, to_e4m3, visibility, zero_columns,
 )
-from .targets import GpuTarget
+from .targets import EXAMPLE_GPUS, GpuTarget
 from .triton_write import check_write, move_positions, write_decode_token
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, NewToken, scale_dtypes
@@ -54,9 +54,12 @@ FULL_PRECISION_TILE = tl.constexpr(32)
 # a program's own cost in tiles of codes (its query read, its partial results written): without it, batch 1 at 8k
 # tokens with the default recent and sink tokens was split 132 ways, one tile each
 PROGRAM_TILES = 1
-# the merge's reads come from L2, which one SM reads at about 3.5x its share of the memory bandwidth (an
-# assumption: 64 B per clock per SM at 1.98 GHz, 127 GB/s, against an H200's 4.8 TB/s over 132 SMs, 36 GB/s)
-L2_SPEEDUP = 3.5
+# the merge's reads come from L2, which one SM reads at about 127 GB/s (an assumption: 64 B per clock at 1.98 GHz;
+# 3.5x an H200's memory bandwidth per SM, 4.8 TB/s over 132 SMs)
+L2_SM_BANDWIDTH = 127e9
+# a reduce launch's fixed cost, seconds: launch and tail, then the gap after the attention launch (the middle of the
+# step model's ranges, 2-3 us and 0.3-1 us; docs/benchmarks.md), against which the split rule weighs the merge
+REDUCE_LAUNCH_SECONDS = 3e-6
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
 # the attention launch's merge: splits per iteration (16 spilled 40-44 B in sm_90's default-window decode, 4 none)
 # and channels per pass (whole 128-channel rows took the per-token decode from 141 to 182 registers; gpu_static)
@@ -637,13 +640,31 @@ def attention(
 
 
 @functools.lru_cache(maxsize=4096)
+def split_plan(
+    programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_per_split: float | None, launch_tiles: float
+) -> tuple[int, bool]:
+    """The split count, and whether the attention launch merges the splits (else a reduce launch does): the cheaper
+    by `split_cost`, the merge's `merge_per_split` tile-times per split (`merge_tiles`) against the reduce launch's
+    fixed cost of `launch_tiles` (`TileTime.reduce_launch`); ties to the merge (one launch less). `merge_per_split`
+    None: the kernel does not merge."""
+    splits = split_count(programs, tiles, resident_slots, held_tiles)
+    if merge_per_split is None:
+        return splits, False
+    merged = split_count(programs, tiles, resident_slots, held_tiles, merge_per_split)
+    reduced = split_cost(programs, tiles, resident_slots, held_tiles, splits) + (launch_tiles if splits > 1 else 0)
+    if split_cost(programs, tiles, resident_slots, held_tiles, merged, merge_per_split) <= reduced:
+        return merged, True
+    return splits, False
+
+
+@functools.lru_cache(maxsize=4096)
 def split_count(
     programs: int, tiles: int, resident_slots: int, held_tiles: int = 0, merge_per_split: float = 0.0
 ) -> int:
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
     `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
-    for as much again of its own), plus the merge's `merge_per_split` tiles per split (`merge_tiles`); the
+    for as much again of its own), plus the merge's `merge_per_split` tiles per split (`TileTime.merge`); the
     smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles of codes' bytes, shared as
     `held_splits` says."""
     # up to 8 splits even where the programs fill the GPU: 512 programs on an A100's 324 slots took 2 waves of 65
@@ -663,11 +684,29 @@ def split_cost(
     return waves * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES) + merge
 
 
-def merge_tiles(rows: int, block_n: int, blocks_per_sm: float) -> float:
-    """The merge's cost per split, in tile-times: a split's partial results (`rows` rows of fp32 [head_dim]; their
-    8-byte statistics left out) read from L2 by one SM, against a resident block's tile of codes (`block_n` tokens
-    of 1-byte K and V codes) read from memory shared by `blocks_per_sm` blocks on every SM."""
-    return rows * 4 / (block_n * 2 * L2_SPEEDUP * blocks_per_sm)
+class TileTime(NamedTuple):
+    """The split rule's unit: the time a resident block takes to read a tile of codes (`block_n` tokens of 1-byte K
+    and V codes, `head_dim` channels each), its share of the memory `bandwidth` (bytes per second) with
+    `resident_slots` blocks resident."""
+
+    block_n: int
+    head_dim: int
+    resident_slots: int
+    bandwidth: float
+
+    @property
+    def seconds(self) -> float:
+        return self.block_n * self.head_dim * 2 * self.resident_slots / self.bandwidth
+
+    def merge(self, rows: int) -> float:
+        """The merge's cost per split: a split's partial results (`rows` rows of fp32 [head_dim]; their 8-byte
+        statistics left out) read from L2 by one SM (`L2_SM_BANDWIDTH`)."""
+        return rows * self.head_dim * 4 / L2_SM_BANDWIDTH / self.seconds
+
+    @property
+    def reduce_launch(self) -> float:
+        """A reduce launch's fixed cost (`REDUCE_LAUNCH_SECONDS`)."""
+        return REDUCE_LAUNCH_SECONDS / self.seconds
 
 
 def longest_split(tiles: int, held_tiles: int, splits: int) -> int:
@@ -745,6 +784,7 @@ class AttentionPlan:
         *,
         fp8_prefill: bool = False,
         new_token: NewToken | None = None,
+        merge: bool = True,
     ):
         _check_attention(query, view, mask, sink_logits)
         if new_token is not None:
@@ -763,18 +803,11 @@ class AttentionPlan:
         # the splits merged in the attention launch, but with a mask or rotated codes (there the merge took sm_90's
         # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16, left padding, and the
         # rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall, gpu_static) and on
-        # targets where it costs registers (`GpuTarget.merges_splits`; the interpreter merges: the tests' path)
-        self.merge = mask is None and not view.rotate and (target is None or target.merges_splits)
+        # targets where it costs registers (`GpuTarget.merges_splits`; the interpreter merges: the tests' path);
+        # `merge` False: never (a compiled graph given no counters). Each call then chooses (`split_plan`)
+        self.merge = merge and mask is None and not view.rotate and (target is None or target.merges_splits)
         self.row_blocks = cdiv(group * q_len, self.block_m)
         check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
-        fused = new_token is not None or (self.merge and self.row_blocks == 1)  # (only one row block is split)
-        cap = target.fused_register_cap(options["num_warps"], new_token is not None) if fused and target else None
-        if cap and "maxnreg" not in options:
-            # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel
-            # from 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2
-            # warps) from 128 to 168 and 12-16 B. Capped: no spill, 8 blocks at head_dim 64, 3 at 128, 2 at 256 (was
-            # 1). sm_100's merge alone settled at 128 registers and spilled 8-12 B; capped, none (gpu_static)
-            options["maxnreg"] = cap
         decode = decode_settings(fmt, query, view.per_token, target)
         self.hw_convert = decode.hw_convert
         _, code_factor, dot, value_boost = decode
@@ -802,18 +835,30 @@ class AttentionPlan:
             HAS_OUTLIERS=view.outliers is not None, WRITE=new_token is not None, CLIP=fmt.clip_bound,
             **{f"ENC_{name}": value for name, value in encoding(fmt).items()},
         )  # fmt: skip
-        # by (splits, scales read as words: a property of the buffers, decided with their launch arguments); words
-        # up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads ran 145 registers and
-        # 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
+        # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel from
+        # 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2 warps) from
+        # 128 to 168 and 12-16 B. Capped: no spill, 8 blocks at head_dim 64, 3 at 128, 2 at 256 (was 1). sm_100's
+        # merge alone settled at 128 registers and spilled 8-12 B; capped, none (gpu_static). (Only one row block
+        # is split.)
+        cap = target.fused_register_cap(options["num_warps"], new_token is not None) if target else None
+        caps = {
+            merged: {"maxnreg": cap} for merged in (False, True)
+            if cap and "maxnreg" not in options and (new_token is not None or (merged and self.row_blocks == 1))
+        }  # fmt: skip
+        # by (splits, merged in the launch, scales read as words: a property of the buffers, decided with their
+        # launch arguments); words up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads
+        # ran 145 registers and 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
         self.launch_options = {
-            (split, words): {**constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
-                             "FP_PROGRAM": split and held, "MERGE": split and self.merge}
-            for split in (False, True) for words in (False, True)
+            (split, merged, words): {
+                **constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
+                "FP_PROGRAM": split and held, "MERGE": merged, **caps.get(merged, {}),
+            }
+            for split in (False, True) for merged in {False, split and self.merge} for words in (False, True)
         }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
         self.reduce = reduce_blocks(batch * q_heads * q_len, self.block_d)  # rows, head_dim chunk, warps
         self.merge_rows = min(group * q_len, self.block_m)  # a program's rows (the merge reads only those)
-        self.sms = target.sms if target is not None else 1
+        self.bandwidth = (target or EXAMPLE_GPUS["sm_90"]).memory_bandwidth  # (the interpreter: an H200's)
         self.out_shape = (batch, q_heads, q_len, head_dim)
         self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
         self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
@@ -825,16 +870,18 @@ class AttentionPlan:
             # blocks per SM of the kernel as compiled (registers, shared memory), times the SMs
             # (the buffers' launch arguments built here are not kept in the view's memo: an entry keyed by a plan
             # that is not the layer's would hold its buffers after the layer replaced them)
-            stored, buffers = self._stored(view), self._buffers(query, 2)
+            stored, buffers = self._stored(view), self._buffers(query, 2, self.merge)
             held = int(stored.fp_tokens > 0)
-            attention = self._attention(query, view, mask, sink_logits, 2, held, stored, *buffers, new_token)[0]
+            attention = self._attention(query, view, mask, sink_logits, 2, held, self.merge, stored, *buffers,
+                                        new_token)[0]  # fmt: skip
             self.resident_slots = target.sms * compiled_occupancy(attention, target, query.device)
 
     def _buffers(
-        self, query: torch.Tensor, splits: int, tickets: torch.Tensor | None = None
+        self, query: torch.Tensor, splits: int, merged: bool, tickets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The output, the splits' partial results and the merge's tickets (kept from call to call: one allocation
-        per step, the output); `tickets` the caller's own (`new_tickets`'s zeros)."""
+        per step, the output); `merged`: the launch merges its splits; `tickets` the caller's own (`new_tickets`'s
+        zeros)."""
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=query.device)
         if splits == 1:
             return out, out, out, out  # placeholders: a single split writes the output directly
@@ -843,7 +890,7 @@ class AttentionPlan:
             device = query.device
             sizes = (rows * self.block_d, rows * 2)  # fp32 whatever torch's default dtype
             self.parts = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
-        if not self.merge:
+        if not merged:
             tickets = out  # (a placeholder: the reduce launch merges)
         elif tickets is None or tickets.numel() < self.row_blocks * self.out_shape[0] * self.kv_heads:
             # (a compiled decode step's are made for one row block: a prompt split by force takes the plan's)
@@ -868,24 +915,27 @@ class AttentionPlan:
             self.scratch = torch.empty(size, dtype=torch.float32, device=query.device)
         return self.scratch
 
-    def splits(self, query: torch.Tensor, view: KVView) -> int:
-        """The split count of this call: forced, else from the resident blocks (static views: for a full buffer,
-        so that the grid is the same at every step)."""
-        return self._split_count(query, view, self._stored(view))[0]  # not kept in the view's memo (see `__init__`)
+    def splits(self, query: torch.Tensor, view: KVView) -> tuple[int, bool]:
+        """The split count of this call, and whether its launch merges them (`split_plan`): forced, else from the
+        resident blocks (static views: for a full buffer, so that the grid is the same at every step)."""
+        splits, _, merged = self._split_count(query, view, self._stored(view))  # not kept in the view's memo
+        return splits, merged
 
-    def _split_count(self, query: torch.Tensor, view: KVView, stored: tuple) -> tuple[int, int]:
-        """The split count, and how many of the splits read the full-precision tokens (`held_splits`)."""
+    def _split_count(self, query: torch.Tensor, view: KVView, stored: tuple) -> tuple[int, int, bool]:
+        """The split count, how many of the splits read the full-precision tokens (`held_splits`), and whether the
+        launch merges them (forced splits: wherever the kernel can)."""
         codes_tokens = view.slots if view.static else max(view.recent_start - view.start, 0)
         tiles, held_tiles = max(1, cdiv(codes_tokens, self.block_n)), cdiv(stored.fp_tokens, self.block_n)
         if self.num_splits is not None:
-            splits = max(1, min(self.num_splits, tiles + held_tiles))
+            splits, merged = max(1, min(self.num_splits, tiles + held_tiles)), self.merge
         elif not self.resident_slots or self.row_blocks > 1:
-            splits = 1
+            splits, merged = 1, False
         else:
             programs = query.shape[0] * self.kv_heads * self.row_blocks
-            merge = merge_tiles(self.merge_rows, self.block_n, self.resident_slots / self.sms) if self.merge else 0.0
-            splits = split_count(programs, tiles, self.resident_slots, held_tiles, merge)
-        return splits, held_splits(splits, tiles, held_tiles)
+            tile = TileTime(self.block_n, self.out_shape[3], self.resident_slots, self.bandwidth)
+            merge = tile.merge(self.merge_rows) if self.merge else None
+            splits, merged = split_plan(programs, tiles, self.resident_slots, held_tiles, merge, tile.reduce_launch)
+        return splits, held_splits(splits, tiles, held_tiles), merged and splits > 1
 
     def launches(
         self, query: torch.Tensor, view: KVView, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
@@ -895,9 +945,10 @@ class AttentionPlan:
         merge its splits); `tickets`: the merge's counters where the caller keeps them (a compiled graph's plan
         lives for one call), else the plan's own; `new_token`: the step's write (the plan's kind)."""
         stored = view.derived(self, self._stored)
-        splits, held = self._split_count(query, view, stored)
-        out, *buffers = self._buffers(query, splits, tickets)
-        return out, self._attention(query, view, mask, sink_logits, splits, held, stored, out, *buffers, new_token)
+        splits, held, merged = self._split_count(query, view, stored)
+        out, *buffers = self._buffers(query, splits, merged, tickets)
+        return out, self._attention(query, view, mask, sink_logits, splits, held, merged, stored, out, *buffers,
+                                    new_token)  # fmt: skip
 
     def _stored(self, view: KVView) -> Stored:
         """The kernel arguments that depend only on the view's buffers (tensors, strides, slot counts)."""
@@ -916,8 +967,8 @@ class AttentionPlan:
                       _scale_words(view))  # fmt: skip
 
     def _attention(
-        self, query, view, mask, sink_logits, splits, held, stored: Stored, out, part_acc, part_stats, tickets,
-        new_token: NewToken | None = None,
+        self, query, view, mask, sink_logits, splits, held, merged: bool, stored: Stored, out, part_acc, part_stats,
+        tickets, new_token: NewToken | None = None,
     ) -> list[Launch]:
         if view.static:  # positions are read on the device
             start, end, recent_start, mask_start = view.start, 0, 0, 0
@@ -939,8 +990,8 @@ class AttentionPlan:
             *new_strides, *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start,
             mask_start, new_token.recent_start if new_token is not None else 0,
             *self.scalars,
-        ), self.launch_options[splits > 1, words])]  # fmt: skip
-        if splits > 1 and not self.merge:
+        ), self.launch_options[splits > 1, merged, words])]  # fmt: skip
+        if splits > 1 and not merged:
             launches.append(reduce_launch(part_acc, part_stats, sink_logits, out, out.stride(), self.out_shape, splits,
                                           self.block_d, self.reduce))  # fmt: skip
         return launches

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from hf_fp8kv.kernels import ops, reference, targets
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget
+from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget, memory_bandwidth
 from hf_fp8kv.kernels.triton_attention import AttentionPlan
 from streams import Stream, fill
 
@@ -33,12 +33,16 @@ def test_hardware_conversion_only_where_triton_has_the_type():
     assert mi300.default_fp8 == "fp8_e4m3fnuz" and EXAMPLE_GPUS["gfx950"].default_fp8 == "fp8_e4m3"
 
 
-def plan_on(gpu: GpuTarget | None, q_len: int = 1, dtype=torch.float16, fmt: str = "fp8_e4m3", **kwargs) -> dict:
+def plan_on(
+    gpu: GpuTarget | None, q_len: int = 1, dtype=torch.float16, fmt: str = "fp8_e4m3", variant=(False, False),
+    **kwargs,
+) -> dict:
+    """The constexprs and options of a launch (`variant`: split, merged in the launch) of a plan on `gpu`."""
     stream = Stream(fmt=fmt, updates=[140], tiled=True)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), "cpu")
     query = torch.randn(2, 2, q_len, 80, dtype=dtype)
     plan = AttentionPlan(query, view, None, None, 0.1, resident_slots=264, target=gpu, **kwargs)
-    return plan.launch_options[False, False]
+    return plan.launch_options[(*variant, False)]
 
 
 def test_the_plan_follows_the_target():
@@ -57,20 +61,24 @@ def test_the_plan_follows_the_target():
 
 
 def test_register_caps_only_where_a_decode_kernel_merges_or_writes_in_its_launch():
-    """`maxnreg` from `MERGING_TARGETS` for a decode plan whose splits merge in the launch (sm_100 caps it, sm_90
-    leaves it to ptxas), never for a prefill of many row blocks (they are not split) nor under a mask (the
-    reduce launch merges); the 4-warp blocks of SMs of 100 KB or less keep `register_room`'s 255."""
-    merging = {a: plan_on(gpu, num_splits=2).get("maxnreg") for a, gpu in EXAMPLE_GPUS.items() if gpu.merges_splits}
+    """`maxnreg` from `MERGING_TARGETS` for a decode launch that merges its splits (sm_100 caps it, sm_90 leaves it
+    to ptxas), never for one that does not (one split, or a reduce launch merging them), a prefill of many row
+    blocks (they are not split) nor under a mask (the reduce launch merges); the 4-warp blocks of SMs of 100 KB or
+    less keep `register_room`'s 255."""
+    merged = (True, True)
+    merging = {a: plan_on(gpu, variant=merged).get("maxnreg") for a, gpu in EXAMPLE_GPUS.items() if gpu.merges_splits}
     assert merging == {"sm_75": 255, "sm_86": 255, "sm_89": 255, "sm_90": None, "sm_100": 168,
                        "sm_120": 255, "gfx942": None}  # fmt: skip
-    assert "maxnreg" not in plan_on(EXAMPLE_GPUS["sm_80"], num_splits=2)  # (the reduce launch merges there)
+    for variant in ((False, False), (True, False)):  # sm_100 without the merge in the launch: ptxas' own choice
+        assert "maxnreg" not in plan_on(EXAMPLE_GPUS["sm_100"], variant=variant)
+    assert "maxnreg" not in plan_on(EXAMPLE_GPUS["sm_80"], variant=(True, False))  # (the reduce launch merges there)
     for arch in ("sm_90", "sm_100"):
-        assert "maxnreg" not in plan_on(EXAMPLE_GPUS[arch], q_len=140, num_splits=1), arch
+        assert "maxnreg" not in plan_on(EXAMPLE_GPUS[arch], q_len=140, variant=merged), arch
         stream = Stream(updates=[140], tiled=True)
         view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), "cpu")
         query, mask = torch.randn(2, 2, 1, 80, dtype=torch.float16), torch.zeros(2, 1, 1, 140, dtype=torch.bool)
         masked = AttentionPlan(query, view, mask, None, 0.1, num_splits=2, target=EXAMPLE_GPUS[arch])
-        assert not masked.merge and "maxnreg" not in masked.launch_options[True, False], arch
+        assert not masked.merge and "maxnreg" not in masked.launch_options[True, False, False], arch
 
 
 def test_occupancy():
@@ -154,3 +162,13 @@ def test_fp8_prefill_is_refused_where_there_are_no_e4m3fn_tensor_cores(fake_gpu)
     for name, arch in [("NVIDIA L4", "sm_89"), ("NVIDIA H100 80GB HBM3", "sm_90"), ("AMD Instinct MI355X", "gfx950")]:
         ops.check_fp8_prefill("auto", fake_gpu(name, arch), e4m3)
     ops.check_fp8_prefill("auto", torch.device("cpu"), e4m3)  # exact attention on the CPU; the interpreter's FP8 dots
+
+
+def test_memory_bandwidth_from_the_devices_clock_and_bus():
+    """Two transfers a clock over the bus (an H100 SXM: 3.35 TB/s); where torch reports neither, an H200's
+    bandwidth per SM times the SMs."""
+    h100 = SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120)
+    assert memory_bandwidth(h100) == pytest.approx(3.352e12, rel=1e-3)
+    assert memory_bandwidth(SimpleNamespace()) == 0
+    assert GpuTarget("sm_90", "H100", 132).memory_bandwidth == pytest.approx(4.8e12)
+    assert EXAMPLE_GPUS["sm_89"].memory_bandwidth == 0.3e12

@@ -11,8 +11,10 @@ import torch
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.triton_attention import (
-    AttentionPlan, NewToken, _scale_words, attention, held_splits, plan_attention, reduce_blocks, split_count,
+    AttentionPlan, NewToken, TileTime, _scale_words, attention, held_splits, plan_attention, reduce_blocks,
+    split_count, split_cost, split_plan,
 )
+from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
 from hf_fp8kv.kernels.triton_write import write_kv
 from hf_fp8kv.kernels.view import KVView, slot_codes
 from streams import Stream, fill
@@ -287,6 +289,65 @@ def test_split_count_fills_the_last_wave():
                 assert efficiency >= 0.85 or held_bound, (programs, tiles, held_tiles, splits, efficiency)
 
 
+def test_the_split_rule_weighs_the_merge_against_a_reduce_launch():
+    """`split_plan`: the merge in the attention launch where its serial reads cost no more than a reduce launch's
+    fixed cost saves (ties to it: a launch less), else the reduce launch's split count; the kernel's own split count
+    either way."""
+    tile = TileTime(64, 128, 58 * 3, EXAMPLE_GPUS["sm_89"].bandwidth)  # an L4, 3 blocks per SM
+    merge, launch = tile.merge(8), tile.reduce_launch
+    assert 0 < merge < launch < 1  # (a tile-time there is 9.5 us: a 3 us launch is a third of one)
+    for programs, tiles, merged in ((8, 64, True), (8, 512, True), (1, 512, False), (1, 64, True)):
+        splits, merges = split_plan(programs, tiles, 174, 0, merge, launch)
+        assert merges == merged, (programs, tiles)
+        assert splits == split_count(programs, tiles, 174, 0, merge if merged else 0.0)
+        costs = [split_cost(programs, tiles, 174, 0, splits, merge if merged else 0.0) + (0 if merged else launch)
+                 for merged, splits in ((True, split_count(programs, tiles, 174, 0, merge)),
+                                        (False, split_count(programs, tiles, 174, 0)))]  # fmt: skip
+        assert costs[not merged] <= costs[merged], (programs, tiles, costs)
+    assert split_plan(1, 512, 174, 0, None, launch) == (split_count(1, 512, 174), False)  # a kernel that cannot merge
+    assert split_plan(8, 64, 174, 0, merge, 0.0)[1] is False  # a free reduce launch beats any merge
+
+
+def test_a_plan_chooses_the_merge_call_by_call():
+    """One plan of an L4's decode steps over one KV head: at 4k tokens its launch merges its splits; at 32k the
+    reduce launch merges them (one program would merge 171 splits, a 295th of a tile-time each: 0.58 tile-times
+    where the reduce launch costs 0.32); planned on the meta device, as gpu_static plans."""
+    fmt = get_format("fp8_e4m3")
+    capacity = 32768
+    codes = torch.empty(2, 1, 1, capacity, 128, dtype=fmt.dtype, device="meta")
+    scales = torch.ones(2, 1, 1, 1, device="meta")
+    query = torch.empty(1, 8, 1, 128, dtype=torch.bfloat16, device="meta")
+    plan = None
+    kernels = {}
+    for end in (4096, 32768):
+        view = KVView(codes=codes, scales=scales, fmt=fmt, end=end, recent_start=end, has_nan=False)
+        plan = plan or AttentionPlan(query, view, None, None, 0.1, resident_slots=58 * 3, target=EXAMPLE_GPUS["sm_89"])
+        _, launches = plan.launches(query, view, None, None)
+        kernels[end] = [(launch.kernel.fn.__name__, launch.kwargs.get("MERGE")) for launch in launches]
+        assert launches[0].grid[2] > 1
+    assert kernels == {4096: [("_attention_kernel", True)],
+                       32768: [("_attention_kernel", False), ("_reduce_kernel", None)]}  # fmt: skip
+
+
+def test_a_split_decode_merged_in_its_launch_or_by_a_reduce_launch():
+    """A static view's split decode, as a compiled graph runs it: merged by its last split where the merge's
+    counters are given, by a reduce launch where they are not (the split rule chose it); both the one-split
+    result."""
+    from hf_fp8kv.kernels import ops
+
+    stream = Stream(static=64, recent=4, sinks=2, updates=[40, 1], tiled=True)
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(6), DEVICE)
+    query = torch.randn(2, 6, 1, 80, device=DEVICE)
+    one = attention(query, view, scaling=0.1, num_splits=1)
+    tickets = torch.zeros(2 * 2, dtype=torch.int32, device=DEVICE)
+    for given in (tickets, None):
+        assert_close(ops.triton_ops().attend(*_op_args(view, query, None, 3, given)), one, torch.float32)
+    assert not tickets.any()
+    for given, kernels in ((tickets, ["_attention_kernel"]), (None, ["_attention_kernel", "_reduce_kernel"])):
+        plan = AttentionPlan(query, view, None, None, 0.1, num_splits=3, merge=given is not None)
+        assert [launch.kernel.fn.__name__ for launch in plan.launches(query, view, None, None, given)[1]] == kernels
+
+
 def test_held_tokens_are_read_by_splits_of_their_own():
     """With recent / sink tokens, one split reads them after its codes; more splits give them 1 or more of their
     own beside at least one of codes. Batch 1 at 4k and 8k tokens (8 programs): the longest split is no longer
@@ -502,7 +563,7 @@ def test_a_plan_that_is_not_the_layers_keeps_nothing_in_the_views_memo():
     view.memo = {}
     query = torch.randn(2, 6, 1, 80, generator=generator).to(DEVICE)
     plan = AttentionPlan(query, view, None, None, 0.1)
-    assert plan.splits(query, view) >= 1 and view.memo == {}
+    assert plan.splits(query, view)[0] >= 1 and view.memo == {}
     plan.launches(query, view, None, None)
     assert list(view.memo) == [plan]  # the plan that launches keeps its arguments there
 
@@ -551,7 +612,7 @@ def test_fp8_prefill_only_where_it_applies():
     prefill = torch.randn(2, 2, 140, 80, device=DEVICE)
 
     def uses_fp8(query, **kwargs):
-        return AttentionPlan(query, view, None, None, 0.1, **kwargs).launch_options[False, False]["FP8_QK"]
+        return AttentionPlan(query, view, None, None, 0.1, **kwargs).launch_options[False, False, False]["FP8_QK"]
 
     assert uses_fp8(prefill.half(), fp8_prefill=True) and uses_fp8(prefill.bfloat16(), fp8_prefill=True)
     assert not uses_fp8(prefill.half()) and not uses_fp8(prefill, fp8_prefill=True)  # default; fp32 queries
