@@ -669,12 +669,16 @@ def last_waves(case: Case, gpu: GpuTarget, kernel, slots: int) -> list[dict]:
 
 
 def merge_per_split(launch: Launch, gpu: GpuTarget, slots: int, head_dim: int) -> float:
-    """The split rule's cost of merging one split of a dense decode launch on `gpu` with `slots` resident blocks
-    (`triton_attention.TileTime.merge`; none where a reduce launch merges them)."""
-    if not launch.kwargs["MERGE"]:
-        return 0.0
-    rows = min(launch.kwargs["GROUP"], launch.kwargs["BLOCK_M"])
-    return triton_attention.TileTime(launch.kwargs["BLOCK_N"], head_dim, slots, gpu.memory_bandwidth).merge(rows)
+    """The split rule's cost of merging one split of a dense decode launch on `gpu` with `slots` resident blocks, in
+    tile-times (`triton_attention.TileTime.merge`; none where a reduce launch merges them)."""
+    tile = triton_attention.TileTime(launch.kwargs["BLOCK_N"], head_dim, slots, gpu.memory_bandwidth)
+    return merge_bytes(launch, head_dim) / triton_attention.L2_SM_BANDWIDTH / tile.seconds
+
+
+def merge_bytes(launch: Launch, head_dim: int) -> int:
+    """The fp32 partial results of one split that the last split of a dense decode launch reads to merge them (a
+    program's rows; 0 where a reduce launch merges them)."""
+    return min(launch.kwargs["GROUP"], launch.kwargs["BLOCK_M"]) * head_dim * 4 if launch.kwargs["MERGE"] else 0
 
 
 def mma(compiled: Compiled) -> dict | None:
@@ -736,8 +740,8 @@ def middle(ranges: tuple[StepModel, StepModel]) -> StepModel:
 def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[float, float, int]:
     """`(modelled step time, copy time, launches)` (microseconds) of one decode layer step of `case` (its batch and
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
-    max(copy, issue) x the split plan's loss (its waves, then the last split's merge, against every tile spread
-    evenly over the GPU). The launches: the attention's (which writes the new token itself, but with outlier tokens
+    max(copy, issue) x the split plan's loss (its waves against every tile spread evenly over the slots it uses) +
+    the last split's merge (one SM's serial reads from L2, `triton_attention.L2_SM_BANDWIDTH`). The launches: the attention's (which writes the new token itself, but with outlier tokens
     and in a static cache's compiled graph: a write launch of its own), its reduce where the kernel does not merge
     its splits; with outlier tokens, the staging copy of the token leaving the recent ones and the selection
     (`triton_outliers`; a static cache's staging is a few torch ops, which its compiled step fuses: counted as
@@ -758,10 +762,10 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     programs = launch.grid[0] * launch.grid[1]
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
-    merge = merge_per_split(launch, gpu, slots, case.head_dim) * splits if splits > 1 else 0
-    loss = (waves * triton_attention.longest_split(tiles, held, splits) + merge) / ideal
+    loss = waves * triton_attention.longest_split(tiles, held, splits) / ideal
+    merge_us = merge_bytes(launch, case.head_dim) * splits / triton_attention.L2_SM_BANDWIDTH * 1e6
     fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
-    return fixed_us + max(copy_us, issue_us) * max(loss, 1.0), copy_us, launches
+    return fixed_us + max(copy_us, issue_us) * max(loss, 1.0) + merge_us, copy_us, launches
 
 
 def step_record(case: Case, gpu: GpuTarget, row: dict) -> dict:

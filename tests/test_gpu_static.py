@@ -315,10 +315,9 @@ def test_the_step_model_is_the_sum_of_its_parts():
     """A decode layer step by hand: batch 64 x 4096 tokens at head_dim 128 on 8 KV heads (static scales: 256 bytes
     a token and head), at the middle of the ranges: 536.9 MB at 0.95 x 4.8 TB/s is 117.7 us of copy, over the
     issue-bound 93.4 us (0.1 instructions per byte at 0.55 x 4 x 1.98 GHz x 132 SMs). The split rule gives 512
-    programs 3 splits on 396 slots: 4 waves of 22 tiles, then the last split's merge of 3 x 8 rows of fp32
-    partial results (8 rows x 128 channels x 4 B per split read from L2 at 127 GB/s, 0.032 us, against a tile-time
-    of 64 tokens x 256 B at a 396th of 4.8 TB/s, 1.35 us: 0.024 tile-times each), 88.07 tile-times where 512 x 64 / 396 = 82.7 would do; one attention launch (2.25 us), which
-    writes the step's token. A static cache's compiled step has the write's launch too (2.5 us + 0.65 us before
+    programs 3 splits on 396 slots: 4 waves of 22 tiles where 512 x 64 / 396 = 82.7 would do, then the last
+    split's merge of 3 x 8 rows x 128 channels of fp32 partial results from L2 at 127 GB/s (0.097 us); one
+    attention launch (2.25 us), which writes the step's token. A static cache's compiled step has the write's launch too (2.5 us + 0.65 us before
     it)."""
     report = gpu_static()
     case = report.Case("decode", batch=64, context=4096)
@@ -329,8 +328,8 @@ def test_the_step_model_is_the_sum_of_its_parts():
     middle = report.middle(report.STEP_RANGES)
     step_us, copy_us, launches = report.step_time(case, gpu, row, middle)
     assert launches == 1 and copy_us == pytest.approx(64 * 8 * 4096 * 256 / 4.56e12 * 1e6)
-    merge = 3 * (8 * 128 * 4 / 127e9) / (64 * 256 / (4.8e12 / 396))
-    assert step_us == pytest.approx(2.25 + copy_us * (88 + merge) / (512 * 64 / 396))
+    merge_us = 3 * 8 * 128 * 4 / 127e9 * 1e6
+    assert step_us == pytest.approx(2.25 + copy_us * 88 / (512 * 64 / 396) + merge_us)
     static = dataclasses.replace(case, static_cache=8192)
     assert not report.plan(static, gpu, device="meta", slots=396)[0].kwargs["WRITE"]
     assert report.step_time(static, gpu, row, middle)[2] == 2
