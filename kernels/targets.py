@@ -61,15 +61,17 @@ SM_BANDWIDTH = 4.8e12 / 132  # an H200's memory bandwidth per SM, bytes per seco
 # in its launch: ptxas' own spilled 12-36 B with the write on sm_90 (default window, batch 64; head_dim 64) and 8-12 B
 # with the merge alone on sm_100 (it settled at 128 registers); with them, none (gpu_static --match decode)
 FUSED_CAPS = {2: 128, 4: 168, 8: 168}
-# where a split decode's last split merges the others' results in its own launch (`triton_attention`), with the caps
-# a kernel that merges but does not write needs there: the targets whose compiled decode kernels kept their spills
-# with the merge (on sm_75, sm_89 and sm_120 all 132 attention rows as without it; sm_90's caps would cost its
-# static-cache and outlier decodes a block per SM, 4 -> 3). sm_80 compiled it without a spill under caps of 168 (2
-# and 4 warps) and 128 (8), but its step model gained little (-2 to +6 points of copy bandwidth at batch 1 with 8 KV
-# heads, the default window -1: one program's merge costs there about what the reduce launch did) and lost 4-13
-# points at 32k with one KV head: it keeps the reduce launch. gfx90a and gfx950 spilled 36 B at head_dim 64 or lost
-# a block per SM at 128
-MERGING_TARGETS = {"sm_75": {}, "sm_86": {}, "sm_89": {}, "sm_90": {}, "sm_100": FUSED_CAPS, "sm_120": {}, "gfx942": {}}
+# where a split decode's last split may merge the others' results in its own launch (`triton_attention`; each call
+# weighs it against a reduce launch, `split_plan`), with the caps a kernel that merges but does not write needs
+# there: the targets whose compiled decode kernels kept their spills with the merge (on sm_75, sm_89 and sm_120 all
+# 132 attention rows as without it; sm_90's caps would cost its static-cache and outlier decodes a block per SM, 4 ->
+# 3). sm_80 spills nothing under caps of 168 (2 and 4 warps) and 128 (8), for a block per SM at head_dim 64 (7 -> 6)
+# and in the default window (4 -> 3); with the choice per call its step model gains up to 7 points of copy bandwidth
+# (3.4 on average at batch 1, 4k tokens) and loses none at any point of its 55 decode rows (3 -> 2 launches in 41). gfx90a and gfx950 spilled 36 B at head_dim 64 or lost a block per SM at 128
+MERGING_TARGETS = {
+    "sm_75": {}, "sm_80": {2: 168, 4: 168, 8: 128}, "sm_86": {}, "sm_89": {}, "sm_90": {}, "sm_100": FUSED_CAPS,
+    "sm_120": {}, "gfx942": {},
+}  # fmt: skip
 # where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`), with
 # the caps a kernel that writes needs there: the targets whose decode kernels did not spill with it (sm_90 loses a
 # block per SM at head_dim 128 with per-token scales, 4 -> 3; on sm_86 the caps spilled 16-48 B); sm_80 spilled 4-8 B
