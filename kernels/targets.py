@@ -131,7 +131,8 @@ class GpuTarget:
 
     @property
     def merges_splits(self) -> bool:
-        """Whether the split decode kernel merges its splits itself (`MERGING_TARGETS`), else a reduce launch does."""
+        """Whether the split decode kernel can merge its splits itself (`MERGING_TARGETS`; each call chooses), else a
+        reduce launch does."""
         return self.arch in MERGING_TARGETS
 
     @property

@@ -6,8 +6,9 @@ of a GQA group shares each K/V load (GQA packing), and a decode step (one positi
 codes' part of the timeline is split across programs (flash-decoding) when the row blocks alone would leave the
 GPU idle; the full-precision recent and sink tokens are then read by a split of their own (else after the codes),
 and the splits' partial results are merged by the last split of each row block to finish, found with an atomic
-ticket, in the same launch (with a mask or rotated codes: by `_reduce_kernel`, a launch of its own); both in a
-loop over splits (`merge_splits`: no spill however many there are).
+ticket, in the same launch (with a mask or rotated codes, and where the call finds one program's merge of them
+dearer than a launch, `split_plan`: by `_reduce_kernel`, a launch of its own); both in a loop over splits
+(`merge_splits`: no spill however many there are).
 
 Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (softmax scale, log2(e), per-head
 K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
@@ -644,7 +645,7 @@ def split_plan(
     programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_per_split: float | None, launch_tiles: float
 ) -> tuple[int, bool]:
     """The split count, and whether the attention launch merges the splits (else a reduce launch does): the cheaper
-    by `split_cost`, the merge's `merge_per_split` tile-times per split (`merge_tiles`) against the reduce launch's
+    by `split_cost`, the merge's `merge_per_split` tile-times per split (`TileTime.merge`) against the reduce launch's
     fixed cost of `launch_tiles` (`TileTime.reduce_launch`); ties to the merge (one launch less). `merge_per_split`
     None: the kernel does not merge."""
     splits = split_count(programs, tiles, resident_slots, held_tiles)
