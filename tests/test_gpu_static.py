@@ -311,6 +311,20 @@ def test_budgets():
     assert report.budget_failures(dict(fast, step=dict(step, launches=2), arch="sm_100")) == []
 
 
+def test_amd_scratch_counts_only_where_instructions_touch_it():
+    """LLVM may reserve a private segment no instruction reads or writes (36 B beside SGPR spills into VGPR lanes in
+    gfx942's head_dim 64 fp16 decode): not a spill. Flat scratch accesses (gfx942, gfx950) and the buffer stores and
+    loads LLVM marks as spills (gfx90a) are; Triton's buffer loads of tensors are not."""
+    report = gpu_static()
+    metadata = "; TotalNumVgprs: 222\n; NumAgprs: 0\n; ScratchSize: 36\n; Occupancy: 2\n    .sgpr_count: 106\n"
+    metadata += "    .sgpr_spill_count: 70\n    .vgpr_spill_count: 0\n"
+    tensor_loads = "\tbuffer_load_dwordx4 v[2:5], v2, s[56:59], 0 offen\n\tbuffer_store_dword v10, v3, s[16:19], 0 offen\n"
+    lanes = "\t; implicit-def: $vgpr221 : SGPR spill to VGPR lane\n\tv_writelane_b32 v221, s4, 0\n"
+    assert report.amdgcn_figures(metadata + tensor_loads + lanes)["scratch_accesses"] == 0
+    spills = "\tbuffer_store_dword v2, off, s[20:23], s0 ; 4-byte Folded Spill\n\tscratch_load_dword v3, off, s33\n"
+    assert report.amdgcn_figures(metadata + tensor_loads + spills)["scratch_accesses"] == 2
+
+
 def test_the_step_model_is_the_sum_of_its_parts():
     """A decode layer step by hand: batch 64 x 4096 tokens at head_dim 128 on 8 KV heads (static scales: 256 bytes
     a token and head), at the middle of the ranges: 536.9 MB at 0.95 x 4.8 TB/s is 117.7 us of copy, over the
