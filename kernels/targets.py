@@ -67,7 +67,9 @@ FUSED_CAPS = {2: 128, 4: 168, 8: 168}
 # 132 attention rows as without it; sm_90's caps would cost its static-cache and outlier decodes a block per SM, 4 ->
 # 3). sm_80 spills nothing under caps of 168 (2 and 4 warps) and 128 (8), for a block per SM at head_dim 64 (7 -> 6)
 # and in the default window (4 -> 3); with the choice per call its step model gains up to 7 points of copy bandwidth
-# (3.4 on average at batch 1, 4k tokens) and loses none at any point of its 55 decode rows (3 -> 2 launches in 41). gfx90a and gfx950 spilled 36 B at head_dim 64 or lost a block per SM at 128
+# (3.4 on average at batch 1, 4k tokens) and loses none at any point of its 55 decode rows (3 -> 2 launches in 41).
+# gfx90a and gfx950 lose a block per CU with it at head_dim 128 (static scales: 3 -> 2, 4 -> 3; no spill: the 36 B
+# of scratch gfx950 showed at 64 is a private segment no instruction touches), and AMD has no step model to weigh it
 MERGING_TARGETS = {
     "sm_75": {}, "sm_80": {2: 168, 4: 168, 8: 128}, "sm_86": {}, "sm_89": {}, "sm_90": {}, "sm_100": FUSED_CAPS,
     "sm_120": {}, "gfx942": {},

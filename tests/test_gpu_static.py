@@ -277,7 +277,9 @@ def test_budgets():
     amd = dict(arch="gfx942", spill_stores=0, spill_loads=0, vgpr_spills=0, sgpr_spills=3, waves_per_simd=2)
     mi300 = dict(good, arch="gfx942", loop=None, amd=amd)
     assert report.budget_failures(mi300) == []  # SGPRs spill to VGPR lanes, not memory
-    assert report.budget_failures(dict(mi300, amd=dict(amd, vgpr_spills=2))) == ["spills 2 VGPRs to scratch"]
+    assert report.budget_failures(dict(mi300, amd=dict(amd, vgpr_spills=2))) == []  # into AGPRs: no scratch
+    spilled = dict(mi300, spill_stores=8, spill_loads=8)  # (scratch that instructions touch)
+    assert report.budget_failures(spilled) == ["spills 8 B stores / 8 B loads per thread"]
     assert report.budget_failures(dict(good, kind="write", blocks_per_sm=0)) == [
         "no block fits: 98 registers x 8 warps, 22528 B shared"
     ]
