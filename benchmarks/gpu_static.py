@@ -682,13 +682,13 @@ def merge_per_split(launch: Launch, gpu: GpuTarget, slots: int, head_dim: int) -
     """The split rule's cost of merging one split of a dense decode launch on `gpu` with `slots` resident blocks, in
     tile-times (`triton_attention.TileTime.merge`; none where a reduce launch merges them)."""
     tile = triton_attention.TileTime(launch.kwargs["BLOCK_N"], head_dim, slots, gpu.memory_bandwidth)
-    return merge_bytes(launch, head_dim) / triton_attention.L2_SM_BANDWIDTH / tile.seconds
+    return tile.merge(merge_rows(launch))
 
 
-def merge_bytes(launch: Launch, head_dim: int) -> int:
-    """The fp32 partial results of one split that the last split of a dense decode launch reads to merge them (a
-    program's rows; 0 where a reduce launch merges them)."""
-    return min(launch.kwargs["GROUP"], launch.kwargs["BLOCK_M"]) * head_dim * 4 if launch.kwargs["MERGE"] else 0
+def merge_rows(launch: Launch) -> int:
+    """The rows of each split's partial results the last split of a dense decode launch reads to merge them (a
+    program's; none where a reduce launch merges them)."""
+    return min(launch.kwargs["GROUP"], launch.kwargs["BLOCK_M"]) if launch.kwargs["MERGE"] else 0
 
 
 def mma(compiled: Compiled) -> dict | None:
@@ -751,11 +751,11 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     """`(modelled step time, copy time, launches)` (microseconds) of one decode layer step of `case` (its batch and
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
     max(copy, issue) x the split plan's loss (its waves against every tile spread evenly over the slots it uses) +
-    the last split's merge (one SM's serial reads from L2, `triton_attention.L2_SM_BANDWIDTH`). The launches: the attention's (which writes the new token itself, but with outlier tokens
-    and in a static cache's compiled graph: a write launch of its own), its reduce where the kernel does not merge
-    its splits; with outlier tokens, the staging copy of the token leaving the recent ones and the selection
-    (`triton_outliers`; a static cache's staging is a few torch ops, which its compiled step fuses: counted as
-    one)."""
+    the last split's merge (one SM's serial reads from L2, `triton_attention.merge_seconds`). The launches: the
+    attention's (which writes the new token itself, but with outlier tokens and in a static cache's compiled graph:
+    a write launch of its own), its reduce where the kernel does not merge its splits; with outlier tokens, the
+    staging copy of the token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging
+    is a few torch ops, which its compiled step fuses: counted as one)."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
@@ -773,7 +773,7 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
     loss = waves * triton_attention.longest_split(tiles, held, splits) / ideal
-    merge_us = merge_bytes(launch, case.head_dim) * splits / triton_attention.L2_SM_BANDWIDTH * 1e6
+    merge_us = triton_attention.merge_seconds(merge_rows(launch), case.head_dim) * splits * 1e6
     fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
     return fixed_us + max(copy_us, issue_us) * max(loss, 1.0) + merge_us, copy_us, launches
 
@@ -918,7 +918,8 @@ def table_row(row: dict) -> tuple[str, ...]:
         amd = row["amd"]
         return (
             row["kernel"], row["variant"], str(amd["vgprs"]), str(amd["agprs"]), str(amd["sgprs"]), str(amd["scratch"]),
-            str(amd["scratch_accesses"]), f"{row['shared'] / 1024:.1f}", str(amd["waves_per_simd"]), str(row["blocks_per_sm"]),
+            str(amd["scratch_accesses"]), f"{row['shared'] / 1024:.1f}", str(amd["waves_per_simd"]),
+            str(row["blocks_per_sm"]),
         )  # fmt: skip
     loop, waves = row["loop"], row.get("waves")
     worst = waves["worst"] if waves else None

@@ -685,6 +685,12 @@ def split_cost(
     return waves * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES) + merge
 
 
+def merge_seconds(rows: int, head_dim: int) -> float:
+    """The time the merge takes per split: a split's partial results (`rows` rows of fp32 [head_dim]; their 8-byte
+    statistics left out) read from L2 by one SM (`L2_SM_BANDWIDTH`)."""
+    return rows * head_dim * 4 / L2_SM_BANDWIDTH
+
+
 class TileTime(NamedTuple):
     """The split rule's unit: the time a resident block takes to read a tile of codes (`block_n` tokens of 1-byte K
     and V codes, `head_dim` channels each), its share of the memory `bandwidth` (bytes per second) with
@@ -700,9 +706,8 @@ class TileTime(NamedTuple):
         return self.block_n * self.head_dim * 2 * self.resident_slots / self.bandwidth
 
     def merge(self, rows: int) -> float:
-        """The merge's cost per split: a split's partial results (`rows` rows of fp32 [head_dim]; their 8-byte
-        statistics left out) read from L2 by one SM (`L2_SM_BANDWIDTH`)."""
-        return rows * self.head_dim * 4 / L2_SM_BANDWIDTH / self.seconds
+        """The merge's cost per split (`merge_seconds`)."""
+        return merge_seconds(rows, self.head_dim) / self.seconds
 
     @property
     def reduce_launch(self) -> float:
@@ -858,8 +863,6 @@ class AttentionPlan:
         }  # fmt: skip
         self.sizes = (self.kv_heads, q_len, head_dim)
         self.reduce = reduce_blocks(batch * q_heads * q_len, self.block_d)  # rows, head_dim chunk, warps
-        self.merge_rows = min(group * q_len, self.block_m)  # a program's rows (the merge reads only those)
-        self.bandwidth = (target or EXAMPLE_GPUS["sm_90"]).memory_bandwidth  # (the interpreter: an H200's)
         self.out_shape = (batch, q_heads, q_len, head_dim)
         self.out_strides = (q_len * q_heads * head_dim, head_dim, q_heads * head_dim, 1)  # the layout returned
         self.parts: tuple[torch.Tensor, torch.Tensor] | None = None  # the splits' partial results, reused
@@ -876,6 +879,12 @@ class AttentionPlan:
             attention = self._attention(query, view, mask, sink_logits, 2, held, self.merge, stored, *buffers,
                                         new_token)[0]  # fmt: skip
             self.resident_slots = target.sms * compiled_occupancy(attention, target, query.device)
+        self.split_costs: tuple[float | None, float] | None = None  # `split_plan`'s merge and reduce launch costs
+        if self.resident_slots:
+            bandwidth = (target or EXAMPLE_GPUS["sm_90"]).memory_bandwidth  # (the interpreter: an H200's)
+            tile = TileTime(self.block_n, head_dim, self.resident_slots, bandwidth)
+            rows = min(group * q_len, self.block_m)  # a program's rows (the merge reads only those)
+            self.split_costs = (tile.merge(rows) if self.merge else None, tile.reduce_launch)
 
     def _buffers(
         self, query: torch.Tensor, splits: int, merged: bool, tickets: torch.Tensor | None = None
@@ -933,9 +942,7 @@ class AttentionPlan:
             splits, merged = 1, False
         else:
             programs = query.shape[0] * self.kv_heads * self.row_blocks
-            tile = TileTime(self.block_n, self.out_shape[3], self.resident_slots, self.bandwidth)
-            merge = tile.merge(self.merge_rows) if self.merge else None
-            splits, merged = split_plan(programs, tiles, self.resident_slots, held_tiles, merge, tile.reduce_launch)
+            splits, merged = split_plan(programs, tiles, self.resident_slots, held_tiles, *self.split_costs)
         return splits, held_splits(splits, tiles, held_tiles), merged and splits > 1
 
     def launches(

@@ -320,7 +320,8 @@ def test_amd_scratch_counts_only_where_instructions_touch_it():
     report = gpu_static()
     metadata = "; TotalNumVgprs: 222\n; NumAgprs: 0\n; ScratchSize: 36\n; Occupancy: 2\n    .sgpr_count: 106\n"
     metadata += "    .sgpr_spill_count: 70\n    .vgpr_spill_count: 0\n"
-    tensor_loads = "\tbuffer_load_dwordx4 v[2:5], v2, s[56:59], 0 offen\n\tbuffer_store_dword v10, v3, s[16:19], 0 offen\n"
+    tensor_loads = "\tbuffer_load_dwordx4 v[2:5], v2, s[56:59], 0 offen\n"
+    tensor_loads += "\tbuffer_store_dword v10, v3, s[16:19], 0 offen\n"
     lanes = "\t; implicit-def: $vgpr221 : SGPR spill to VGPR lane\n\tv_writelane_b32 v221, s4, 0\n"
     assert report.amdgcn_figures(metadata + tensor_loads + lanes)["scratch_accesses"] == 0
     spills = "\tbuffer_store_dword v2, off, s[20:23], s0 ; 4-byte Folded Spill\n\tscratch_load_dword v3, off, s33\n"
@@ -333,8 +334,8 @@ def test_the_step_model_is_the_sum_of_its_parts():
     issue-bound 93.4 us (0.1 instructions per byte at 0.55 x 4 x 1.98 GHz x 132 SMs). The split rule gives 512
     programs 3 splits on 396 slots: 4 waves of 22 tiles where 512 x 64 / 396 = 82.7 would do, then the last
     split's merge of 3 x 8 rows x 128 channels of fp32 partial results from L2 at 127 GB/s (0.097 us); one
-    attention launch (2.25 us), which writes the step's token. A static cache's compiled step has the write's launch too (2.5 us + 0.65 us before
-    it)."""
+    attention launch (2.25 us), which writes the step's token. A static cache's compiled step has the write's
+    launch too (2.5 us + 0.65 us before it)."""
     report = gpu_static()
     case = report.Case("decode", batch=64, context=4096)
     gpu = report.EXAMPLE_GPUS["sm_90"]
