@@ -165,6 +165,7 @@ def fp8_dots_attention(
     terms: int = 1,
     block: int = 64,
     rotate: bool = False,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention` (causal, or `mask`) with the FP8 prefill's arithmetic (`triton_attention.fp8_dots`), tile by
     tile as the kernel runs it: each query row in e4m3 under a scale mapping its amax to 448, scores from exact
@@ -172,33 +173,53 @@ def fp8_dots_attention(
     to the running max) times 256 in e4m3 for the values' dot. `terms=2`: both operands as two e4m3 terms
     (`fp8_terms`), an alternative the benchmark measures. `keys`/`values` as given: the cache's e4m3 codes times
     their scales are exact in fp32. `rotate`: query, keys and values times the Hadamard matrix first (rotated
-    codes: the query is rounded to e4m3 rotated), the output rotated back. fp32 `[batch, q_heads, q_len, D]`."""
+    codes: the query is rounded to e4m3 rotated), the output rotated back. fp32 `[batch, q_heads, q_len, D]`.
+
+    `value_scales` `[batch, kv_heads, kv_len]`: per-token V scales (0: a token held in full precision). The
+    e4m3 operand is then the probabilities times the scales, the values' dot runs over `values / scale` (the
+    codes), and the running max is that of `score + log(scale / 256)` (as `triton_common.attend_tile`'s). The
+    full-precision tokens come after the coded ones, as in the kernels: their scores from the query as it came,
+    their probabilities unrounded."""
     if rotate:
         out = fp8_dots_attention(hadamard(query), hadamard(keys), hadamard(values), scaling=scaling, mask=mask,
-                                 fp8_pv=fp8_pv, terms=terms, block=block)  # fmt: skip
+                                 fp8_pv=fp8_pv, terms=terms, block=block, value_scales=value_scales)  # fmt: skip
         return hadamard(out)
     q_heads, q_len, kv_heads, kv_len = query.shape[1], query.shape[2], keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
-    query = query.float()
-    query = fp8_terms(query, query.abs().amax(-1, keepdim=True).clamp_min(1e-30) / E4M3.max, terms)
+    exact_query = query.float()  # (what the full-precision tokens' scores take)
+    query = fp8_terms(exact_query, exact_query.abs().amax(-1, keepdim=True).clamp_min(1e-30) / E4M3.max, terms)
     if mask is None:
         mask = causal_mask(q_len, kv_len, device=query.device)
+    passes = [(mask, None)]
+    if value_scales is not None:  # the coded tokens, then the full-precision ones (as the kernels read them)
+        value_scales = value_scales.float().repeat_interleave(group, 1)[:, :, None, :]  # [batch, q_heads, 1, kv_len]
+        coded = value_scales > 0
+        values = values / torch.where(coded, value_scales, 1.0).transpose(-1, -2)
+        passes = [(mask & coded, value_scales), (mask & ~coded, None)]
     m = torch.full(query.shape[:3], -math.inf, device=query.device)
     l = torch.zeros(query.shape[:3], device=query.device)
     acc = torch.zeros_like(query)
-    for first in range(0, kv_len, block):
-        tile = slice(first, first + block)
-        scores = (query @ keys[:, :, tile].transpose(-1, -2) * scaling).masked_fill(~mask[..., tile], -math.inf)
-        m_new = torch.maximum(m, scores.amax(-1))
-        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
-        alpha = torch.exp(m - m_safe)
-        p = torch.exp(scores - m_safe[..., None])
-        l = l * alpha + p.sum(-1)
-        if fp8_pv:
-            p = fp8_terms(p, 1 / 256.0, terms)
-        acc = acc * alpha[..., None] + p @ values[:, :, tile]
-        m = m_new
+    for seen, scales in passes:
+        rounded_query = query if scales is not None or value_scales is None else exact_query
+        for first in range(0, kv_len, block):
+            tile = slice(first, first + block)
+            scores = rounded_query @ keys[:, :, tile].transpose(-1, -2) * scaling
+            scores = scores.masked_fill(~seen[..., tile], -math.inf)
+            weighted = scores
+            if fp8_pv and scales is not None:
+                weighted = scores + torch.log(scales[..., tile].clamp_min(2.0**-64) / 256.0)
+            m_new = torch.maximum(m, weighted.amax(-1))
+            m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
+            alpha = torch.exp(m - m_safe)
+            p = torch.exp(scores - m_safe[..., None])
+            l = l * alpha + p.sum(-1)
+            if scales is not None:  # the codes' dot: the probabilities times their tokens' scales
+                p = fp8_terms(p * scales[..., tile], 1.0, terms) if fp8_pv else p * scales[..., tile]
+            elif fp8_pv and value_scales is None:
+                p = fp8_terms(p, 1 / 256.0, terms)
+            acc = acc * alpha[..., None] + p @ values[:, :, tile]
+            m = m_new
     return torch.where(l[..., None] > 0, acc / l.clamp_min(1e-30)[..., None], 0.0)
 
 
@@ -311,6 +332,25 @@ def materialize(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
         for row in range(batch):
             kv[:, row, :, column] = token_kv(view, t, row)
     return kv[0], kv[1]
+
+
+def value_scales(view: KVView) -> torch.Tensor:
+    """Per-token V scales `[batch, kv_heads, tokens]` of the visible tokens (`materialize`'s columns) of a view
+    with per-token scales; 0 for a token held in full precision (a sink, recent or outlier token)."""
+    positions = visible_positions(view)
+    scales = torch.zeros(view.codes.shape[1], view.codes.shape[2], len(positions), device=view.codes.device)
+    for column, t in enumerate(positions):
+        for row in range(scales.shape[0]):
+            if view.sinks is not None and view.sink_start is not None:
+                first = int(view.sink_start[row])
+                if first <= t < first + int(view.sink_count[row]):
+                    continue
+            if view.recent is not None and t >= int(view.recent_start):
+                continue
+            scales[row, :, column] = view.scales[1, row, :, _code_slot(view, t)].float()
+            if view.outliers is not None:
+                scales[row, :, column] *= ~(view.outlier_pos[row] == t).any(-1)
+    return scales
 
 
 def attend(

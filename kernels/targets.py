@@ -127,6 +127,15 @@ class GpuTarget:
         return not self.is_amd and 90 <= self.capability < 120
 
     @property
+    def fp8_token_values(self) -> bool:
+        """Whether `fp8_prefill`'s values' dot runs on FP8 with per-token V scales too (the probabilities times the
+        scales in e4m3): where a dot's operands are in registers (mma.sync: sm_89's per-token prefill loop 0.324 ->
+        0.288 SASS instructions per KV byte; MFMA: gfx950, 274 -> 282 VGPRs, same occupancy). With wgmma / tcgen05
+        it took sm_90's loop from 0.280 to 0.494 with 36-56 B spilled at 255 registers (32-token tiles: no spill,
+        0.587) and sm_100's from 1.235 to 2.184 (gpu_static), so there the values' dot stays fp16."""
+        return not self.warpgroup_dots
+
+    @property
     def default_fp8(self) -> str:
         """The format "fp8" names here: e4m3fnuz on MI300 (gfx94x), as in vLLM; e4m3fn elsewhere."""
         return "fp8_e4m3fnuz" if self.arch.startswith("gfx94") else "fp8_e4m3"

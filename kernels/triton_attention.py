@@ -368,12 +368,15 @@ def _attention_kernel(
 @triton.jit
 def _values_scale(out_factor, v_scale_ptr, code_factor, PER_TOKEN_V: tl.constexpr, FP8_PV: tl.constexpr):
     """The factor that turns the codes' accumulated PV into values: the fp16 decode's factor and V boost
-    (`out_factor`), the per-head V scale, and with FP8_PV the probabilities' P_SCALE."""
+    (`out_factor`), the per-head V scale, and with FP8_PV the codes' own values and the probabilities' P_SCALE
+    (per-token V scales count theirs in the running max instead: `attend_tile`)."""
     out_scale = out_factor
     if not PER_TOKEN_V:
         out_scale *= tl.load(v_scale_ptr)
-    if FP8_PV:  # e4m3 values, the probabilities times P_SCALE
-        out_scale /= code_factor * P_SCALE
+    if FP8_PV:  # e4m3 values as they are, not their fp16 decode
+        out_scale /= code_factor
+        if not PER_TOKEN_V:
+            out_scale /= P_SCALE
     return out_scale
 
 
@@ -837,7 +840,8 @@ class AttentionPlan:
             ONE_POSITION=q_len == 1,  # a decode step: no causal rule
             # tiled values in whole blocks over every slot: what the layers allocate (a ring may have any slots)
             VALUE_TILED=view.value_tiled, WHOLE_TILES=view.value_tiled and view.slots % VALUE_TILE.value == 0,
-            FP8_QK=fp8_qk, FP8_PV=fp8_qk and not view.per_token, **rotation(view.rotate, head_dim),
+            FP8_QK=fp8_qk, FP8_PV=fp8_qk and (not view.per_token or target is None or target.fp8_token_values),
+            **rotation(view.rotate, head_dim),
             HAS_OUTLIERS=view.outliers is not None, WRITE=new_token is not None, CLIP=fmt.clip_bound,
             **{f"ENC_{name}": value for name, value in encoding(fmt).items()},
         )  # fmt: skip
@@ -1025,12 +1029,12 @@ def reduce_launch(
 
 
 def fp8_dots(fp8_prefill: bool, prefill: bool, fmt, dot, target: GpuTarget | None) -> bool:
-    """Whether a kernel's dots over codes run on FP8 tensor cores (QK; PV too with per-head V scales, which keep
-    the probabilities within e4m3's range): asked for, a prefill's tiles of more than 64 rows (a decode step is
-    bound by memory), e4m3fn codes (the format's own), fp16 or bf16 queries (fp32 ones keep fp32 dots), a GPU with e4m3fn
-    tensor cores (or the interpreter; a cache asking for them elsewhere is refused when built). Off by default:
-    the query's and probabilities' 3 mantissa bits cost SmolLM2's prefill a mean KL of 3e-3 (the cache's own
-    target is 6e-4), and the compiled loop is no leaner (docs/benchmarks.md, issue 21 round 3)."""
+    """Whether a kernel's dots over codes run on FP8 tensor cores (QK, and PV but with per-token V scales where
+    `GpuTarget.fp8_token_values` says): asked for, a prefill's tiles of more than 64 rows (a decode step is bound
+    by memory), e4m3fn codes (the format's own), fp16 or bf16 queries (fp32 ones keep fp32 dots), a GPU with
+    e4m3fn tensor cores (or the interpreter; a cache asking for them elsewhere is refused when built). Off by
+    default: the query's and probabilities' 3 mantissa bits cost SmolLM2's prefill a mean KL of 3e-3 (the cache's
+    own target is 6e-4), and the compiled loop is no leaner (docs/benchmarks.md, issue 21 round 3)."""
     return (
         fp8_prefill and prefill and fmt.dtype == torch.float8_e4m3fn and dot == tl.float16
         and (target is None or target.fp8_dots(fmt.dtype))

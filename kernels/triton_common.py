@@ -25,6 +25,10 @@ PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgm
 FP32_ONE_BITS = 0x3F800000
 MIN_TOKEN_SCALE = tl.constexpr(TINY_SCALE)  # formats.TINY_SCALE, as the kernels read it
 P_SCALE = tl.constexpr(256.0)  # FP8 probabilities times this: [0, 256] in e4m3, down to 2^-17 (subnormals)
+P_SCALE_LOG2 = tl.constexpr(8.0)
+# per-token V scales on FP8 PV count as at least this (an all-zero row's scale, 2^-126, would otherwise let a
+# probability reach 2^134 and overflow)
+MIN_PV_SCALE = tl.constexpr(2.0**-64)
 VALUE_TILE = tl.constexpr(view.VALUE_TILE)
 
 
@@ -251,7 +255,15 @@ def attend_tile(
 
     FP8_QK: `q` and `k` are e4m3, the scores times `q_row` `[M]` (the query's row scales); FP8_PV: `v` is e4m3 and
     the probabilities times P_SCALE go to e4m3 (the caller divides P_SCALE out; HW_CONVERT: by the hardware's
-    conversion). Each FP8 dot sums its K products on the tensor cores, then adds in fp32: Hopper's FP8
+    conversion). With PER_TOKEN_V the operand is the probabilities times the tokens' V scales, which may be far
+    below 1: the running max `m_i` is then the largest `score + log2(v_scale) - log2(P_SCALE)`, so that the
+    operand `p * v_scale` is at most P_SCALE and exactly P_SCALE for the row's largest (as the per-head case's
+    largest probability is: taking the tile's largest scale instead rounded a peaked row's one dominant token and
+    cost 5x the per-head case's PV error on the tests' random stream, emulated). `acc` and `l_i` share that
+    reference, so it cancels in `acc / l` and in the splits' merge; no extra `[M, D]` multiply per tile. The
+    full-precision tiles after the codes keep `p <= 1` by the max.
+
+    Each FP8 dot sums its K products on the tensor cores, then adds in fp32: Hopper's FP8
     accumulation is less than fp32 (vLLM's 128k-token needle accuracy fell from 91% to 13% when it ran over the
     whole context). OUTLIERS: a negative per-token K scale marks a token read from the outlier buffer instead
     (`KVView.outliers`): its score is -inf."""
@@ -272,7 +284,11 @@ def attend_tile(
         scores = softcap * tanh(scores / softcap) * LOG2E
     if visible is not None:
         scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    if FP8_PV and PER_TOKEN_V:  # a row's largest probability times V scale becomes P_SCALE
+        row_max = tl.max(scores + (tl.log2(tl.maximum(v_scale, MIN_PV_SCALE)) - P_SCALE_LOG2)[None, :], axis=1)
+    else:
+        row_max = tl.max(scores, axis=1)
+    m_new = tl.maximum(m_i, row_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
@@ -280,7 +296,7 @@ def attend_tile(
     if PER_TOKEN_V:
         p = p * v_scale[None, :]
     if FP8_PV:
-        pv = tl.dot(to_e4m3(p * P_SCALE, HW_CONVERT), v, max_num_imprecise_acc=v.shape[0])
+        pv = tl.dot(to_e4m3(p if PER_TOKEN_V else p * P_SCALE, HW_CONVERT), v, max_num_imprecise_acc=v.shape[0])
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     acc = acc * alpha[:, None] + pv

@@ -568,22 +568,23 @@ def test_a_plan_that_is_not_the_layers_keeps_nothing_in_the_views_memo():
     assert list(view.memo) == [plan]  # the plan that launches keeps its arguments there
 
 
-# fp8_prefill: 128-row prefill tiles over e4m3 codes (QK on FP8 tensor cores; PV too with per-head V scales)
+# fp8_prefill: 128-row prefill tiles over e4m3 codes (QK and PV on FP8 tensor cores)
 FP8_CASES = [
     Case(Stream(scales="per-head", updates=[150, 130], tiled=True), q_len=130, group=1, dtype=torch.float16),
-    Case(Stream(updates=[150, 130], tiled=True), q_len=130, group=1, dtype=torch.bfloat16),  # per-token V: QK only
+    Case(Stream(updates=[150, 130], tiled=True), q_len=130, group=1, dtype=torch.bfloat16),
     Case(Stream(scales="per-tensor", updates=[100, 130], tiled=True), q_len=130, group=1, dtype=torch.float16,
          options=dict(window=70)),  # fmt: skip
     Case(Stream(updates=[150, 130], tiled=True, rotate=True), q_len=130, group=1, dtype=torch.float16),
     Case(Stream(updates=[150, 130], tiled=True, outliers=8), q_len=130, group=1, dtype=torch.float16),
+    Case(Stream(updates=[150, 130], tiled=True, recent=20, sinks=3), q_len=130, group=1, dtype=torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=str)
 def test_fp8_prefill_computes_the_fp8_arithmetic(case):
     """`fp8_prefill=True` computes `reference.fp8_dots_attention` (the query rounded to e4m3 per row, the
-    probabilities times 256 to e4m3): far closer to it than either is to the exact oracle (tiles meet the running
-    max in another order, so single probabilities may round apart)."""
+    probabilities times 256, or times the per-token V scales, to e4m3): far closer to it than either is to the
+    exact oracle (tiles meet the running max in another order, so single probabilities may round apart)."""
     generator = torch.Generator().manual_seed(0)
     stream = case.stream
     view, _, _ = fill(stream, reference.write, generator, DEVICE)
@@ -592,8 +593,10 @@ def test_fp8_prefill_computes_the_fp8_arithmetic(case):
     window, scaling = case.options.get("window"), stream.head_dim**-0.5
     keys, values = reference.materialize(view)
     mask = reference.causal_mask(case.q_len, keys.shape[2], window, DEVICE)
-    emulated = reference.fp8_dots_attention(query, keys, values, scaling=scaling, mask=mask, fp8_pv=not view.per_token,
-                                            rotate=view.rotate)  # fmt: skip
+    emulated = reference.fp8_dots_attention(
+        query, keys, values, scaling=scaling, mask=mask, rotate=view.rotate,
+        value_scales=reference.value_scales(view) if view.per_token else None,
+    )  # fmt: skip
     exact = reference.attend(query.float(), view, scaling=scaling, window=window)
     got = attention(query, view, scaling=scaling, window=window, fp8_prefill=True).float()
     fp16 = attention(query, view, scaling=scaling, window=window).float()
@@ -603,6 +606,75 @@ def test_fp8_prefill_computes_the_fp8_arithmetic(case):
 
     assert error(got, emulated) < error(emulated, exact) / 5  # measured: 11-64x apart
     assert error(fp16, exact) < error(got, exact) / 5  # the default path keeps its fp16 accuracy (10-100x)
+
+
+ONE_TILE_FP8_CASES = [  # 72 rows over 49 tokens: one tile of codes, so no tile order to differ from the emulation's
+    Case(Stream(updates=[40, 9], tiled=True), q_len=9, group=8, dtype=torch.float16),
+    Case(Stream(updates=[40, 9], tiled=True, recent=8, sinks=2), q_len=9, group=8, dtype=torch.float16),
+    Case(Stream(scales="per-head", updates=[40, 9], tiled=True), q_len=9, group=8, dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", ONE_TILE_FP8_CASES, ids=str)
+def test_fp8_prefill_values_dot_is_the_emulated_arithmetic(case):
+    """Over one tile of codes the FP8 values' dot is `reference.fp8_dots_attention`'s: per-token V scales in the
+    e4m3 operand, the row's largest probability times scale at 256, the full-precision tokens after the codes from
+    the unrounded query (measured: 29-150x closer to it than it is to exact attention, and 3.3-32x closer than to
+    the emulation without the FP8 values' dot)."""
+    generator = torch.Generator().manual_seed(0)
+    stream = case.stream
+    view, _, _ = fill(stream, reference.write, generator, DEVICE)
+    query = torch.randn(stream.batch, stream.kv_heads * case.group, case.q_len, stream.head_dim, generator=generator)
+    query, scaling = query.to(DEVICE, case.dtype), stream.head_dim**-0.5
+    keys, values = reference.materialize(view)
+    scales = reference.value_scales(view) if view.per_token else None
+
+    def emulated(fp8_pv):
+        return reference.fp8_dots_attention(query, keys, values, scaling=scaling, value_scales=scales, fp8_pv=fp8_pv)
+
+    def error(a, b):
+        return ((a - b).abs().mean() / b.abs().mean()).item()
+
+    exact = reference.attend(query.float(), view, scaling=scaling)
+    got = attention(query, view, scaling=scaling, fp8_prefill=True).float()
+    assert error(got, emulated(True)) < error(emulated(True), exact) / 20
+    assert error(got, emulated(True)) < error(got, emulated(False)) / 2.5
+
+
+def test_fp8_prefill_values_dot_with_per_token_scales_by_target():
+    """With per-token V scales the values' dot is FP8 where a dot's operands are in registers (sm_89, sm_120,
+    gfx950, the interpreter) and fp16 on wgmma / tcgen05 targets (sm_90, sm_100); per-head scales, FP8
+    everywhere. That QK-only kernel still computes the emulated arithmetic: the interpreter's plan with FP8_PV off
+    (the interpreter cannot run a GPU target's own plan, whose conversions are the hardware's)."""
+    generator = torch.Generator().manual_seed(0)
+    views = {s: fill(Stream(scales=s, updates=[150, 130], tiled=True), reference.write, generator, DEVICE)[0]
+             for s in ("dynamic", "per-head")}  # fmt: skip
+    query = torch.randn(2, 2, 130, 80, generator=generator).to(DEVICE, torch.float16)
+
+    def fp8_pv(view, target):
+        plan = AttentionPlan(query, view, None, None, 0.1, target=target, fp8_prefill=True)
+        return {options["FP8_PV"] for options in plan.launch_options.values()}
+
+    for arch in ("sm_89", "sm_90", "sm_100", "sm_120", "gfx950"):
+        assert fp8_pv(views["dynamic"], EXAMPLE_GPUS[arch]) == {arch in ("sm_89", "sm_120", "gfx950")}, arch
+        assert fp8_pv(views["per-head"], EXAMPLE_GPUS[arch]) == {True}, arch
+    view = views["dynamic"]
+    assert fp8_pv(view, None) == {True}
+    plan = AttentionPlan(query, view, None, None, 0.1, fp8_prefill=True)
+    for options in plan.launch_options.values():
+        options["FP8_PV"] = False  # what sm_90 compiles
+    out, launches = plan.launches(query, view, None, None)
+    for launch in launches:
+        launch.run()
+    keys, values = reference.materialize(view)
+    scales = reference.value_scales(view)
+    qk_only = reference.fp8_dots_attention(query, keys, values, scaling=0.1, value_scales=scales, fp8_pv=False)
+    exact = reference.attend(query.float(), view, scaling=0.1)
+
+    def error(a, b):
+        return ((a - b).abs().mean() / b.abs().mean()).item()
+
+    assert error(out.float(), qk_only) < error(qk_only, exact) / 5
 
 
 def test_fp8_prefill_only_where_it_applies():
