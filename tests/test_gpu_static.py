@@ -236,6 +236,25 @@ def test_cp_async_wait_rule_on_written_sass():
     assert in_flight == 2 and "DEPBAR.LE SB0, 2 (partial)" in evidence and "follows 0 of its 1 dots" in evidence
 
 
+def test_main_loop_is_the_codes_loop_when_fp8_dots_take_the_codes_unconverted():
+    """A prefill with both dots on FP8 converts no codes: its KV loop is the one with FP8 dots, not the loop over
+    full-precision tokens with more (fp16) dots."""
+    report = gpu_static()
+    sass = """
+        /*0100*/                   QMMA.16816.F32.E4M3.E4M3 R4, R8, R12, R4 ;
+        /*0110*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB R8, R5, R4 ;
+        /*0120*/                   QMMA.16816.F32.E4M3.E4M3 R4, R8, R12, R4 ;
+        /*0130*/              @!P0 BRA 0x100 ;
+        /*0140*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0150*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0160*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0170*/              @!P1 BRA 0x140 ;
+        /*0180*/                   EXIT ;
+    """
+    loop = report.main_loop(report.parse_sass(sass))
+    assert [i.address for i in (loop[0], loop[-1])] == [0x100, 0x130]
+
+
 def test_mma_kind_ties_are_decided_by_the_table_not_the_hash_seed():
     """Per-token fp8_prefill runs QK on FP8 wgmma and PV on fp16: 2 and 2 here; FP8 comes first in DOTS."""
     report = gpu_static()
@@ -295,7 +314,9 @@ def test_budgets():
     ]
     assert report.budget_failures(dict(good, case=d128, blocks_per_sm=3, loop=dict(good["loop"], instr_per_byte=0.12))) == []
     prefill = dict(good, kind="prefill", case=dict(d128, fp8_prefill=True), mma=dict(kind="HGMMA", count=64))
-    assert report.budget_failures(prefill) == ["prefill dots are HGMMA, not FP8 (QGMMA/QMMA/UTCQMMA)"]
+    assert report.budget_failures(prefill) == ["prefill KV loop's dots are HGMMA, not FP8 (QGMMA/QMMA/UTCQMMA)"]
+    fp8_loop = dict(good["loop"], mma=dict(kind="QMMA", count=32))  # the KV loop's dots decide, not the kernel's
+    assert report.budget_failures(dict(prefill, arch="sm_89", loop=fp8_loop, mma=dict(kind="HMMA", count=96))) == []
     assert report.budget_failures(dict(prefill, arch="sm_89", mma=dict(kind="QMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, case=d128)) == []  # the default prefill: fp16 dots
