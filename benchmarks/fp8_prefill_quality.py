@@ -3,7 +3,8 @@
 One prefill forward over the first `--tokens` tokens of a text (every query attends over the whole causal
 prefix: contractions up to `--tokens` long), with each layer's attention replaced by
 `reference.fp8_dots_attention` (the kernel's arithmetic, tile by tile: the query in e4m3 per row, and with the
-values' dot, the probabilities in e4m3) and by the exact fp32 attention (the reference). Keys and values are the
+values' dot, the probabilities (times per-token V scales, with those) in e4m3) and by the exact fp32 attention
+(the reference). Keys and values are the
 model's own, in fp32: the figures are the dots' error alone, on top of whatever the cache's codes cost. Next-token
 perplexity delta, mean and p99 KL, top-1 agreement over every position.
 
@@ -20,21 +21,25 @@ from transformers import AttentionInterface
 
 from hf_fp8kv.evaluate import quality
 from hf_fp8kv.kernels import reference
+from hf_fp8kv.kernels.rotation import hadamard
 from hf_fp8kv.table import format_table
 from recent_quality import MODELS, TEXTS
 
-VARIANTS = {  # (values' dot in FP8, e4m3 terms per operand, rotated); None: the reference
+VARIANTS = {  # reference.fp8_dots_attention's settings, `per_token`: per-token-head V scales; None: the reference
     "exact (fp32)": None,
-    "FP8 QK (fp8_prefill, per-token V scales)": (False, 1, False),
-    "FP8 QK + PV (fp8_prefill, per-head V scales)": (True, 1, False),
-    "FP8 QK + PV, two e4m3 terms per operand": (True, 2, False),
-    "FP8 QK, rotated (rotate=True)": (False, 1, True),
-    "FP8 QK + PV, rotated (rotate=True)": (True, 1, True),
+    "FP8 QK only (per-token V scales; fp8_prefill before PV went FP8)": dict(fp8_pv=False, per_token=True),
+    "FP8 QK + PV (fp8_prefill, per-token V scales)": dict(per_token=True),
+    "FP8 QK + PV (fp8_prefill, per-head V scales)": dict(),
+    "FP8 QK + PV, two e4m3 terms per operand": dict(terms=2),
+    "FP8 QK only, rotated (rotate=True before PV went FP8)": dict(fp8_pv=False, per_token=True, rotate=True),
+    "FP8 QK + PV, rotated (rotate=True)": dict(per_token=True, rotate=True),
 }
+E4M3 = reference.E4M3
 
 
-def attention_with(fp8: tuple[bool, int, bool] | None):
-    """An attention function (transformers' interface) over the model's K/V: exact, or the FP8 dots' arithmetic."""
+def attention_with(fp8: dict | None):
+    """An attention function (transformers' interface) over the model's K/V: exact, or the FP8 dots' arithmetic
+    (per-token V scales: bf16, rounded up, of the values as the cache would store them, rotated or not)."""
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
         scaling = module.scaling if scaling is None else scaling
@@ -43,9 +48,11 @@ def attention_with(fp8: tuple[bool, int, bool] | None):
         if fp8 is None:
             out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
         else:
-            fp8_pv, terms, rotate = fp8
-            out = reference.fp8_dots_attention(query, key, value, scaling=scaling, mask=mask, fp8_pv=fp8_pv,
-                                               terms=terms, rotate=rotate)  # fmt: skip
+            settings = dict(fp8)
+            if settings.pop("per_token", False):
+                stored = hadamard(value.float()) if settings.get("rotate") else value
+                settings["value_scales"] = reference.dynamic_scale(stored, E4M3, torch.bfloat16)
+            out = reference.fp8_dots_attention(query, key, value, scaling=scaling, mask=mask, **settings)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attend
