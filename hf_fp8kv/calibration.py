@@ -27,7 +27,7 @@ MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its 
 # channels: 26,949 keys saturated on 831 held-out tokens). e4m3's relative precision is the same over its
 # normal range, so 4x headroom costs only the bottom of the subnormals (docs/scales.md).
 CHANNEL_HEADROOM = 4.0
-STRATEGIES = ("tensor", "attn_head")
+STRATEGIES = ("tensor", "attn_head", "token")
 NAMED_SKIPS = 10  # the skipped samples a warning names
 
 
@@ -47,9 +47,12 @@ def calibrate(
     Args:
         data: a string or list of strings (tokenized with `tokenizer`), a list of input-id tensors, or an
             iterable (e.g. a DataLoader) of dicts of model inputs (`input_ids`, `attention_mask`, ...).
-        strategy: "tensor" (one K and one V scale per layer) or "attn_head" (one per KV head).
+        strategy: "tensor" (one K and one V scale per layer), "attn_head" (one per KV head) or "token" (per-token
+            scales at run time, `KVScales.dynamic`: only the key channels are calibrated, so `key_channels=True`).
         key_channels: also calibrate a static per-channel key scale (folded into the query at run time):
-            `CHANNEL_HEADROOM` x the channel's max over the head's (or layer's) max, at most 1.
+            `CHANNEL_HEADROOM` x the channel's max over the head's (or layer's) max, at most 1; with "token" the
+            channel's max over its head's, which evens out the channels a per-token int8 scale divides
+            (docs/scales.md).
         percentile: clip the scales to this percentile (0-100] of the per-token maxima of |x| (the token's head
             vector, or all its heads for "tensor"), so the rarest outlier tokens saturate; None = min-max.
         max_length: truncate each sample to this many tokens (at least 1).
@@ -58,6 +61,9 @@ def calibrate(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
+    if strategy == "token" and (not key_channels or percentile is not None):
+        raise ValueError("strategy='token' calibrates only per-channel key scales (the cache computes the rest per "
+                         "token): pass key_channels=True and no percentile")
     if percentile is not None and not 0 < percentile <= 100:
         raise ValueError(f"percentile={percentile} must be in (0, 100]")
     if max_length is not None:
@@ -136,16 +142,18 @@ class _Observer:
             self.token_amax.setdefault(key, []).append(per_token.cpu())
 
     def scales(self, strategy: str, key_channels: bool, percentile: float | None) -> KVScales:
-        result = KVScales()
+        per_token = strategy == "token"
+        result = KVScales(dynamic=per_token)
         source = f"calibrated ({self.tokens} tokens, {strategy}{', key channels' if key_channels else ''})"
         for layer in sorted({layer for layer, _ in self.channel_amax}):
-            amax = {which: self._amax(layer, which, strategy, percentile) for which in ("k", "v")}
-            result.key[layer], result.value[layer] = (torch.where(a > 0, a / OCP_MAX, 1.0) for a in amax.values())
             result.sources[layer] = source
-            if key_channels:
+            if not per_token:
+                amax = {which: self._amax(layer, which, strategy, percentile) for which in ("k", "v")}
+                result.key[layer], result.value[layer] = (torch.where(a > 0, a / OCP_MAX, 1.0) for a in amax.values())
+            if key_channels:  # (per token: no headroom, nothing saturates; the channels' spread is what counts)
                 channel = self.channel_amax[(layer, "k")]
                 reference = channel.amax() if strategy == "tensor" else channel.amax(dim=1, keepdim=True)
-                ratio = CHANNEL_HEADROOM * channel / reference.clamp_min(1e-30)
+                ratio = (1.0 if per_token else CHANNEL_HEADROOM) * channel / reference.clamp_min(1e-30)
                 result.key_channel[layer] = ratio.clamp(MIN_CHANNEL_RATIO, 1.0)
         return result
 

@@ -349,6 +349,9 @@ def _collect(tensors: dict[str, torch.Tensor], scheme: dict) -> KVScales | None:
             f"{len(lone)} layers have a K or V scale but not both (e.g. {lone[0]}) under compressed-tensors: as in "
             "vLLM, the missing one is 1.0 (other conventions use the lone scale for both)"
         )
+    if scheme.get("dynamic"):  # per-token scales: only per-channel key scales have tensors (`calibrate`'s "token")
+        scales.dynamic = True
+        return scales if scales.key_channel else None
     unknown = sorted(set(scales.key_channel) - set(scales.key))
     if unknown:
         raise ValueError(f"key channel scales for layers {unknown} have no K scale")
@@ -419,7 +422,10 @@ def _load_legacy_json(path: Path) -> KVScales:
 def _vllm_tensors(scales: KVScales, modules: dict[int, str] | None = None) -> dict[str, torch.Tensor]:
     """k_scale / v_scale under llm-compressor's names: `[1]` per tensor, `[kv_heads, 1, 1]` per head (fp32)."""
     if scales.dynamic:
-        raise ValueError("dynamic scales have no tensors to save: they are computed per token")
+        if modules is not None or not scales.key_channel:  # (vLLM computes per-token scales itself, and has no
+            # per-channel key scales)
+            raise ValueError("dynamic scales have no tensors for vLLM: they are computed per token")
+        return {}
     kv_heads = max(t.numel() for t in [*scales.key.values(), *scales.value.values()])
     shape = (1,) if scales.strategy == "tensor" else (kv_heads, 1, 1)
     tensors = {}

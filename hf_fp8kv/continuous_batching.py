@@ -646,8 +646,9 @@ class FP8PagesMixin:
         """Encode `states` (`[2, kv_heads, tokens, head_dim]`, in the model's dtype) into the page rows at physical
         indices `index`; returns the rows."""
         layout = self.settings.layouts[layer_idx]
-        if layout.key_channel is not None:
-            states = torch.stack((states[0] / layout.key_channel.to(states.device)[:, None, :], states[1]))
+        if layout.key_channel is not None:  # (in the model's dtype, as the dense layers store them)
+            keys = (states[0] / layout.key_channel.to(states.device)[:, None, :]).to(states.dtype)
+            states = torch.stack((keys, states[1]))
         rows, nonfinite = self.backend.write_rows(
             states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx), self.cache_tensor,
             self.geometry[layer_idx], index,

@@ -274,8 +274,12 @@ class FP8Layer(CacheLayerMixin):
         return kv
 
     def _stored_key(self, key_states: torch.Tensor) -> torch.Tensor:
-        """The keys as stored: divided by the per-channel key scales, if any (the attention folds them back)."""
-        return key_states if self.key_channel_scale is None else key_states / self.key_channel_scale[:, None, :]
+        """The keys as stored: divided by the per-channel key scales, if any (the attention folds them back), in
+        the keys' dtype (the fp32 scales promoted a bf16 model's keys, which the Triton write refused beside bf16
+        values)."""
+        if self.key_channel_scale is None:
+            return key_states
+        return (key_states / self.key_channel_scale[:, None, :]).to(key_states.dtype)
 
     def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, view: KVView) -> torch.Tensor:
         """Write the new tokens into `view`'s buffers; the keys as stored (`_stored_key`)."""

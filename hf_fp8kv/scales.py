@@ -35,14 +35,20 @@ CALIBRATION_WARNING = (
 
 @dataclass
 class PerTokenScales:
-    """A scale per token and KV head, computed by the write (`amax / max` of each token's head vector)."""
+    """A scale per token and KV head, computed by the write (`amax / max` of each token's head vector).
+
+    `key_channel` (`[kv_heads, head_dim]`, optional, `calibrate(strategy="token", key_channels=True)`): keys are
+    divided by it before their scale is computed, which evens out the channels (int8's step is the row's amax /
+    127); attention folds it into the query, as with `PerHeadScales`.
+    """
 
     per_token = True
     granularity: str = "per-token-head"
     source: str = "dynamic"
+    key_channel: torch.Tensor | None = None
 
     def describe(self, which: str) -> str:
-        return "per token"
+        return "per token" + (" x channel" if which == "key" and self.key_channel is not None else "")
 
 
 @dataclass
@@ -85,16 +91,20 @@ def resolve_scales(
     `checkpoint`: the model's local directory or Hub name, searched for scales when `scales="auto"`.
     """
     named = isinstance(scales, (str, os.PathLike))
-    if fmt.per_token_only and not (named and scales in ("auto", "dynamic")):
-        raise ValueError(f"kv_cache_dtype={fmt.name!r} computes its scales per token and head: use scales='dynamic'")
     if named and scales not in ("auto", "dynamic"):
         if not os.path.exists(scales):
             raise ValueError(
                 f"scales={str(scales)!r}: expected 'auto', 'dynamic', a float, per-layer K/V scales, KVScales or "
                 "the path of a scales file"
             )
-        scales = KVScales.load(scales)
-    if scales == "dynamic" or (scales == "auto" and fmt.per_token_only):
+        scales, named = KVScales.load(scales), False
+    per_token = (named and scales in ("auto", "dynamic")) or (isinstance(scales, KVScales) and scales.dynamic)
+    if fmt.per_token_only and not per_token:
+        raise ValueError(
+            f"kv_cache_dtype={fmt.name!r} computes its scales per token and head: use scales='dynamic' (or "
+            "calibrate(..., strategy='token', key_channels=True) for per-channel key scales)"
+        )
+    if named and (scales == "dynamic" or (scales == "auto" and fmt.per_token_only)):
         return {i: PerTokenScales() for i in quantized_layers}, False
     if scales == "auto":
         found = load_checkpoint_scales(checkpoint) if checkpoint else None
@@ -103,7 +113,7 @@ def resolve_scales(
         scales = found
     if isinstance(scales, KVScales):
         if scales.dynamic:
-            return {i: PerTokenScales(source="dynamic (checkpoint kv_cache_scheme)") for i in quantized_layers}, False
+            return {i: _per_token(scales, i, kv_heads) for i in quantized_layers}, False
         return _from_kv_scales(scales, fmt, quantized_layers, num_layers, kv_heads), False
     if isinstance(scales, (int, float)) and not isinstance(scales, bool):
         return {i: _static(scales, scales, fmt, kv_heads, i, "user float") for i in quantized_layers}, False
@@ -160,6 +170,26 @@ def _from_kv_scales(
     return resolved
 
 
+def _per_token(scales: KVScales, layer: int, kv_heads: int) -> PerTokenScales:
+    """Per-token scales, with the layer's per-channel key scales where `scales` has them."""
+    channel = scales.key_channel.get(layer)
+    if channel is None:
+        return PerTokenScales(source=scales.sources.get(layer, "dynamic (checkpoint kv_cache_scheme)"))
+    return PerTokenScales("per-token-head + key channels", scales.sources.get(layer, "user"),
+                          _key_channel(channel, layer, kv_heads))  # fmt: skip
+
+
+def _key_channel(key_channel: Any, layer: int, kv_heads: int) -> torch.Tensor:
+    """A validated `[kv_heads, head_dim]` fp32 per-channel key scale."""
+    key_channel = check_scale_values(torch.as_tensor(key_channel, dtype=torch.float32), layer, "key channel scale")
+    if key_channel.dim() != 2 or key_channel.shape[0] != kv_heads:
+        raise ValueError(
+            f"layer {layer} key channel scale has shape {tuple(key_channel.shape)}: expected [kv_heads={kv_heads}, "
+            "head_dim]"
+        )
+    return key_channel
+
+
 def _static(
     key: Any,
     value: Any,
@@ -174,12 +204,7 @@ def _static(
     v, v_granularity = _as_head_vector(value, kv_heads, layer, names[1])
     granularity = "per-head" if "per-head" in (k_granularity, v_granularity) else "per-tensor"
     if key_channel is not None:
-        key_channel = check_scale_values(torch.as_tensor(key_channel, dtype=torch.float32), layer, "key channel scale")
-        if key_channel.dim() != 2 or key_channel.shape[0] != kv_heads:
-            raise ValueError(
-                f"layer {layer} key channel scale has shape {tuple(key_channel.shape)}: expected [kv_heads={kv_heads}, "
-                "head_dim]"
-            )
+        key_channel = _key_channel(key_channel, layer, kv_heads)
         granularity += " + key channels"
     if fmt.ocp_scale_factor != 1.0:  # the adjusted scales must still be usable (2e38 doubled is inf)
         adjusted = f" x{fmt.ocp_scale_factor:g} ({fmt.name} doubles OCP-calibrated scales)"

@@ -166,6 +166,31 @@ def test_strategies_and_percentile_clipping():
     assert sum(r["clipped"] for r in min_max.summary()) == 0 < sum(r["clipped"] for r in median.summary())
 
 
+def test_token_strategy_calibrates_key_channels_for_per_token_scales(tmp_path):
+    """strategy="token": per-token scales at run time with per-channel key scales (each channel's max over its
+    head's, no headroom); the cache reports them, a file keeps them, vLLM's export refuses them."""
+    model = tiny_model()
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    token = calibrate(model, ids, strategy="token", key_channels=True, progress=False)
+    per_head = calibrate(model, ids, strategy="attn_head", key_channels=True, progress=False)
+    assert token.dynamic and token.key == {} and token.value == {} and sorted(token.key_channel) == [0, 1]
+    for i in (0, 1):  # the same channel maxima, without per_head's 4x headroom (capped at 1)
+        torch.testing.assert_close(per_head.key_channel[i], (4 * token.key_channel[i]).clamp_max(1.0))
+        assert token.key_channel[i].amax(dim=1).tolist() == [1.0, 1.0]
+    path = token.save(tmp_path / "token.safetensors")
+    loaded = KVScales.load(path)
+    assert loaded.dynamic and all(torch.equal(loaded.key_channel[i], token.key_channel[i]) for i in (0, 1))
+    for scales in (token, path):
+        rows = QuantizedFP8Cache(model, kv_cache_dtype="int8_per_token_head", scales=scales).summary()
+        assert {(r["granularity"], r["k_scale"], r["v_scale"]) for r in rows} == {
+            ("per-token-head + key channels", "per token x channel", "per token")
+        }
+    with pytest.raises(ValueError, match="dynamic scales have no tensors for vLLM"):
+        token.export_for_vllm(smollm2_dir(), tmp_path / "export")
+    with pytest.raises(ValueError, match="strategy='token' calibrates only per-channel key scales"):
+        calibrate(model, ids, strategy="token", progress=False)
+
+
 @pytest.mark.parametrize(
     "data,kwargs,error,match",
     [

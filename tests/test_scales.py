@@ -143,6 +143,56 @@ def test_bad_channel_scales_are_refused(channel, match):
         cache.layers[0].update(states(0), states(1))
 
 
+def test_per_token_key_channels_even_out_int8_keys():
+    """Per-token int8 keys with one channel at ~400 and the rest at ~1: the row's step (400 / 127) swamps the
+    small channels; divided by per-channel key scales first (`KVScales(dynamic=True, key_channel=...)`), each
+    channel keeps about int8's resolution of its own range."""
+    keys = states(2, magnitude=1.0)
+    keys[..., 0] = 400.0
+    channel_amax = keys.abs().amax(dim=2)[0]  # [kv_heads, head_dim]
+    errors = {}
+    for name, scales in (("dynamic", "dynamic"), ("channels", KVScales(dynamic=True, key_channel={
+            i: channel_amax / channel_amax.amax(-1, keepdim=True) for i in range(2)}))):  # fmt: skip
+        cache = QuantizedFP8Cache(tiny_model(), kv_cache_dtype="int8_per_token_head", scales=scales, **PURE_FP8)
+        cache.layers[0].update(keys, keys)
+        stored, _ = cache.layers[0].dequantized()
+        errors[name] = ((stored - keys)[..., 1:].abs().mean() / keys[..., 1:].abs().mean()).item()
+    assert errors["channels"] < 0.02 < 0.3 < errors["dynamic"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "fp8_e4m3"])
+def test_per_token_key_channels_on_every_path(kv_cache_dtype):
+    """Per-token scales with per-channel key scales, a window of recent and sink tokens, a left-padded batch:
+    the Triton backend (the interpreter) gives the torch path's logits, prefill and decode; generate gives the
+    same tokens through the dynamic and the static cache, in fp32, bf16 and fp16."""
+    generator = torch.Generator().manual_seed(7)
+    channel = torch.rand(KV_HEADS, HEAD_DIM, generator=generator) * 0.9 + 0.1
+    scales = KVScales(dynamic=True, key_channel={0: channel, 1: channel.flip(-1)})
+    settings = dict(kv_cache_dtype=kv_cache_dtype, scales=scales, recent_tokens=3, sink_tokens=1)
+    ids = torch.randint(3, 128, (2, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = tiny_model().to(dtype)
+        logits = {}
+        for backend in ("torch", "triton"):
+            cache = QuantizedFP8Cache(model, backend=backend, **settings)
+            with torch.inference_mode():
+                first = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache)).logits
+                step = model(input_ids=ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1),
+                             **cache_kwargs(cache)).logits  # fmt: skip
+            logits[backend] = (first.float(), step.float())
+        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+        for got, want in zip(logits["triton"], logits["torch"]):
+            torch.testing.assert_close(got, want, **tolerance)
+        runs = [
+            model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                           **cache_kwargs(QuantizedFP8Cache(model, **settings, **static)))
+            for static in ({}, dict(max_cache_len=16, max_batch_size=2))
+        ]  # fmt: skip
+        assert torch.equal(runs[0], runs[1]), dtype
+
+
 def test_per_channel_key_scale_on_the_triton_backend_matches_torch():
     """The same cache on the Triton kernels (the interpreter on CPU): prefill and one decode step."""
     model = tiny_model()
