@@ -25,12 +25,15 @@ from importlib.resources import files
 import torch
 from transformers import DynamicCache
 
-from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv import QuantizedFP8Cache, calibrate
 from hf_fp8kv.bundled import load_gemma3, load_smollm2
 from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
 
 MODELS = {"smollm2": ("SmolLM2-135M", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
+# `scales=KEY_CHANNELS`: per-token scales with per-channel key scales, `calibrate(strategy="token")` on the first
+# 1,024 tokens of `--calibrate-on` (another text than `--text`)
+KEY_CHANNELS = "key channels calibrated on another text"
 DEFAULTS = {name: p.default for name, p in inspect.signature(QuantizedFP8Cache).parameters.items()}
 
 
@@ -58,6 +61,15 @@ VARIANTS = dict([
     ("recent 128 + sinks 4 + outliers 32", dict(scales="dynamic", recent_tokens=128, sink_tokens=4, outlier_tokens=32)),
     ("fp8 e4m3 per-token-head, sinks 4 + outliers 16",
      dict(scales="dynamic", recent_tokens=0, sink_tokens=4, outlier_tokens=16)),
+    # int8 per token and head with the window, and with per-channel key scales calibrated on another text
+    ("int8 per-token-head, recent 128 + sinks 4",
+     dict(kv_cache_dtype="int8_per_token_head", scales="dynamic", recent_tokens=128, sink_tokens=4)),
+    ("int8 per-token-head + key channels, recent 128 + sinks 4",
+     dict(kv_cache_dtype="int8_per_token_head", scales=KEY_CHANNELS, recent_tokens=128, sink_tokens=4)),
+    ("int8 per-token-head + key channels (recent 0 + sinks 0)",
+     dict(kv_cache_dtype="int8_per_token_head", scales=KEY_CHANNELS, recent_tokens=0, sink_tokens=0)),
+    ("fp8 e4m3 per-token-head + key channels, recent 128 + sinks 4",
+     dict(scales=KEY_CHANNELS, recent_tokens=128, sink_tokens=4)),
 ])  # fmt: skip
 # Texts unlike the bundled sample (the held-out measurements of docs/recent.md): Python's own source code and the
 # Apache License 2.0 as transformers ships it, wherever they are installed; any other file by its path
@@ -93,6 +105,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), help="names, or indices into the list")
     parser.add_argument("--text", default="sample", help=f"one of {sorted(TEXTS)}, or the path of a text file")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady times on a shared machine)")
+    parser.add_argument("--calibrate-on", help="the text key channels are calibrated on (default: 'sample', or "
+                        "'code' when --text is 'sample')")  # fmt: skip
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -111,8 +125,15 @@ def main() -> None:
     targets = ids[0, args.prefix :]
     bf16 = {tokens: kv_bytes(model, tokens) for tokens in (2048, 8192)}
     rows = []
+    calibrate_on = args.calibrate_on or ("code" if args.text == "sample" else "sample")
+    key_channels = None
     for variant in variants:
         kwargs = VARIANTS[variant]
+        if kwargs["scales"] == KEY_CHANNELS:
+            key_channels = key_channels or calibrate(model, TEXTS[calibrate_on](), tokenizer, strategy="token",
+                                                     key_channels=True, max_length=1024, progress=False)  # fmt: skip
+            kwargs = dict(kwargs, scales=key_channels)
+            variant += f" (on {calibrate_on!r})"
         with torch.inference_mode():
             started = time.perf_counter()
             logits = decode_mode_logits(model, ids, args.prefix, QuantizedFP8Cache(model, **kwargs))
