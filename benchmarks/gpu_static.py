@@ -121,7 +121,7 @@ class Case:
     def name(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16"}[self.dtype]
         scales = "per-token" if self.per_token else "static"
-        scales += "" if self.fmt == "fp8_e4m3" else f" {self.fmt.removeprefix('fp8_')}"
+        scales += "" if self.fmt == "fp8_e4m3" else f" {self.fmt.removeprefix('fp8_').removesuffix('_per_token_head')}"
         scales += " rotated" if self.rotate else ""
         if self.kind == "write":
             return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
@@ -150,10 +150,13 @@ PAGED_DECODE = [Case("paged", batch=64, context=4096, waves=False),
 
 
 def cases(quick: bool = False, gpu: GpuTarget = EXAMPLE_GPUS["sm_90"]) -> list[Case]:
-    """The report's cases for `gpu`: in the format "fp8" names there (e4m3fnuz on MI300), without the FP8-dot
-    prefill where the cache refuses it."""
+    """The report's cases for `gpu`: in the format "fp8" names there (e4m3fnuz on MI300; int8 cases as they are),
+    without the FP8-dot prefill where the cache refuses it."""
     fmt = FORMATS[gpu.default_fp8]
-    return [dataclasses.replace(case, fmt=fmt.name) for case in every_case(quick) if not case.fp8_prefill or gpu.fp8_dots(fmt.dtype)]
+    return [
+        dataclasses.replace(case, fmt=fmt.name) if case.fmt == "fp8_e4m3" else case
+        for case in every_case(quick) if not case.fp8_prefill or gpu.fp8_dots(fmt.dtype)
+    ]  # fmt: skip
 
 
 def every_case(quick: bool = False) -> list[Case]:
@@ -190,6 +193,11 @@ def every_case(quick: bool = False) -> list[Case]:
         Case("prefill", q_len=500, context=500, recent=128),
         Case("prefill", q_len=500, context=500, **default),
         Case("prefill", q_len=500, context=500, fp8_prefill=True, **default),
+        # int8 per token and head in the same window (with calibrated key channels, the quality configuration of
+        # docs/recent.md: the channel scale is one multiply of the query per program)
+        Case("decode", fmt="int8_per_token_head", **default),
+        Case("decode", batch=16, context=32768, fmt="int8_per_token_head", **default),
+        Case("prefill", q_len=500, context=500, fmt="int8_per_token_head", **default),
     ]
     write = [Case("write", per_token=p, q_len=n) for n in (1, 500) for p in (False, True)]
     write += [Case("write", per_token=True, q_len=n, recent=64) for n in (1, 500)]

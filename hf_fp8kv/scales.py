@@ -113,6 +113,10 @@ def resolve_scales(
         scales = found
     if isinstance(scales, KVScales):
         if scales.dynamic:
+            unknown = sorted(i for i in scales.key_channel if not (isinstance(i, int) and 0 <= i < num_layers))
+            if unknown:
+                raise ValueError(f"key channel scales given for layers {unknown}, but the model has layers "
+                                 f"0..{num_layers - 1}")  # fmt: skip
             return {i: _per_token(scales, i, kv_heads) for i in quantized_layers}, False
         return _from_kv_scales(scales, fmt, quantized_layers, num_layers, kv_heads), False
     if isinstance(scales, (int, float)) and not isinstance(scales, bool):

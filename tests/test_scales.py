@@ -160,6 +160,14 @@ def test_per_token_key_channels_even_out_int8_keys():
     assert errors["channels"] < 0.02 < 0.3 < errors["dynamic"]
 
 
+def test_per_token_key_channels_for_unknown_layers_or_heads_are_refused():
+    channel = torch.ones(KV_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"key channel scales given for layers \[5\], but the model has layers 0..1"):
+        QuantizedFP8Cache(tiny_model(), scales=KVScales(dynamic=True, key_channel={0: channel, 5: channel}))
+    with pytest.raises(ValueError, match=r"layer 1 key channel scale has shape \(3, 16\)"):
+        QuantizedFP8Cache(tiny_model(), scales=KVScales(dynamic=True, key_channel={1: torch.ones(3, HEAD_DIM)}))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "fp8_e4m3"])
 def test_per_token_key_channels_on_every_path(kv_cache_dtype):
     """Per-token scales with per-channel key scales, a window of recent and sink tokens, a left-padded batch:
