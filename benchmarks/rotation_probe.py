@@ -2,11 +2,12 @@
 stored as per-token-head FP8 (bf16 scales, as the cache stores them), rotated or not, against exact attention.
 The rows of docs/recent.md's "Which part hurts" paragraph.
 
-Variants: no rotation; keys and values rotated in Hadamard blocks of 16, 64, ... up to head_dim (the cache's
-rotation is the largest); keys only; values only; and the layers chosen by a rounding-error proxy measured on
-another text (`--choose-on`): the mean over (query, key) pairs of `sum_i q_i^2 k_i^2` rotated over unrotated, the
-variance of q.k's error when each key element is rounded with the same relative error. Above 1, rotating that
-layer's keys makes its scores' rounding error larger.
+Variants: no rotation (and with the keys alone, or the values alone, stored: which of the two the error comes
+from); keys and values rotated in Hadamard blocks of 16, 64, ... up to head_dim (the cache's rotation is the
+largest); keys only; values only; and the layers chosen by a rounding-error proxy measured on another text
+(`--choose-on`): the mean over (query, key) pairs of `sum_i q_i^2 k_i^2` rotated over unrotated, the variance of
+q.k's error when each key element is rounded with the same relative error. Above 1, rotating that layer's keys
+makes its scores' rounding error larger.
 
     python benchmarks/rotation_probe.py --model gemma3 --text code --choose-on sample
 """
@@ -75,8 +76,9 @@ class Probe:
         self.proxies[layer] = proxy(query, key)
         if self.setting is not None:
             chosen = self.setting["layers"] is None or layer in self.setting["layers"]
-            key = stored(key, self.setting["key_block"] if chosen else None)
-            value = stored(value, self.setting["value_block"] if chosen else None)
+            exact = self.setting.get("exact", "")  # "keys" / "values": left out of the codes
+            key = key if exact == "keys" else stored(key, self.setting["key_block"] if chosen else None)
+            value = value if exact == "values" else stored(value, self.setting["value_block"] if chosen else None)
         mask = reference.causal_mask(length, length, sliding_window, query.device)
         out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
@@ -113,7 +115,11 @@ def main() -> None:
     proxies = dict(probe.proxies)
     head_dim = model.config.get_text_config(decoder=True).head_dim
     blocks = [b for b in (16, 64, 128, 256) if b <= head_dim and head_dim % b == 0]
-    settings = {"no rotation": dict(key_block=None, value_block=None, layers=None)}
+    settings = {"no rotation": dict(key_block=None, value_block=None, layers=None),
+                "no rotation, keys alone (values exact)": dict(key_block=None, value_block=None, layers=None,
+                                                               exact="values"),
+                "no rotation, values alone (keys exact)": dict(key_block=None, value_block=None, layers=None,
+                                                               exact="keys")}  # fmt: skip
     settings |= {f"keys and values, blocks of {b}": dict(key_block=b, value_block=b, layers=None) for b in blocks}
     settings |= {
         "keys only": dict(key_block=head_dim, value_block=None, layers=None),
