@@ -187,24 +187,23 @@ def fp8_dots_attention(
     q_heads, q_len, kv_heads, kv_len = query.shape[1], query.shape[2], keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
-    exact_query = query.float()  # (what the full-precision tokens' scores take)
+    exact_query = query.float()
     query = fp8_terms(exact_query, exact_query.abs().amax(-1, keepdim=True).clamp_min(1e-30) / E4M3.max, terms)
     if mask is None:
         mask = causal_mask(q_len, kv_len, device=query.device)
-    passes = [(mask, None)]
+    passes = [(mask, query, None)]  # (the columns read, the query, their V scales)
     if value_scales is not None:  # the coded tokens, then the full-precision ones (as the kernels read them)
         value_scales = value_scales.float().repeat_interleave(group, 1)[:, :, None, :]  # [batch, q_heads, 1, kv_len]
         coded = value_scales > 0
         values = values / torch.where(coded, value_scales, 1.0).transpose(-1, -2)
-        passes = [(mask & coded, value_scales), (mask & ~coded, None)]
+        passes = [(mask & coded, query, value_scales), (mask & ~coded, exact_query, None)]
     m = torch.full(query.shape[:3], -math.inf, device=query.device)
     l = torch.zeros(query.shape[:3], device=query.device)
     acc = torch.zeros_like(query)
-    for seen, scales in passes:
-        rounded_query = query if scales is not None or value_scales is None else exact_query
+    for seen, pass_query, scales in passes:
         for first in range(0, kv_len, block):
             tile = slice(first, first + block)
-            scores = rounded_query @ keys[:, :, tile].transpose(-1, -2) * scaling
+            scores = pass_query @ keys[:, :, tile].transpose(-1, -2) * scaling
             scores = scores.masked_fill(~seen[..., tile], -math.inf)
             weighted = scores
             if fp8_pv and scales is not None:
@@ -309,12 +308,23 @@ def _stored_kv(view: KVView, t: int, row: int) -> torch.Tensor:
     return kv
 
 
+def _is_sink(view: KVView, t: int, row: int) -> bool:
+    """Whether token t is one of row `row`'s sink tokens (held in the sink buffer)."""
+    if view.sinks is None or view.sink_start is None:
+        return False
+    first = int(view.sink_start[row])
+    return first <= t < first + int(view.sink_count[row])
+
+
+def _is_recent(view: KVView, t: int) -> bool:
+    """Whether token t is held in the recent buffer."""
+    return view.recent is not None and t >= int(view.recent_start)
+
+
 def _kept_kv(view: KVView, t: int, row: int) -> torch.Tensor:
-    if view.sinks is not None and view.sink_start is not None:
-        first, count = int(view.sink_start[row]), int(view.sink_count[row])
-        if first <= t < first + count:
-            return view.sinks[:, row, :, t - first].float()
-    if view.recent is not None and t >= int(view.recent_start):
+    if _is_sink(view, t, row):
+        return view.sinks[:, row, :, t - int(view.sink_start[row])].float()
+    if _is_recent(view, t):
         return view.recent[:, row, :, t % view.recent.shape[3]].float()
     slot = _code_slot(view, t)
     scale = view.scales[:, min(row, view.scales.shape[1] - 1), :, slot if view.per_token else 0]
@@ -341,11 +351,7 @@ def value_scales(view: KVView) -> torch.Tensor:
     scales = torch.zeros(view.codes.shape[1], view.codes.shape[2], len(positions), device=view.codes.device)
     for column, t in enumerate(positions):
         for row in range(scales.shape[0]):
-            if view.sinks is not None and view.sink_start is not None:
-                first = int(view.sink_start[row])
-                if first <= t < first + int(view.sink_count[row]):
-                    continue
-            if view.recent is not None and t >= int(view.recent_start):
+            if _is_sink(view, t, row) or _is_recent(view, t):
                 continue
             scales[row, :, column] = view.scales[1, row, :, _code_slot(view, t)].float()
             if view.outliers is not None:

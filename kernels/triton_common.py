@@ -25,7 +25,7 @@ PREFILL_ROWS = 128  # rows per program once a step has that many: one 64-row wgm
 FP32_ONE_BITS = 0x3F800000
 MIN_TOKEN_SCALE = tl.constexpr(TINY_SCALE)  # formats.TINY_SCALE, as the kernels read it
 P_SCALE = tl.constexpr(256.0)  # FP8 probabilities times this: [0, 256] in e4m3, down to 2^-17 (subnormals)
-P_SCALE_LOG2 = tl.constexpr(8.0)
+P_SCALE_LOG2 = tl.constexpr(math.log2(P_SCALE.value))
 # per-token V scales on FP8 PV count as at least this (an all-zero row's scale, 2^-126, would otherwise let a
 # probability reach 2^134 and overflow)
 MIN_PV_SCALE = tl.constexpr(2.0**-64)
