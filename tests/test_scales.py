@@ -160,6 +160,12 @@ def test_per_token_key_channels_even_out_int8_keys():
     assert errors["channels"] < 0.02 < 0.3 < errors["dynamic"]
 
 
+def test_int8_takes_per_token_scales_only():
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8_per_token_head' computes its scales per token and "
+                                         "head: use scales='dynamic' \\(or calibrate"):  # fmt: skip
+        QuantizedFP8Cache(tiny_model(), kv_cache_dtype="int8_per_token_head", scales=0.5)
+
+
 def test_per_token_key_channels_for_unknown_layers_or_heads_are_refused():
     channel = torch.ones(KV_HEADS, HEAD_DIM)
     with pytest.raises(ValueError, match=r"key channel scales given for layers \[5\], but the model has layers 0..1"):
