@@ -51,8 +51,8 @@ def calibrate(
             scales at run time, `KVScales.dynamic`: only the key channels are calibrated, so `key_channels=True`).
         key_channels: also calibrate a static per-channel key scale (folded into the query at run time):
             `CHANNEL_HEADROOM` x the channel's max over the head's (or layer's) max, at most 1; with "token" the
-            channel's max over its head's, which evens out the channels a per-token int8 scale divides
-            (docs/scales.md).
+            channel's max over its head's, which evens out the channels a per-token int8 scale divides; each
+            rounded up to a power of two (docs/scales.md).
         percentile: clip the scales to this percentile (0-100] of the per-token maxima of |x| (the token's head
             vector, or all its heads for "tensor"), so the rarest outlier tokens saturate; None = min-max.
         max_length: truncate each sample to this many tokens (at least 1).
@@ -154,7 +154,7 @@ class _Observer:
                 channel = self.channel_amax[(layer, "k")]
                 reference = channel.amax() if strategy == "tensor" else channel.amax(dim=1, keepdim=True)
                 ratio = (1.0 if per_token else CHANNEL_HEADROOM) * channel / reference.clamp_min(1e-30)
-                result.key_channel[layer] = ratio.clamp(MIN_CHANNEL_RATIO, 1.0)
+                result.key_channel[layer] = _power_of_two_at_least(ratio.clamp(MIN_CHANNEL_RATIO, 1.0))
         return result
 
     def _amax(self, layer: int, which: str, strategy: str, percentile: float | None) -> torch.Tensor:
@@ -166,6 +166,14 @@ class _Observer:
         if strategy == "tensor":
             return torch.quantile(tokens.amax(dim=0), percentile / 100).reshape(1)
         return torch.quantile(tokens, percentile / 100, dim=1)
+
+
+def _power_of_two_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= each (positive, finite) element of `x`. Keys divided by a power of two and
+    multiplied back are the same bits in any float dtype: the recent and sink tokens, which the dense layers hold
+    divided, stay exactly the model's (bf16 rounded them apart from the pages' and DynamicCache's before)."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 class _RecordingCache(DynamicCache):

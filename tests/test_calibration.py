@@ -168,7 +168,8 @@ def test_strategies_and_percentile_clipping():
 
 def test_token_strategy_calibrates_key_channels_for_per_token_scales(tmp_path):
     """strategy="token": per-token scales at run time with per-channel key scales (each channel's max over its
-    head's, no headroom); the cache reports them, a file keeps them, vLLM's export refuses them."""
+    head's, no headroom, rounded up to a power of two); the cache reports them, a file keeps them, vLLM's export
+    refuses them."""
     model = tiny_model()
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     token = calibrate(model, ids, strategy="token", key_channels=True, progress=False)
@@ -177,6 +178,8 @@ def test_token_strategy_calibrates_key_channels_for_per_token_scales(tmp_path):
     for i in (0, 1):  # the same channel maxima, without per_head's 4x headroom (capped at 1)
         torch.testing.assert_close(per_head.key_channel[i], (4 * token.key_channel[i]).clamp_max(1.0))
         assert token.key_channel[i].amax(dim=1).tolist() == [1.0, 1.0]
+        exponents = torch.log2(token.key_channel[i])  # powers of two (the recent keys stay exact)
+        assert torch.equal(exponents, exponents.round())
     path = token.save(tmp_path / "token.safetensors")
     loaded = KVScales.load(path)
     assert loaded.dynamic and all(torch.equal(loaded.key_channel[i], token.key_channel[i]) for i in (0, 1))

@@ -8,7 +8,7 @@ import torch
 from hf_fp8kv.kernels import reference
 from transformers import DynamicCache
 
-from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv import KVScales, QuantizedFP8Cache, calibrate
 from hf_fp8kv.compat import cache_kwargs
 from tests.models import PURE_FP8, tiny_model
 
@@ -37,6 +37,35 @@ def test_a_window_over_every_token_is_the_full_precision_cache(model_type, stati
     assert torch.equal(ours, tokens)
     torch.testing.assert_close(our_logits, logits, rtol=1e-5, atol=1e-5)
     assert all(int(layer.stats.sum()) == 0 for layer in cache.layers)  # nothing was quantized
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_window_over_every_token_holds_the_models_keys_with_calibrated_key_channels(backend, dtype):
+    """The window's keys, held divided by the per-channel key scales, come back as DynamicCache holds them, bit
+    for bit, through a left-padded prefill and a decode step: calibrate rounds the channel scales to powers of two.
+    Channel scales off a power of two round them in the model's dtype. (One layer: a second's keys would follow
+    the first's attention, which is not sdpa's to the bit.)"""
+    model = tiny_model(num_hidden_layers=1).to(dtype)
+    channels = calibrate(model, PROMPTS, strategy="token", key_channels=True, progress=False).key_channel
+    next_ids = torch.tensor([[7], [9]])
+
+    def keys(cache):
+        with torch.no_grad():
+            model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
+            model(input_ids=next_ids, attention_mask=torch.cat((PADDING, torch.ones(2, 1, dtype=PADDING.dtype)), 1),
+                  **cache_kwargs(cache))  # fmt: skip
+        return [layer.dequantized()[0] if hasattr(layer, "dequantized") else layer.keys for layer in cache.layers]
+
+    def ours(key_channel):
+        scales = KVScales(dynamic=True, key_channel=key_channel)
+        return keys(QuantizedFP8Cache(model, kv_cache_dtype="int8_per_token_head", scales=scales, recent_tokens=32,
+                                      sink_tokens=2, backend=backend))  # fmt: skip
+
+    expected = keys(DynamicCache(config=model.config))
+    assert all(torch.equal(a, b) for a, b in zip(ours(channels), expected, strict=True))
+    off = {layer: channel * 0.75 for layer, channel in channels.items()}
+    assert not all(torch.equal(a, b) for a, b in zip(ours(off), expected, strict=True))
 
 
 @pytest.mark.parametrize("method", [dict(num_beams=2), dict(prompt_lookup_num_tokens=2)], ids=["beams", "assisted"])
