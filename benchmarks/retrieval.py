@@ -11,6 +11,7 @@ every variant has answered, so a run stopped early leaves a balanced table and `
     python benchmarks/retrieval.py --out benchmarks/results/retrieval-smollm2.jsonl
     python benchmarks/retrieval.py --lengths 1024,4096 --depths 0,50,100 --trials 1 --variants native,fp8_recent
     python benchmarks/retrieval.py --model gemma3 --lengths 4096,8192,16384 --keys 6 --out ...  # multi-key needles
+    python benchmarks/retrieval.py --variants native,int8_recent_key_channels ...  # calibrates the key channels first
 
 `--keys N` hides N keys per prompt, each under its own label, and asks for one (RULER's multi-key needles: the
 others are distractors).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import re
 import time
@@ -28,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from hf_fp8kv import QuantizedFP8Cache, calibrate
 from hf_fp8kv.bundled import load_gemma3, load_smollm2
-from hf_fp8kv.comparison import BUILTIN_VARIANTS, RECOMMENDED, REFERENCE, builtin_text, resolve_variants
+from hf_fp8kv.comparison import BUILTIN_VARIANTS, RECOMMENDED, REFERENCE, Variant, builtin_text, resolve_variants
 from hf_fp8kv.comparison.measurement import machine
 from hf_fp8kv.retrieval import (
     PasskeyProbe,
@@ -56,8 +59,22 @@ VARIANTS = {
     # outlier tokens (issue 35): the default with 16 more exact tokens per layer and KV head
     "fp8_recent_outliers16": dict(scales="dynamic", outlier_tokens=16),
 }
+KEY_CHANNELS = "int8_recent_key_channels"  # (issue 35) built once the model is loaded: `key_channels_variant`
 RECOMMENDED_CONFIGURATIONS = (RECOMMENDED, CANDIDATE)
 TARGET_SHARE = 5 / 6  # issue 35: the default keeps every key where the native cache finds at least 5 of 6
+
+
+def key_channels_variant(model, tokenizer) -> Variant:
+    """int8 per token and KV head in the default window, with per-channel key scales calibrated on another text
+    than the filler the keys hide in (Python's argparse source, its first 1,024 tokens)."""
+    channels = calibrate(model, inspect.getsource(argparse), tokenizer, strategy="token", key_channels=True,
+                         max_length=1024, progress=False)  # fmt: skip
+    return Variant(
+        KEY_CHANNELS, lambda model: QuantizedFP8Cache(model, kv_cache_dtype="int8_per_token_head", scales=channels),
+        "QuantizedFP8Cache(model, kv_cache_dtype='int8_per_token_head', scales=calibrate(model, argparse's source, "
+        "tokenizer, strategy='token', key_channels=True)): int8 per token and KV head over key channels evened out, "
+        "the default window",
+    )  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:
@@ -112,7 +129,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2, help="keys per (length, depth) cell")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--keys", type=int, default=1, help="keys hidden per prompt, each under a label; one asked")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of: {', '.join([*VARIANTS, KEY_CHANNELS])}")
     parser.add_argument("--out", type=Path, help="JSON lines of every answer (appended as the prompts complete)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the answers --out already holds (by variant and prompt); report all it holds")
@@ -120,18 +138,19 @@ def main() -> None:
     args = parser.parse_args()
     args.resume |= args.report_only
     names = [name.strip() for name in args.variants.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(VARIANTS))
+    unknown = sorted(set(names) - {*VARIANTS, KEY_CHANNELS})
     if unknown:
-        parser.error(f"--variants: unknown {unknown}; valid: {', '.join(VARIANTS)}")
+        parser.error(f"--variants: unknown {unknown}; valid: {', '.join([*VARIANTS, KEY_CHANNELS])}")
     if args.resume and args.out is None:
         parser.error("--resume and --report-only need --out")
     probe = PasskeyProbe(tuple(args.lengths), tuple(d / 100 for d in args.depths), args.trials, args.max_new_tokens,
                          args.keys)  # fmt: skip
-    variants = resolve_variants({name: VARIANTS[name] for name in names})
-    names = [v.name for v in variants]  # the reference first
     title, load = MODELS[args.model]
     model, tokenizer = load(dtype=DTYPES[args.dtype])
     model = model.to(args.device)
+    variants = resolve_variants({name: VARIANTS[name] for name in names if name != KEY_CHANNELS})
+    variants += [key_channels_variant(model, tokenizer)] if KEY_CHANNELS in names else []
+    names = [v.name for v in variants]  # the reference first
     done = read_trials(args.out) if args.resume else {}
     if any(t.keys != args.keys for t in done.values()):
         parser.error(f"--resume: {args.out} holds answers to prompts with other than {args.keys} keys")
