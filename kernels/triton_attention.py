@@ -849,11 +849,13 @@ class AttentionPlan:
         # 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2 warps) from
         # 128 to 168 and 12-16 B. Capped: no spill, 8 blocks at head_dim 64, 3 at 128, 2 at 256 (was 1). sm_100's
         # merge alone settled at 128 registers and spilled 8-12 B; capped, none (gpu_static). (Only one row block
-        # is split.)
+        # is split.) A decode over outlier tokens takes the cap merged or not: sm_100's masked one settled at 128
+        # registers with 24 B spilled, 4 blocks per SM; capped, 162 and none, 3 blocks (sm_80's: as it was)
         cap = target.fused_register_cap(options["num_warps"], new_token is not None) if target else None
+        capped = new_token is not None or (view.outliers is not None and q_len == 1)
         caps = {
             merged: {"maxnreg": cap} for merged in (False, True)
-            if cap and "maxnreg" not in options and (new_token is not None or (merged and self.row_blocks == 1))
+            if cap and "maxnreg" not in options and (capped or (merged and self.row_blocks == 1))
         }  # fmt: skip
         # by (splits, merged in the launch, scales read as words: a property of the buffers, decided with their
         # launch arguments); words up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads
