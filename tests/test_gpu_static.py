@@ -236,6 +236,21 @@ def test_cp_async_wait_rule_on_written_sass():
     assert in_flight == 2 and "DEPBAR.LE SB0, 2 (partial)" in evidence and "follows 0 of its 1 dots" in evidence
 
 
+def test_spills_are_told_apart_inside_and_outside_the_kv_loop():
+    report = gpu_static()
+    sass = """
+        /*0100*/                   STL [R1], R4 ;
+        /*0110*/                   LDGSTS.E.BYPASS.128 [R7], desc[UR16][R2.64], P0 ;
+        /*0120*/                   LDL R5, [R1+0x4] ;
+        /*0130*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0140*/              @!P0 BRA 0x110 ;
+        /*0150*/                   LDL R4, [R1] ;
+        /*0160*/                   EXIT ;
+    """
+    instrs = report.parse_sass(sass)
+    assert report.spill_accesses(instrs) == 3 and report.spill_accesses(report.main_loop(instrs)) == 1
+
+
 def test_main_loop_is_the_codes_loop_when_fp8_dots_take_the_codes_unconverted():
     """A prefill with both dots on FP8 converts no codes: its KV loop is the one with FP8 dots, not the loop over
     full-precision tokens with more (fp16) dots."""
@@ -265,7 +280,8 @@ def test_mma_kind_ties_are_decided_by_the_table_not_the_hash_seed():
 
 def test_budgets():
     report = gpu_static()
-    loop = dict(instr_per_byte=0.2, instructions=400, unroll=1, tile_bytes=16384, tiles_in_flight=1, evidence="why")
+    loop = dict(instr_per_byte=0.2, instructions=400, unroll=1, tile_bytes=16384, tiles_in_flight=1, evidence="why",
+                spill_accesses=0)  # fmt: skip
     worst = dict(efficiency=0.5, batch=2, context=32768, blocks=272, tile_times=8, fewest_tile_times=5)
     at_floor = dict(worst, efficiency=0.65, batch=1, context=4096, tile_times=2, fewest_tile_times=2)
     waves = dict(slots=264, worst=worst, grid=[worst, at_floor])
@@ -283,7 +299,13 @@ def test_budgets():
     )
     assert report.budget_failures(good) == []
     assert report.budget_failures(dict(good, kind="prefill", loop=loop)) == []  # decode budgets are decode's
-    assert report.budget_failures(dict(good, spill_stores=8))[0].startswith("spills 8 B stores")
+    assert report.budget_failures(dict(good, spill_stores=8)) == [
+        "spills 8 B stores / 0 B loads per thread (none in the KV loop)"
+    ]
+    in_loop = dict(good, spill_stores=8, loop=dict(good["loop"], spill_accesses=3))
+    assert report.budget_failures(in_loop) == [
+        "spills 8 B stores / 0 B loads per thread (3 local loads / stores in the KV loop)"
+    ]
     assert report.budget_failures(dict(good, int32_offsets=["k.py:3: %x = arith.muli %a, %b (i32)"])) == [
         "32-bit products of run-time sizes in pointer offsets: k.py:3: %x = arith.muli %a, %b (i32)"
     ]
