@@ -39,12 +39,13 @@ def test_a_window_over_every_token_is_the_full_precision_cache(model_type, stati
     assert all(int(layer.stats.sum()) == 0 for layer in cache.layers)  # nothing was quantized
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_window_over_every_token_holds_the_models_keys_with_calibrated_key_channels(backend, dtype):
+def test_a_window_over_every_token_holds_the_models_keys_with_calibrated_key_channels(backend, dtype, static):
     """The window's keys, held divided by the per-channel key scales, come back as DynamicCache holds them, bit
-    for bit, through a left-padded prefill and a decode step: calibrate rounds the channel scales to powers of two.
-    Channel scales off a power of two round them in the model's dtype. (One layer: a second's keys would follow
+    for bit, through a left-padded prefill and a decode step, in the dynamic and static caches: calibrate rounds the
+    channel scales to powers of two. Channel scales off a power of two round them in the model's dtype. (One layer: a second's keys would follow
     the first's attention, which is not sdpa's to the bit.)"""
     model = tiny_model(num_hidden_layers=1).to(dtype)
     channels = calibrate(model, PROMPTS, strategy="token", key_channels=True, progress=False).key_channel
@@ -55,17 +56,18 @@ def test_a_window_over_every_token_holds_the_models_keys_with_calibrated_key_cha
             model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache))
             model(input_ids=next_ids, attention_mask=torch.cat((PADDING, torch.ones(2, 1, dtype=PADDING.dtype)), 1),
                   **cache_kwargs(cache))  # fmt: skip
+        # (a static cache's layers hold max_cache_len slots: the first are the tokens)
         return [layer.dequantized()[0] if hasattr(layer, "dequantized") else layer.keys for layer in cache.layers]
 
     def ours(key_channel):
         scales = KVScales(dynamic=True, key_channel=key_channel)
         return keys(QuantizedFP8Cache(model, kv_cache_dtype="int8_per_token_head", scales=scales, recent_tokens=32,
-                                      sink_tokens=2, backend=backend))  # fmt: skip
+                                      sink_tokens=2, backend=backend, max_cache_len=16 if static else None))  # fmt: skip
 
     expected = keys(DynamicCache(config=model.config))
-    assert all(torch.equal(a, b) for a, b in zip(ours(channels), expected, strict=True))
+    assert all(torch.equal(a[:, :, : b.shape[2]], b) for a, b in zip(ours(channels), expected, strict=True))
     off = {layer: channel * 0.75 for layer, channel in channels.items()}
-    assert not all(torch.equal(a, b) for a, b in zip(ours(off), expected, strict=True))
+    assert not all(torch.equal(a[:, :, : b.shape[2]], b) for a, b in zip(ours(off), expected, strict=True))
 
 
 @pytest.mark.parametrize("method", [dict(num_beams=2), dict(prompt_lookup_num_tokens=2)], ids=["beams", "assisted"])
