@@ -45,8 +45,8 @@ def test_a_window_over_every_token_is_the_full_precision_cache(model_type, stati
 def test_a_window_over_every_token_holds_the_models_keys_with_calibrated_key_channels(backend, dtype, static):
     """The window's keys, held divided by the per-channel key scales, come back as DynamicCache holds them, bit
     for bit, through a left-padded prefill and a decode step, in the dynamic and static caches: calibrate rounds the
-    channel scales to powers of two. Channel scales off a power of two round them in the model's dtype. (One layer: a second's keys would follow
-    the first's attention, which is not sdpa's to the bit.)"""
+    channel scales to powers of two. Channel scales off a power of two round them in the model's dtype. (One
+    layer: a second's keys would follow the first's attention, which is not sdpa's to the bit.)"""
     model = tiny_model(num_hidden_layers=1).to(dtype)
     channels = calibrate(model, PROMPTS, strategy="token", key_channels=True, progress=False).key_channel
     next_ids = torch.tensor([[7], [9]])
@@ -61,8 +61,9 @@ def test_a_window_over_every_token_holds_the_models_keys_with_calibrated_key_cha
 
     def ours(key_channel):
         scales = KVScales(dynamic=True, key_channel=key_channel)
-        return keys(QuantizedFP8Cache(model, kv_cache_dtype="int8_per_token_head", scales=scales, recent_tokens=32,
-                                      sink_tokens=2, backend=backend, max_cache_len=16 if static else None))  # fmt: skip
+        window = dict(recent_tokens=32, sink_tokens=2, max_cache_len=16 if static else None)
+        return keys(QuantizedFP8Cache(model, kv_cache_dtype="int8_per_token_head", scales=scales, backend=backend,
+                                      **window))  # fmt: skip
 
     expected = keys(DynamicCache(config=model.config))
     assert all(torch.equal(a[:, :, : b.shape[2]], b) for a, b in zip(ours(channels), expected, strict=True))
