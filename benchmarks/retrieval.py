@@ -60,6 +60,7 @@ VARIANTS = {
     "fp8_recent_outliers16": dict(scales="dynamic", outlier_tokens=16),
 }
 KEY_CHANNELS = "int8_recent_key_channels"  # (issue 35) built once the model is loaded: `key_channels_variant`
+CHOICES = [*VARIANTS, KEY_CHANNELS]
 RECOMMENDED_CONFIGURATIONS = (RECOMMENDED, CANDIDATE)
 TARGET_SHARE = 5 / 6  # issue 35: the default keeps every key where the native cache finds at least 5 of 6
 
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--keys", type=int, default=1, help="keys hidden per prompt, each under a label; one asked")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, of: {', '.join([*VARIANTS, KEY_CHANNELS])}")
+                        help=f"comma-separated, of: {', '.join(CHOICES)}")
     parser.add_argument("--out", type=Path, help="JSON lines of every answer (appended as the prompts complete)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the answers --out already holds (by variant and prompt); report all it holds")
@@ -138,9 +139,9 @@ def main() -> None:
     args = parser.parse_args()
     args.resume |= args.report_only
     names = [name.strip() for name in args.variants.split(",") if name.strip()]
-    unknown = sorted(set(names) - {*VARIANTS, KEY_CHANNELS})
+    unknown = sorted(set(names) - set(CHOICES))
     if unknown:
-        parser.error(f"--variants: unknown {unknown}; valid: {', '.join([*VARIANTS, KEY_CHANNELS])}")
+        parser.error(f"--variants: unknown {unknown}; valid: {', '.join(CHOICES)}")
     if args.resume and args.out is None:
         parser.error("--resume and --report-only need --out")
     probe = PasskeyProbe(tuple(args.lengths), tuple(d / 100 for d in args.depths), args.trials, args.max_new_tokens,

@@ -171,7 +171,7 @@ class _Observer:
 def _power_of_two_at_least(x: torch.Tensor) -> torch.Tensor:
     """The least power of two >= each (positive, finite) element of `x`. Keys divided by a power of two and
     multiplied back are the same bits in any float dtype: the recent and sink tokens, which the dense layers hold
-    divided, stay exactly the model's (bf16 rounded them apart from the pages' and DynamicCache's before)."""
+    divided, stay exactly the model's, as the pages hold them (other scales round them in bf16)."""
     mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
     return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
 
