@@ -342,6 +342,19 @@ def test_budgets():
     assert report.budget_failures(dict(prefill, arch="sm_89", mma=dict(kind="QMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, mma=dict(kind="QGMMA", count=64))) == []
     assert report.budget_failures(dict(prefill, case=d128)) == []  # the default prefill: fp16 dots
+    # per-token V scales: the values' dot stays fp16 on sm_90 / sm_100 (more of them than the scores' FP8 dots in a
+    # window's loop), FP8 on sm_89
+    per_token = dict(prefill, case=dict(d128, fp8_prefill=True, per_token=True))
+    mixed = dict(good["loop"], mma=dict(kind="UTCHMMA", count=38, kinds=dict(UTCHMMA=26, UTCQMMA=12)))
+    assert report.budget_failures(dict(per_token, arch="sm_100", loop=mixed)) == []
+    fp16 = dict(good["loop"], mma=dict(kind="HGMMA", count=8, kinds=dict(HGMMA=8)))
+    assert report.budget_failures(dict(per_token, loop=fp16)) == [
+        "prefill KV loop's scores are not on FP8 dots (QGMMA/QMMA/UTCQMMA): {'HGMMA': 8}"
+    ]
+    sm89 = dict(good["loop"], mma=dict(kind="HMMA", count=38, kinds=dict(HMMA=26, QMMA=12)))
+    assert report.budget_failures(dict(per_token, arch="sm_89", loop=sm89)) == [
+        "prefill KV loop's dots are HMMA, not FP8 (QGMMA/QMMA/UTCQMMA)"
+    ]
     reduce = dict(good, kind="decode", kernel="_reduce_kernel", loop=None, case=dict(d128, context=32768), grid=[2])
     assert report.budget_failures(reduce) == ["reduce on 2 programs < 32 at batch 1, 32768 tokens"]
     assert report.budget_failures(dict(reduce, grid=[32, 4])) == []
