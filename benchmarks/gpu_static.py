@@ -886,10 +886,11 @@ def budget_failures(row: dict) -> list[str]:
     # per-token V scales keep the values' dot in fp16 where FP8 cost more (`GpuTarget.fp8_token_values`): there
     # the scores' FP8 dots share the loop with it, and outnumber it or not by the instruction shapes
     fp8_values = not case.get("per_token") or EXAMPLE_GPUS[row["arch"]].fp8_token_values
-    if row["kind"] == "prefill" and fp8_dots and fp8_values and dots.get("kind") not in FP8_DOTS:
-        failures.append(f"prefill KV loop's dots are {dots.get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
-    if row["kind"] == "prefill" and fp8_dots and not fp8_values and not set(dots.get("kinds", {})) & set(FP8_DOTS):
-        failures.append(f"prefill KV loop's scores are not on FP8 dots ({'/'.join(FP8_DOTS)}): {dots.get('kinds')}")
+    if row["kind"] == "prefill" and fp8_dots:
+        if fp8_values and dots.get("kind") not in FP8_DOTS:
+            failures.append(f"prefill KV loop's dots are {dots.get('kind')}, not FP8 ({'/'.join(FP8_DOTS)})")
+        elif not fp8_values and not set(dots.get("kinds", {})) & set(FP8_DOTS):
+            failures.append(f"prefill KV loop's scores are not on FP8 dots ({'/'.join(FP8_DOTS)}): {dots.get('kinds')}")
     if row["kernel"] == "_reduce_kernel" and case["batch"] == 1 and case["context"] >= 32768:
         programs = math.prod(row["grid"])
         if programs < MIN_REDUCE_PROGRAMS:
