@@ -770,11 +770,12 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     """`(modelled step time, copy time, launches)` (microseconds) of one decode layer step of `case` (its batch and
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
     max(copy, issue) x the split plan's loss (its waves against every tile spread evenly over the slots it uses) +
-    the last split's merge (one SM's serial reads from L2, `triton_attention.merge_seconds`). The launches: the
-    attention's (which writes the new token itself, but with outlier tokens and in a static cache's compiled graph:
-    a write launch of its own), its reduce where the kernel does not merge its splits; with outlier tokens, the
-    staging copy of the token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging
-    is a few torch ops, which its compiled step fuses: counted as one)."""
+    the merge's serial reads from L2 (`triton_attention.merge_seconds` per partial result, `merge_reads` of them,
+    one after another). The launches: the attention's (which writes the new token itself, but with outlier tokens
+    and in a static cache's compiled graph: a write launch of its own), its reduce where the kernel does not merge
+    its splits; with outlier tokens, the staging copy of the token leaving the recent ones and the selection
+    (`triton_outliers`; a static cache's staging is a few torch ops, which its compiled step fuses: counted as
+    one)."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
@@ -792,7 +793,8 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
     loss = waves * triton_attention.longest_split(tiles, held, splits) / ideal
-    merge_us = triton_attention.merge_seconds(merge_rows(launch), case.head_dim) * splits * 1e6
+    reads = triton_attention.merge_reads(splits)
+    merge_us = triton_attention.merge_seconds(merge_rows(launch), case.head_dim) * reads * 1e6
     fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
     return fixed_us + max(copy_us, issue_us) * max(loss, 1.0) + merge_us, copy_us, launches
 

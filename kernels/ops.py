@@ -276,7 +276,7 @@ def _decode_splits(query: torch.Tensor, view: KVView) -> tuple[int, torch.Tensor
     splits, merged = plan.splits(step, view)
     if not merged:
         return splits, None
-    tickets = plan.new_tickets(query.device)
+    tickets = plan.new_tickets(query.device, splits)
     torch._dynamo.mark_static_address(tickets)
     return splits, tickets
 

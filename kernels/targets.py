@@ -64,14 +64,16 @@ FUSED_CAPS = {2: 128, 4: 168, 8: 168}
 # where a split decode's last split may merge the others' results in its own launch (`triton_attention`; each call
 # weighs it against a reduce launch, `split_plan`), with the caps a kernel that merges but does not write needs
 # there: the targets whose compiled decode kernels kept their spills with the merge (on sm_75, sm_89 and sm_120 all
-# 132 attention rows as without it; sm_90's caps would cost its static-cache and outlier decodes a block per SM, 4 ->
-# 3). sm_80 spills nothing under caps of 168 (2 and 4 warps) and 128 (8), for a block per SM at head_dim 64 (7 -> 6)
-# and in the default window (4 -> 3); with the choice per call its step model gains up to 7 points of copy bandwidth
-# (3.4 on average at batch 1, 4k tokens) and loses none at any point of its 55 decode rows (3 -> 2 launches in 41).
+# 132 attention rows as without it). sm_90's 4-warp cap holds ptxas at 128 registers, 4 blocks per SM: with the
+# merge in groups its static-cache and outlier decodes settled there by themselves with 16-28 B spilled, or took
+# 136 and 3 blocks; capped, 128 and none (168 would cost them the block). sm_80 spills nothing under caps of 168 (2
+# and 4 warps) and 128 (8), for a block per SM at head_dim 64 (7 -> 6) and in the default window (4 -> 3); with the
+# choice per call its step model gains up to 7 points of copy bandwidth (3.4 on average at batch 1, 4k tokens) and
+# loses none at any point of its 55 decode rows (3 -> 2 launches in 41).
 # gfx90a and gfx950 lose a block per CU with it at head_dim 128 (static scales: 3 -> 2, 4 -> 3; no spill: the 36 B
 # of scratch gfx950 showed at 64 is a private segment no instruction touches), and AMD has no step model to weigh it
 MERGING_TARGETS = {
-    "sm_75": {}, "sm_80": {2: 168, 4: 168, 8: 128}, "sm_86": {}, "sm_89": {}, "sm_90": {}, "sm_100": FUSED_CAPS,
+    "sm_75": {}, "sm_80": {2: 168, 4: 168, 8: 128}, "sm_86": {}, "sm_89": {}, "sm_90": {4: 128}, "sm_100": FUSED_CAPS,
     "sm_120": {}, "gfx942": {},
 }  # fmt: skip
 # where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`), with
@@ -79,6 +81,10 @@ MERGING_TARGETS = {
 # block per SM at head_dim 128 with per-token scales, 4 -> 3; on sm_86 the caps spilled 16-48 B); sm_80 spilled 4-8 B
 # at head_dim 256 and under a mask with every cap tried; AMD is not compiled with it yet
 WRITING_TARGETS = {"sm_86": {}, "sm_89": FUSED_CAPS, "sm_90": FUSED_CAPS, "sm_100": FUSED_CAPS, "sm_120": FUSED_CAPS}
+# the caps of a decode over outlier tokens that neither writes nor merges (a mask's): sm_100's settled at 128
+# registers with 24 B spilled, 4 blocks per SM; capped, 162 and none, 3 blocks (sm_80's: as uncapped; sm_90's
+# merge cap of 128 spilled 32 B there)
+OUTLIER_TARGETS = {"sm_80": MERGING_TARGETS["sm_80"], "sm_100": FUSED_CAPS}
 
 
 @dataclass(frozen=True)
@@ -152,10 +158,12 @@ class GpuTarget:
         launch does."""
         return self.arch in WRITING_TARGETS
 
-    def fused_register_cap(self, warps: int, writes: bool) -> int | None:
-        """`maxnreg` for a decode kernel of `warps` warps that writes the step's token (`writes`), else merges its
-        splits, in the launch (`WRITING_TARGETS`, `MERGING_TARGETS`)."""
-        return (WRITING_TARGETS if writes else MERGING_TARGETS).get(self.arch, {}).get(warps)
+    def decode_register_cap(self, warps: int, writes: bool, merges: bool, outliers: bool) -> int | None:
+        """`maxnreg` for a decode kernel of `warps` warps that writes the step's token in its launch
+        (`WRITING_TARGETS`), else merges its splits there (`MERGING_TARGETS`), else reads outlier tokens
+        (`OUTLIER_TARGETS`); None: ptxas' own choice."""
+        caps = WRITING_TARGETS if writes else MERGING_TARGETS if merges else OUTLIER_TARGETS if outliers else {}
+        return caps.get(self.arch, {}).get(warps)
 
     @property
     def limits(self) -> Limits | None:

@@ -6,9 +6,10 @@ of a GQA group shares each K/V load (GQA packing), and a decode step (one positi
 codes' part of the timeline is split across programs (flash-decoding) when the row blocks alone would leave the
 GPU idle; the full-precision recent and sink tokens are then read by a split of their own (else after the codes),
 and the splits' partial results are merged by the last split of each row block to finish, found with an atomic
-ticket, in the same launch (with a mask or rotated codes, and where the call finds one program's merge of them
-dearer than a launch, `split_plan`: by `_reduce_kernel`, a launch of its own); both in a loop over splits
-(`merge_splits`: no spill however many there are).
+ticket, in the same launch (past 7 splits in two levels: groups of about the square root of the split count, then
+the groups, `merge_group`; with a mask or rotated codes, and where the call finds the merge dearer than a launch,
+`split_plan`: by `_reduce_kernel`, a launch of its own); both in a loop over splits (`merge_splits`: no spill
+however many there are).
 
 Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (softmax scale, log2(e), per-head
 K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -63,17 +65,18 @@ L2_SM_BANDWIDTH = 127e9
 REDUCE_LAUNCH_SECONDS = 3e-6
 REDUCE_SPLITS = 16  # splits merged per reduce iteration
 # the attention launch's merge: splits per iteration (16 spilled 40-44 B in sm_90's default-window decode, 4 none)
-# and channels per pass (whole 128-channel rows took the per-token decode from 141 to 182 registers; gpu_static)
+# and channels per pass (whole 128-channel rows took the per-token decode from 141 to 182 registers; with the merge
+# in groups 32 spilled 20 B in sm_90's head_dim 64 per-token decode at its cap of 128, 16 none; gpu_static)
 MERGE_SPLITS = tl.constexpr(4)
-MERGE_CHUNK = tl.constexpr(32)
+MERGE_CHUNK = tl.constexpr(16)
 REDUCE_CHUNK = 32  # head_dim channels per reduce program
 REDUCE_PROGRAMS = 128  # reduce programs to aim for (an H100/H200 has 132 SMs)
 
 
 # positions move every step and the split count with the context (a multiple of 16 would compile a second
 # kernel mid-generation): none of them specialized, one compile
-@triton.jit(do_not_specialize=["num_splits", "held_splits", "start", "end", "recent_start", "mask_start",
-                             "prior_recent_start"])
+@triton.jit(do_not_specialize=["num_splits", "held_splits", "merge_group", "start", "end", "recent_start",
+                             "mask_start", "prior_recent_start"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, outlier_k_ptr, outlier_v_ptr, outlier_pos_ptr, mask_ptr,
@@ -88,8 +91,8 @@ def _attention_kernel(
     m_sb, m_sh, m_sl, m_st,
     o_sb, o_sh, o_sl, o_sd,
     nk_sb, nk_sh, nk_sd, nv_sb, nv_sh, nv_sd,
-    kv_heads, q_len, head_dim, num_splits, held_splits, slots, capacity, offset, recent_slots, sink_slots,
-    outlier_slots, start, end, recent_start, mask_start, prior_recent_start, window,
+    kv_heads, q_len, head_dim, num_splits, held_splits, merge_group, slots, capacity, offset, recent_slots,
+    sink_slots, outlier_slots, start, end, recent_start, mask_start, prior_recent_start, window,
     score_scale, code_factor, value_boost, out_factor, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
@@ -106,7 +109,8 @@ def _attention_kernel(
     ENC_SUB_MAGIC_BITS: tl.constexpr, ENC_NAN_CODE: tl.constexpr, ENC_SIGNED_ZERO: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the
-    last split of the row block merges them (else `_reduce_kernel` does, in a launch of its own). WRITE: a decode
+    last split of the row block merges them, in groups of `merge_group` splits and then the groups where there are
+    several (else `_reduce_kernel` does, in a launch of its own). WRITE: a decode
     step's new token (`new_k_ptr`, `new_v_ptr`) is written by this launch (`write_decode_token`, the ENC_ constexprs
     `encoding`'s): `end` and `recent_start` are the positions after it, `prior_recent_start` before it (static: the
     device positions are the ones before it, moved here and stored by the last program); one program per row
@@ -331,29 +335,63 @@ def _attention_kernel(
             )  # fmt: skip
 
     if SPLIT:
-        first_part = ((b * kv_heads * GROUP + head) * q_len + pos) * num_splits  # each row's splits in a row
+        # each row's partial results in a row: its splits', then (a merge in groups) its groups' (`merge_group`)
+        part_stride = num_splits
+        if MERGE:
+            groups = tl.cdiv(num_splits, merge_group)
+            part_stride += tl.where(groups > 1, groups, 0)
+        first_part = ((b * kv_heads * GROUP + head) * q_len + pos) * part_stride
         part = first_part + split
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
     if MERGE:
         # the last split of the row block to finish merges them all (a ticket per row block, taken after every
-        # thread's stores): no reduce launch. The counter goes back to 0 for the next launch (CUDA graph replays
-        # included).
+        # thread's stores): no reduce launch. Past a few splits in groups of `merge_group`: the last of each group
+        # to finish merges the group's, and the last group merged merges the groups' (its own counter), so that no
+        # program reads more than a group's and the groups' partial results. The counters go back to 0 for the next
+        # launch (CUDA graph replays included).
         tl.debug_barrier()
-        ticket_ptr += tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid_m
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
-            for first in range(0, BLOCK_D, MERGE_CHUNK):
-                c = first + tl.arange(0, MERGE_CHUNK)
-                acc_c, m_c, l_c = merge_splits(part_acc_ptr, part_stats_ptr, first_part, row_ok, c, num_splits,
-                                               BLOCK_M, MERGE_CHUNK, BLOCK_D, MERGE_SPLITS)  # fmt: skip
-                out = _finalize(acc_c, m_c, l_c, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
-                tl.store(
-                    out_ptr + b * o_sb + head[:, None] * o_sh + row_pos[:, None] * o_sl + c[None, :] * o_sd,
-                    out.to(out_ptr.dtype.element_ty),
-                    mask=row_ok[:, None] & (c < head_dim)[None, :],
-                )
-            tl.store(ticket_ptr, 0)
+        # a program's counters in a row: its groups', then (several groups) the groups' own
+        counters = tl.where(groups > 1, groups + 1, 1)
+        ticket_ptr += (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid_m) * counters
+        group = split // merge_group
+        group_ticket = ticket_ptr + group
+        group_splits = tl.minimum(merge_group, num_splits - group * merge_group)
+        if tl.atomic_add(group_ticket, 1, sem="acq_rel") == group_splits - 1:
+            tl.store(group_ticket, 0)
+            last = groups == 1
+            if groups > 1:  # the group's merged partial result, in the row's slot after its splits
+                merged_part = first_part + num_splits + group
+                group_part = first_part + group * merge_group
+                for first in range(0, BLOCK_D, MERGE_CHUNK):
+                    c = first + tl.arange(0, MERGE_CHUNK)
+                    acc_c, m_c, l_c = merge_splits(
+                        part_acc_ptr, part_stats_ptr, group_part, row_ok, c, group_splits, BLOCK_M, MERGE_CHUNK,
+                        BLOCK_D, MERGE_SPLITS,
+                    )  # fmt: skip
+                    tl.store(part_acc_ptr + merged_part[:, None] * BLOCK_D + c[None, :], acc_c, mask=row_ok[:, None])
+                    tl.store(part_stats_ptr + merged_part * 2, m_c, mask=row_ok)  # (every chunk's are the same)
+                    tl.store(part_stats_ptr + merged_part * 2 + 1, l_c, mask=row_ok)
+                tl.debug_barrier()
+                last = tl.atomic_add(ticket_ptr + groups, 1, sem="acq_rel") == groups - 1
+            if last:
+                merged_first = first_part
+                merged_count = num_splits
+                if groups > 1:
+                    tl.store(ticket_ptr + groups, 0)
+                    merged_first += num_splits
+                    merged_count = groups
+                for first in range(0, BLOCK_D, MERGE_CHUNK):
+                    c = first + tl.arange(0, MERGE_CHUNK)
+                    acc_c, m_c, l_c = merge_splits(part_acc_ptr, part_stats_ptr, merged_first, row_ok, c, merged_count,
+                                                   BLOCK_M, MERGE_CHUNK, BLOCK_D, MERGE_SPLITS)  # fmt: skip
+                    out = _finalize(acc_c, m_c, l_c, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
+                    tl.store(
+                        out_ptr + b * o_sb + head[:, None] * o_sh + row_pos[:, None] * o_sl + c[None, :] * o_sd,
+                        out.to(out_ptr.dtype.element_ty),
+                        mask=row_ok[:, None] & (c < head_dim)[None, :],
+                    )
     if not SPLIT:
         out = _finalize(acc, m_i, l_i, head, row_ok, sink_logits_ptr, HAS_SINK_LOGITS)
         tl.store(
@@ -668,7 +706,8 @@ def split_count(
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
     `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
-    for as much again of its own), plus the merge's `merge_per_split` tiles per split (`TileTime.merge`); the
+    for as much again of its own), plus the merge's `merge_per_split` tiles per partial result on its serial path
+    (`TileTime.merge`, `merge_reads`); the
     smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles of codes' bytes, shared as
     `held_splits` says."""
     # up to 8 splits even where the programs fill the GPU: 512 programs on an A100's 324 slots took 2 waves of 65
@@ -682,14 +721,41 @@ def split_cost(
     programs: int, tiles: int, resident_slots: int, held_tiles: int, splits: int, merge_per_split: float = 0.0
 ) -> float:
     """`split_count`'s cost of `splits` splits, in tile-times: waves x (the longest split + PROGRAM_TILES), then
-    the last split's merge of them all."""
+    the merge's serial reads (`merge_reads`)."""
     waves = cdiv(programs * splits, resident_slots)
-    merge = merge_per_split * splits if splits > 1 else 0
+    merge = merge_per_split * merge_reads(splits) if splits > 1 else 0
     return waves * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES) + merge
 
 
+def merge_group(splits: int) -> int:
+    """Splits per group of the attention launch's merge (`_attention_kernel`'s MERGE): all of them (the last split
+    merges them) where groups would save no read, else about their square root, the fewest serial reads."""
+    size = math.isqrt(splits - 1) + 1 if splits > 1 else 1  # ceil(sqrt(splits))
+    return size if size + cdiv(splits, size) + 1 < splits else splits
+
+
+def merge_reads(splits: int) -> int:
+    """Partial results read (or written) one after another on the merge's path in the attention launch: the last
+    group's, its merged result stored, and the groups'; or every split's."""
+    size = merge_group(splits)
+    return splits if size == splits else size + 1 + cdiv(splits, size)
+
+
+def merge_counters(splits: int) -> int:
+    """The merge's counters per row block and batch x KV head: one per group and one for the groups (a single
+    group: one)."""
+    groups = cdiv(splits, merge_group(splits))
+    return groups + 1 if groups > 1 else 1
+
+
+def part_slots(splits: int, merged: bool) -> int:
+    """Partial results per output row: its splits', then (a merge in groups) its groups'."""
+    groups = cdiv(splits, merge_group(splits)) if merged else 1
+    return splits + (groups if groups > 1 else 0)
+
+
 def merge_seconds(rows: int, head_dim: int) -> float:
-    """The time the merge takes per split: a split's partial results (`rows` rows of fp32 [head_dim]; their 8-byte
+    """The time the merge takes per partial result it reads: a split's (`rows` rows of fp32 [head_dim]; their 8-byte
     statistics left out) read from L2 by one SM (`L2_SM_BANDWIDTH`)."""
     return rows * head_dim * 4 / L2_SM_BANDWIDTH
 
@@ -849,14 +915,15 @@ class AttentionPlan:
         # 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2 warps) from
         # 128 to 168 and 12-16 B. Capped: no spill, 8 blocks at head_dim 64, 3 at 128, 2 at 256 (was 1). sm_100's
         # merge alone settled at 128 registers and spilled 8-12 B; capped, none (gpu_static). (Only one row block
-        # is split.) A decode over outlier tokens takes the cap merged or not: sm_100's masked one settled at 128
-        # registers with 24 B spilled, 4 blocks per SM; capped, 162 and none, 3 blocks (sm_80's: as it was)
-        cap = target.fused_register_cap(options["num_warps"], new_token is not None) if target else None
-        capped = new_token is not None or (view.outliers is not None and q_len == 1)
-        caps = {
-            merged: {"maxnreg": cap} for merged in (False, True)
-            if cap and "maxnreg" not in options and (capped or (merged and self.row_blocks == 1))
-        }  # fmt: skip
+        # is split.) Unmerged decodes over outlier tokens have caps of their own (`targets.OUTLIER_TARGETS`)
+        caps = {}
+        for merged in (False, True):
+            cap = target and target.decode_register_cap(
+                options["num_warps"], new_token is not None, merged and self.row_blocks == 1,
+                view.outliers is not None and q_len == 1,
+            )  # fmt: skip
+            if cap and "maxnreg" not in options:
+                caps[merged] = {"maxnreg": cap}
         # by (splits, merged in the launch, scales read as words: a property of the buffers, decided with their
         # launch arguments); words up to head_dim 128 (64: 190 -> 181 registers); at 256 (8 warps) the 2-byte loads
         # ran 145 registers and 0.160 instructions per KV byte, words 171 and 0.168 (gpu_static)
@@ -901,24 +968,26 @@ class AttentionPlan:
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=query.device)
         if splits == 1:
             return out, out, out, out  # placeholders: a single split writes the output directly
-        rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * splits
+        rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * part_slots(splits, merged)
         if self.parts is None or self.parts[1].numel() < rows * 2:
             device = query.device
             sizes = (rows * self.block_d, rows * 2)  # fp32 whatever torch's default dtype
             self.parts = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
+        counters = self.row_blocks * self.out_shape[0] * self.kv_heads * merge_counters(splits)
         if not merged:
             tickets = out  # (a placeholder: the reduce launch merges)
-        elif tickets is None or tickets.numel() < self.row_blocks * self.out_shape[0] * self.kv_heads:
+        elif tickets is None or tickets.numel() < counters:
             # (a compiled decode step's are made for one row block: a prompt split by force takes the plan's)
-            if self.tickets is None:
-                self.tickets = self.new_tickets(query.device)
+            if self.tickets is None or self.tickets.numel() < counters:
+                self.tickets = self.new_tickets(query.device, splits)
             tickets = self.tickets
         return out, *self.parts, tickets
 
-    def new_tickets(self, device: torch.device) -> torch.Tensor:
-        """Zeroed counters for the merge of this plan's split launches (a counter per row block and batch x KV
-        head; each launch leaves them at 0)."""
-        return torch.zeros(self.row_blocks * self.out_shape[0] * self.kv_heads, dtype=torch.int32, device=device)
+    def new_tickets(self, device: torch.device, splits: int) -> torch.Tensor:
+        """Zeroed counters for the merge of this plan's launches of `splits` splits (`merge_counters` per row block
+        and batch x KV head; each launch leaves them at 0)."""
+        counters = self.row_blocks * self.out_shape[0] * self.kv_heads * merge_counters(splits)
+        return torch.zeros(counters, dtype=torch.int32, device=device)
 
     def _query_scratch(self, query: torch.Tensor, splits: int) -> torch.Tensor:
         """fp32 rows for each program's rotated query (`rotated_query`): kept from call to call for decode steps
@@ -1001,8 +1070,8 @@ class AttentionPlan:
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
             self._query_scratch(query, splits) if view.rotate else query, new_k, new_v, stats,
             *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *new_strides, *self.sizes, splits, held, *slots, view.offset, *fp_slots, start, end, recent_start,
-            mask_start, new_token.recent_start if new_token is not None else 0,
+            *new_strides, *self.sizes, splits, held, merge_group(splits) if merged else splits, *slots, view.offset,
+            *fp_slots, start, end, recent_start, mask_start, new_token.recent_start if new_token is not None else 0,
             *self.scalars,
         ), self.launch_options[splits > 1, merged, words])]  # fmt: skip
         if splits > 1 and not merged:

@@ -11,8 +11,8 @@ import torch
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.kernels.triton_attention import (
-    AttentionPlan, NewToken, TileTime, _scale_words, attention, held_splits, plan_attention, reduce_blocks,
-    split_count, split_cost, split_plan,
+    AttentionPlan, NewToken, TileTime, _scale_words, attention, held_splits, merge_counters, merge_group, merge_reads,
+    plan_attention, reduce_blocks, split_count, split_cost, split_plan,
 )
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
 from hf_fp8kv.kernels.triton_write import write_kv
@@ -294,9 +294,12 @@ def test_the_split_rule_weighs_the_merge_against_a_reduce_launch():
     fixed cost saves (ties to it: a launch less), else the reduce launch's split count; the kernel's own split count
     either way."""
     tile = TileTime(64, 128, 58 * 3, EXAMPLE_GPUS["sm_89"].bandwidth)  # an L4, 3 blocks per SM
-    merge, launch = tile.merge(8), tile.reduce_launch
-    assert 0 < merge < launch < 1  # (a tile-time there is 9.5 us: a 3 us launch is a third of one)
-    for programs, tiles, merged in ((8, 64, True), (8, 512, True), (1, 512, False), (1, 64, True)):
+    launch = tile.reduce_launch
+    assert 0 < tile.merge(8) < launch < 1  # (a tile-time there is 9.5 us: a 3 us launch is a third of one)
+    # a program of 8 rows merges 171 splits in 28 reads (`merge_reads`) for less than a launch; one of 32 does not
+    for rows, programs, tiles, merged in ((8, 8, 64, True), (8, 8, 512, True), (8, 1, 512, True), (8, 1, 64, True),
+                                          (32, 1, 512, False), (32, 1, 64, True)):  # fmt: skip
+        merge = tile.merge(rows)
         splits, merges = split_plan(programs, tiles, 174, 0, merge, launch)
         assert merges == merged, (programs, tiles)
         assert splits == split_count(programs, tiles, 174, 0, merge if merged else 0.0)
@@ -305,18 +308,31 @@ def test_the_split_rule_weighs_the_merge_against_a_reduce_launch():
                                         (False, split_count(programs, tiles, 174, 0)))]  # fmt: skip
         assert costs[not merged] <= costs[merged], (programs, tiles, costs)
     assert split_plan(1, 512, 174, 0, None, launch) == (split_count(1, 512, 174), False)  # a kernel that cannot merge
-    assert split_plan(8, 64, 174, 0, merge, 0.0)[1] is False  # a free reduce launch beats any merge
+    assert split_plan(8, 64, 174, 0, tile.merge(8), 0.0)[1] is False  # a free reduce launch beats any merge
+
+
+def test_the_merge_in_groups_reads_fewer_partial_results():
+    """`merge_group`: one group where groups save no read (up to 7 splits), else groups that cover every split
+    once, with fewer serial reads (`merge_reads`) than one program reading them all: 171 splits in 28."""
+    for splits in range(1, 400):
+        size = merge_group(splits)
+        groups = -(-splits // size)
+        assert 1 <= size <= splits and (size == splits) == (splits <= 7), splits
+        assert merge_reads(splits) == (splits if groups == 1 else size + 1 + groups) <= splits
+        assert merge_counters(splits) == (1 if groups == 1 else groups + 1)
+    assert (merge_group(171), merge_reads(171)) == (14, 28)
 
 
 def test_a_plan_chooses_the_merge_call_by_call():
-    """One plan of an L4's decode steps over one KV head: at 4k tokens its launch merges its splits; at 32k the
-    reduce launch merges them (one program would merge 171 splits, a 295th of a tile-time each: 0.58 tile-times
-    where the reduce launch costs 0.32); planned on the meta device, as gpu_static plans."""
+    """One plan of an L4's decode steps over one KV head and 32 query heads: at 4k tokens its launch merges its
+    splits; at 32k the reduce launch merges them (one program would merge 171 splits in groups of 14, 28 serial
+    reads of a 74th of a tile-time each: 0.38 tile-times where the reduce launch costs 0.32); planned on the meta
+    device, as gpu_static plans."""
     fmt = get_format("fp8_e4m3")
     capacity = 32768
     codes = torch.empty(2, 1, 1, capacity, 128, dtype=fmt.dtype, device="meta")
     scales = torch.ones(2, 1, 1, 1, device="meta")
-    query = torch.empty(1, 8, 1, 128, dtype=torch.bfloat16, device="meta")
+    query = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
     plan = None
     kernels = {}
     for end in (4096, 32768):
@@ -329,22 +345,26 @@ def test_a_plan_chooses_the_merge_call_by_call():
                        32768: [("_attention_kernel", False), ("_reduce_kernel", None)]}  # fmt: skip
 
 
-def test_a_split_decode_merged_in_its_launch_or_by_a_reduce_launch():
-    """A static view's split decode, as a compiled graph runs it: merged by its last split where the merge's
-    counters are given, by a reduce launch where they are not (the split rule chose it); both the one-split
-    result."""
+@pytest.mark.parametrize("splits", [3, 9])
+def test_a_split_decode_merged_in_its_launch_or_by_a_reduce_launch(splits):
+    """A static view's split decode, as a compiled graph runs it (replayed: the same counters twice): merged in
+    the launch where the merge's counters are given (9 splits: in 3 groups of 3, `merge_group`), by a reduce
+    launch where they are not (the split rule chose it); both the one-split result."""
     from hf_fp8kv.kernels import ops
 
-    stream = Stream(static=64, recent=4, sinks=2, updates=[40, 1], tiled=True)
+    stream = Stream(static=640, recent=4, sinks=2, updates=[580, 1], tiled=True)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(6), DEVICE)
     query = torch.randn(2, 6, 1, 80, device=DEVICE)
     one = attention(query, view, scaling=0.1, num_splits=1)
-    tickets = torch.zeros(2 * 2, dtype=torch.int32, device=DEVICE)
-    for given in (tickets, None):
-        assert_close(ops.triton_ops().attend(*_op_args(view, query, None, 3, given)), one, torch.float32)
-    assert not tickets.any()
+    assert merge_counters(splits) == (1 if splits == 3 else 4)
+    tickets = torch.zeros(2 * 2 * merge_counters(splits), dtype=torch.int32, device=DEVICE)
+    for given in (tickets, tickets, None):
+        assert_close(ops.triton_ops().attend(*_op_args(view, query, None, splits, given)), one, torch.float32)
+        assert not tickets.any()
     for given, kernels in ((tickets, ["_attention_kernel"]), (None, ["_attention_kernel", "_reduce_kernel"])):
-        plan = AttentionPlan(query, view, None, None, 0.1, num_splits=3, merge=given is not None)
+        plan = AttentionPlan(query, view, None, None, 0.1, num_splits=splits, merge=given is not None)
+        launches = plan.launches(query, view, None, None, given)[1]
+        assert [launch.kernel.fn.__name__ for launch in launches] == kernels and launches[0].grid[2] == splits
         assert [launch.kernel.fn.__name__ for launch in plan.launches(query, view, None, None, given)[1]] == kernels
 
 
@@ -415,19 +435,23 @@ def test_registered_op_is_the_launcher_on_a_static_view(outliers):
         assert not tickets.any()
 
 
-def test_the_last_split_merges_and_leaves_the_tickets_at_zero():
+@pytest.mark.parametrize("splits", [5, 8])
+def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits):
     """The splits' partial results are merged in the attention launch by the last split of each program to take
-    its ticket: the plan's counters are back at 0 after every launch, so that the next step merges again."""
-    stream = Stream(updates=[200, 1], recent=5, sinks=2)
+    its ticket (8 splits: the last of each group of 3, 3 and 2 merges the group's, the last group merged merges
+    the groups'): the plan's counters are back at 0 after every launch, so that the next step merges again."""
+    stream = Stream(updates=[400, 1], recent=5, sinks=2)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(5), DEVICE)
     query = torch.randn(2, 8, 1, 80, device=DEVICE)
     plans = {}
     one = attention(query, view, scaling=0.1, num_splits=1)
+    counters = 2 * 2 * (1 if splits == 5 else 4)
     for _ in range(2):  # a layer's decode steps reuse its plan's counters
-        got = attention(query, view, scaling=0.1, num_splits=5, plans=plans)
+        got = attention(query, view, scaling=0.1, num_splits=splits, plans=plans)
         assert_close(got, one, torch.float32)
         (plan,) = plans.values()
-        assert plan.tickets is not None and plan.tickets.shape == (2 * 2,) and not plan.tickets.any()
+        assert plan.tickets is not None and plan.tickets.shape == (counters,) and not plan.tickets.any()
+        assert plan.launches(query, view, None, None)[1][0].grid[2] == splits
     # with a mask (or rotated codes) the split kernel leaves the merge to a reduce launch (registers, gpu_static)
     mask = torch.ones(2, 1, 1, view.end, dtype=torch.bool, device=DEVICE)
     mask[0, ..., :30] = False  # a left-padded row
