@@ -406,6 +406,13 @@ def test_the_step_model_is_the_sum_of_its_parts():
     static = dataclasses.replace(case, static_cache=8192)
     assert not report.plan(static, gpu, device="meta", slots=396)[0].kwargs["WRITE"]
     assert report.step_time(static, gpu, row, middle)[2] == 2
+    # batch 1 at 32k: 8 programs x 47 splits, one wave of 11 tiles where 8 x 512 / 376 would do; merged in groups of
+    # 7: a group's 7 partial results read, its merged one written, then the 7 groups' read (15 in a row)
+    alone = report.Case("decode", batch=1, context=32768)
+    (attention,) = report.plan(alone, gpu, device="meta", slots=396)
+    assert attention.grid == (1, 8, 47) and report.triton_attention.merge_reads(47) == 7 + 1 + 7
+    step_us, copy_us, _ = report.step_time(alone, gpu, row, middle)
+    assert step_us == pytest.approx(2.25 + copy_us * 11 / (8 * 512 / 376) + 15 * 8 * 128 * 4 / 127e9 * 1e6)
 
 
 if __name__ == "__main__":
