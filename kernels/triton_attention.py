@@ -110,11 +110,11 @@ def _attention_kernel(
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the
     last split of the row block merges them, in groups of `merge_group` splits and then the groups where there are
-    several (else `_reduce_kernel` does, in a launch of its own). WRITE: a decode
-    step's new token (`new_k_ptr`, `new_v_ptr`) is written by this launch (`write_decode_token`, the ENC_ constexprs
-    `encoding`'s): `end` and `recent_start` are the positions after it, `prior_recent_start` before it (static: the
-    device positions are the ones before it, moved here and stored by the last program); one program per row
-    writes it and attends the token entering the codes itself."""
+    several (else `_reduce_kernel` does, in a launch of its own). WRITE: a decode step's new token (`new_k_ptr`,
+    `new_v_ptr`) is written by this launch (`write_decode_token`, the ENC_ constexprs `encoding`'s): `end` and
+    `recent_start` are the positions after it, `prior_recent_start` before it (static: the device positions are
+    the ones before it, moved here and stored by the last program); one program per row writes it and attends the
+    token entering the codes itself."""
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
@@ -707,9 +707,8 @@ def split_count(
     `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
     for as much again of its own), plus the merge's `merge_per_split` tiles per partial result on its serial path
-    (`TileTime.merge`, `merge_reads`); the
-    smallest on ties. `held_tiles`: the full-precision tokens' work, in tiles of codes' bytes, shared as
-    `held_splits` says."""
+    (`TileTime.merge`, `merge_reads`); the smallest on ties. `held_tiles`: the full-precision tokens' work, in
+    tiles of codes' bytes, shared as `held_splits` says."""
     # up to 8 splits even where the programs fill the GPU: 512 programs on an A100's 324 slots took 2 waves of 65
     # tile-times at 1 or 2 splits (the former cap), 8 of 14 at 5 (gpu_static)
     most = max(1, min(tiles + held_tiles, max(4 * resident_slots // max(programs, 1), 8)))
