@@ -361,6 +361,8 @@ def _attention_kernel(
         if tl.atomic_add(group_ticket, 1, sem="acq_rel") == group_splits - 1:
             tl.store(group_ticket, 0)
             last = groups == 1
+            # (the two levels in one loop, `merge_splits` inlined once, spilled 4-44 B in seven of sm_90's decode
+            # rows; gpu_static)
             if groups > 1:  # the group's merged partial result, in the row's slot after its splits
                 merged_part = first_part + num_splits + group
                 group_part = first_part + group * merge_group
@@ -742,15 +744,10 @@ def merge_reads(splits: int) -> int:
 
 def merge_counters(splits: int) -> int:
     """The merge's counters per row block and batch x KV head: one per group and one for the groups (a single
-    group: one)."""
+    group: one). Its groups' merged partial results take as many slots per output row as there are counters but
+    one."""
     groups = cdiv(splits, merge_group(splits))
     return groups + 1 if groups > 1 else 1
-
-
-def part_slots(splits: int, merged: bool) -> int:
-    """Partial results per output row: its splits', then (a merge in groups) its groups'."""
-    groups = cdiv(splits, merge_group(splits)) if merged else 1
-    return splits + (groups if groups > 1 else 0)
 
 
 def merge_seconds(rows: int, head_dim: int) -> float:
@@ -967,12 +964,13 @@ class AttentionPlan:
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=query.device)
         if splits == 1:
             return out, out, out, out  # placeholders: a single split writes the output directly
-        rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * part_slots(splits, merged)
+        slots = splits + (merge_counters(splits) - 1 if merged else 0)  # the splits', then the groups'
+        rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * slots
         if self.parts is None or self.parts[1].numel() < rows * 2:
             device = query.device
             sizes = (rows * self.block_d, rows * 2)  # fp32 whatever torch's default dtype
             self.parts = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
-        counters = self.row_blocks * self.out_shape[0] * self.kv_heads * merge_counters(splits)
+        counters = self._counters(splits)
         if not merged:
             tickets = out  # (a placeholder: the reduce launch merges)
         elif tickets is None or tickets.numel() < counters:
@@ -985,8 +983,10 @@ class AttentionPlan:
     def new_tickets(self, device: torch.device, splits: int) -> torch.Tensor:
         """Zeroed counters for the merge of this plan's launches of `splits` splits (`merge_counters` per row block
         and batch x KV head; each launch leaves them at 0)."""
-        counters = self.row_blocks * self.out_shape[0] * self.kv_heads * merge_counters(splits)
-        return torch.zeros(counters, dtype=torch.int32, device=device)
+        return torch.zeros(self._counters(splits), dtype=torch.int32, device=device)
+
+    def _counters(self, splits: int) -> int:
+        return self.row_blocks * self.out_shape[0] * self.kv_heads * merge_counters(splits)
 
     def _query_scratch(self, query: torch.Tensor, splits: int) -> torch.Tensor:
         """fp32 rows for each program's rotated query (`rotated_query`): kept from call to call for decode steps
