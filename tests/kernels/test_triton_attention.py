@@ -435,20 +435,20 @@ def test_registered_op_is_the_launcher_on_a_static_view(outliers):
         assert not tickets.any()
 
 
-@pytest.mark.parametrize("splits", [5, 8])
-def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits):
+@pytest.mark.parametrize("splits, dtype", [(5, torch.float32), (8, torch.float32), (8, torch.bfloat16)])
+def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits, dtype):
     """The splits' partial results are merged in the attention launch by the last split of each program to take
     its ticket (8 splits: the last of each group of 3, 3 and 2 merges the group's, the last group merged merges
     the groups'): the plan's counters are back at 0 after every launch, so that the next step merges again."""
     stream = Stream(updates=[200 if splits == 5 else 400, 1], recent=5, sinks=2)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(5), DEVICE)
-    query = torch.randn(2, 8, 1, 80, device=DEVICE)
+    query = torch.randn(2, 8, 1, 80, device=DEVICE).to(dtype)
     plans = {}
-    one = attention(query, view, scaling=0.1, num_splits=1)
+    one = attention(query, view, scaling=0.1, num_splits=1).float()
     counters = 2 * 2 * (1 if splits == 5 else 4)
     for _ in range(2):  # a layer's decode steps reuse its plan's counters
         got = attention(query, view, scaling=0.1, num_splits=splits, plans=plans)
-        assert_close(got, one, torch.float32)
+        assert_close(got, one, dtype)
         (plan,) = plans.values()
         assert plan.tickets is not None and plan.tickets.shape == (counters,) and not plan.tickets.any()
         assert plan.launches(query, view, None, None)[1][0].grid[2] == splits
@@ -458,7 +458,7 @@ def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits):
     _, launches = plan_attention(query, view, scaling=0.1, mask=mask, num_splits=5)
     assert [launch.kernel.fn.__name__ for launch in launches] == ["_attention_kernel", "_reduce_kernel"]
     assert_close(attention(query, view, scaling=0.1, mask=mask, num_splits=5),
-                 attention(query, view, scaling=0.1, mask=mask, num_splits=1), torch.float32)  # fmt: skip
+                 attention(query, view, scaling=0.1, mask=mask, num_splits=1).float(), dtype)  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing of Triton kernels needs a GPU")
