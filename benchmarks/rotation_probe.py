@@ -7,7 +7,9 @@ from); keys and values rotated in Hadamard blocks of 16, 64, ... up to head_dim 
 largest); keys only; values only; and the layers chosen by a rounding-error proxy measured on another text
 (`--choose-on`): the mean over (query, key) pairs of `sum_i q_i^2 k_i^2` rotated over unrotated, the variance of
 q.k's error when each key element is rounded with the same relative error. Above 1, rotating that layer's keys
-makes its scores' rounding error larger.
+makes its scores' rounding error larger. Last, the keys centred before they are stored (each layer's mean key per
+KV head and channel over the `--choose-on` text subtracted, added back after): a score changes by q.mean, the same
+for every key of a query, which the softmax cancels; what is rounded is the key's distance from the mean.
 
     python benchmarks/rotation_probe.py --model gemma3 --text code --choose-on sample
 """
@@ -35,13 +37,15 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     return hadamard(x.unflatten(-1, (-1, block))).flatten(-2)
 
 
-def stored(x: torch.Tensor, block: int | None) -> torch.Tensor:
-    """`x` as the cache reads it back: rotated (`block`), per-token-head e4m3 codes under a bf16 scale, rotated
-    back."""
-    x = rotate(x, block) if block else x.float()
+def stored(x: torch.Tensor, block: int | None, centre: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` as the cache would read it back: less `centre`, rotated (`block`), per-token-head e4m3 codes under a
+    bf16 scale, rotated back, plus `centre`."""
+    x = x.float() if centre is None else x.float() - centre
+    x = rotate(x, block) if block else x
     scale = reference.dynamic_scale(x, FORMAT, torch.bfloat16)[..., None]
     x = reference.dequantize(reference.quantize(x, scale, FORMAT)[0], scale, FORMAT)
-    return rotate(x, block) if block else x
+    x = rotate(x, block) if block else x
+    return x if centre is None else x + centre
 
 
 def quality_columns(q: Quality) -> dict[str, str]:
@@ -64,20 +68,26 @@ def proxy(query: torch.Tensor, keys: torch.Tensor) -> float:
 
 
 class Probe:
-    """An attention function (transformers' interface) storing K/V as `self.setting` says; records the proxy."""
+    """An attention function (transformers' interface) storing K/V as `self.setting` says; records the proxy and
+    each layer's mean key `[1, kv_heads, 1, head_dim]`."""
 
     def __init__(self) -> None:
-        self.setting: dict | None = None  # None: exact; else key_block, value_block, layers (None: every layer)
+        # None: exact; else key_block, value_block, layers (None: every layer), optionally exact, centred
+        self.setting: dict | None = None
         self.proxies: dict[int, float] = {}
+        self.mean_keys: dict[int, torch.Tensor] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                  **kwargs):  # fmt: skip
         layer, length = module.layer_idx, query.shape[2]
         self.proxies[layer] = proxy(query, key)
-        if self.setting is not None:
+        if self.setting is None:
+            self.mean_keys[layer] = key.float().mean(2, keepdim=True)
+        else:
             chosen = self.setting["layers"] is None or layer in self.setting["layers"]
             exact = self.setting.get("exact", "")  # "keys" / "values": left out of the codes
-            key = key if exact == "keys" else stored(key, self.setting["key_block"] if chosen else None)
+            centre = self.setting["centred"][layer] if self.setting.get("centred") else None
+            key = key if exact == "keys" else stored(key, self.setting["key_block"] if chosen else None, centre)
             value = value if exact == "values" else stored(value, self.setting["value_block"] if chosen else None)
         mask = reference.causal_mask(length, length, sliding_window, query.device)
         out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
@@ -111,6 +121,7 @@ def main() -> None:
 
     logits(args.choose_on, None)
     chosen = sorted(layer for layer, ratio in probe.proxies.items() if ratio < 1)
+    mean_keys = dict(probe.mean_keys)
     reference_logits, targets = logits(args.text, None)
     proxies = dict(probe.proxies)
     head_dim = model.config.get_text_config(decoder=True).head_dim
@@ -125,6 +136,10 @@ def main() -> None:
         "keys only": dict(key_block=head_dim, value_block=None, layers=None),
         "values only": dict(key_block=None, value_block=head_dim, layers=None),
         f"layers the proxy chose on '{args.choose_on}'": dict(key_block=head_dim, value_block=head_dim, layers=chosen),
+        f"keys centred on their mean over '{args.choose_on}'": dict(key_block=None, value_block=None, layers=None,
+                                                                  centred=mean_keys),
+        "keys centred, keys and values rotated": dict(key_block=head_dim, value_block=head_dim, layers=None,
+                                                     centred=mean_keys),
     }
     rows = []
     for name, setting in settings.items():
