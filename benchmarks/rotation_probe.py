@@ -7,9 +7,10 @@ from); keys and values rotated in Hadamard blocks of 16, 64, ... up to head_dim 
 largest); keys only; values only; and the layers chosen by a rounding-error proxy measured on another text
 (`--choose-on`): the mean over (query, key) pairs of `sum_i q_i^2 k_i^2` rotated over unrotated, the variance of
 q.k's error when each key element is rounded with the same relative error. Above 1, rotating that layer's keys
-makes its scores' rounding error larger. Last, the keys centred before they are stored (each layer's mean key per
-KV head and channel over the `--choose-on` text subtracted, added back after): a score changes by q.mean, the same
-for every key of a query, which the softmax cancels; what is rounded is the key's distance from the mean.
+makes its scores' rounding error larger. Last, the keys centred before they are stored, less a centre that is
+added back after: each layer's mean key per KV head and channel over the `--choose-on` text (a score moves by
+q.centre, the same for every key of a query, which the softmax cancels), or each block of 64 positions' own mean
+key (a kernel would add q.centre back per KV tile). What is rounded is the key's distance from the centre.
 
     python benchmarks/rotation_probe.py --model gemma3 --text code --choose-on sample
 """
@@ -30,6 +31,7 @@ from recent_quality import MODELS, TEXTS
 
 FORMAT = get_format("fp8_e4m3")
 PAIRS = 256  # (query, key) pairs per layer for the proxy
+CENTRE_BLOCK = 64  # positions per block of the block-centred keys (a decode kernel's KV tile)
 
 
 def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -46,6 +48,13 @@ def stored(x: torch.Tensor, block: int | None, centre: torch.Tensor | None = Non
     x = reference.dequantize(reference.quantize(x, scale, FORMAT)[0], scale, FORMAT)
     x = rotate(x, block) if block else x
     return x if centre is None else x + centre
+
+
+def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each position's block mean of `x` `[batch, heads, positions, channels]` over blocks of `block` positions
+    (the last block: the positions it has)."""
+    blocks = x.float().split(block, dim=2)
+    return torch.cat([b.mean(2, keepdim=True).expand_as(b) for b in blocks], dim=2)
 
 
 def quality_columns(q: Quality) -> dict[str, str]:
@@ -86,7 +95,8 @@ class Probe:
         else:
             chosen = self.setting["layers"] is None or layer in self.setting["layers"]
             exact = self.setting.get("exact", "")  # "keys" / "values": left out of the codes
-            centre = self.setting["centred"][layer] if self.setting.get("centred") else None
+            centred = self.setting.get("centred")  # None, {layer: mean key} or a block of positions
+            centre = block_means(key, centred) if isinstance(centred, int) else (centred[layer] if centred else None)
             key = key if exact == "keys" else stored(key, self.setting["key_block"] if chosen else None, centre)
             value = value if exact == "values" else stored(value, self.setting["value_block"] if chosen else None)
         mask = reference.causal_mask(length, length, sliding_window, query.device)
@@ -140,6 +150,8 @@ def main() -> None:
                                                                   centred=mean_keys),
         "keys centred, keys and values rotated": dict(key_block=head_dim, value_block=head_dim, layers=None,
                                                      centred=mean_keys),
+        f"keys centred per {CENTRE_BLOCK} positions on their mean": dict(key_block=None, value_block=None, layers=None,
+                                                                       centred=CENTRE_BLOCK),
     }
     rows = []
     for name, setting in settings.items():
