@@ -11,7 +11,6 @@ changes: it rounds the key's distance from the centre. A probe, not a cache opti
 
 from __future__ import annotations
 
-import argparse
 import warnings
 
 import torch
@@ -19,7 +18,7 @@ from transformers import DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.evaluate import decode_mode_logits, quality
-from recent_quality import MODELS, TEXTS
+from recent_quality import MODELS, TEXTS, decode_probe_parser
 
 PURE_FP8 = dict(scales="dynamic", recent_tokens=0, sink_tokens=0)
 
@@ -56,11 +55,7 @@ def low_frequency(model, centre: dict[int, torch.Tensor], radians: float, tokens
 
 @torch.inference_mode()
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=MODELS, default="smollm2")
-    parser.add_argument("--text", default="code", help=f"one of {sorted(TEXTS)}")
-    parser.add_argument("--tokens", type=int, default=1152, help="text tokens: prefix + decoded")
-    parser.add_argument("--prefix", type=int, default=128)
+    parser = decode_probe_parser(__doc__)
     parser.add_argument("--calibrate-on", default="sample", help="the text whose mean keys are the centre")
     parser.add_argument("--calibrate-tokens", type=int, default=1024)
     parser.add_argument("--low-frequency", type=float, help="keep the centre only on channel pairs RoPE turns by "

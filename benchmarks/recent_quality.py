@@ -37,6 +37,16 @@ KEY_CHANNELS = "key channels calibrated on another text"
 DEFAULTS = {name: p.default for name, p in inspect.signature(QuantizedFP8Cache).parameters.items()}
 
 
+def decode_probe_parser(description: str) -> argparse.ArgumentParser:
+    """The decode-mode probes' shared arguments: the model, the text, its tokens (prefix + decoded), the prefix."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--text", default="code", help=f"one of {sorted(TEXTS)}")
+    parser.add_argument("--tokens", type=int, default=1152, help="text tokens: prefix + decoded")
+    parser.add_argument("--prefix", type=int, default=128)
+    return parser
+
+
 def _recent(recent: int, sinks: int, **kwargs) -> tuple[str, dict]:
     name = f"recent {recent} + sinks {sinks}"
     if (recent, sinks) == (DEFAULTS["recent_tokens"], DEFAULTS["sink_tokens"]):
