@@ -35,10 +35,12 @@ import warnings
 
 import torch
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import rotate_half
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
+from centring_probe import rope_inv_freq
 from recent_quality import MODELS, TEXTS, decode_probe_parser
 from rotation_probe import quality_columns, stored
 
@@ -61,9 +63,7 @@ class SimulatedCodes(DynamicCache):
         self.hold_partial = hold_partial or centre == "own"
         self.choose, self.coded_centre = choose, coded_centre
         self.rotation = text_config.head_dim if rotate else None
-        rotary = model.model.rotary_emb
-        self.inv_freq = [getattr(rotary, f"{kind}_inv_freq", None) for kind in types]  # Gemma 3: one per kind
-        self.inv_freq = [rotary.inv_freq if f is None else f for f in self.inv_freq]
+        self.inv_freq = rope_inv_freq(model)
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -117,8 +117,7 @@ class SimulatedCodes(DynamicCache):
         i + d/2)."""
         angle = self.inv_freq[layer] * self.block
         cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        return x * cos + rotate_half(x) * sin
 
 
 @torch.inference_mode()

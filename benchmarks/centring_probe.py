@@ -42,13 +42,21 @@ def mean_keys(model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
     return {i: layer.keys.float().mean(2, keepdim=True) for i, layer in enumerate(cache.layers)}
 
 
+def rope_inv_freq(model) -> list[torch.Tensor]:
+    """Each layer's RoPE inverse frequencies `[head_dim / 2]`, from the model's rotary embedding (Gemma 3: one set
+    per layer type)."""
+    rotary, text_config = model.model.rotary_emb, model.config.get_text_config(decoder=True)
+    types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+    per_type = [getattr(rotary, f"{kind}_inv_freq", None) for kind in types]
+    return [rotary.inv_freq if inv_freq is None else inv_freq for inv_freq in per_type]
+
+
 def low_frequency(model, centre: dict[int, torch.Tensor], radians: float, tokens: int) -> dict[int, torch.Tensor]:
     """`centre` on the channel pairs RoPE turns by less than `radians` over `tokens` positions, 0 elsewhere."""
-    rotary, types = model.model.rotary_emb, getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    inv_freq = rope_inv_freq(model)
     kept = {}
     for layer, mean in centre.items():
-        inv_freq = getattr(rotary, f"{types[layer]}_inv_freq", None) if types else None
-        slow = ((rotary.inv_freq if inv_freq is None else inv_freq) * tokens < radians).to(mean.dtype)
+        slow = (inv_freq[layer] * tokens < radians).to(mean.dtype)
         kept[layer] = mean * torch.cat([slow, slow])  # rotate_half's layout: pair i is channels i and i + d/2
     return kept
 
@@ -73,7 +81,8 @@ def main() -> None:
     print(f"{label}, '{args.text}' ({args.tokens} tokens, {args.prefix} prefilled), decode mode against DynamicCache; "
           f"centre: the mean key over {args.calibrate_tokens} tokens of '{args.calibrate_on}'"
           + ("" if args.low_frequency is None else f", pairs turning < {args.low_frequency} rad only"))  # fmt: skip
-    for name, cache in (("pure FP8", QuantizedFP8Cache(model, **PURE_FP8)), ("keys centred", CentredKeys(model, centre))):
+    caches = {"pure FP8": QuantizedFP8Cache(model, **PURE_FP8), "keys centred": CentredKeys(model, centre)}
+    for name, cache in caches.items():
         q = quality(reference, decode_mode_logits(model, ids, args.prefix, cache), ids[0, args.prefix :])
         print(f"{name:13s} KL mean {q.kl_mean:.2e}  p99 {q.kl_p99:.2e}  top-1 {q.top1_agreement:.4f}  "
               f"ppl delta {q.ppl_delta_pct:+.2f}%")  # fmt: skip
