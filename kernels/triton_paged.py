@@ -512,8 +512,13 @@ def _paged_attention_kernel(
         # (loaded again: kept across the codes' loop, they spilled at head_dim 128 with static scales, gpu_static)
         sink_end, recent_lo, key_start, recent_slot = _held_keys(recent_meta_ptr, request, requests)
         k_head = 1.0 if PER_TOKEN else tl.load(k_scale_ptr + kv_head)
-        if ROTATE_STAGES > 0:  # their scores: the query as it came, loaded again from `q_ptr` itself (the group's
-            # base kept across the loops: d128 decode with recent 32 + sinks 4 spilled 32 B, gpu_static)
+        if ROTATE_STAGES > 0 or (HAS_WINDOW and ONE_POSITION and not HAS_OUTLIERS):  # their scores: the query
+            # as it came, loaded again from `q_ptr` itself (gpu_static: the group's base kept across the loops
+            # spilled 32 B in sm_90's rotated d128 decode with recent 32 + sinks 4; the query kept across them,
+            # 32 B on sm_90 and 16 B on sm_100 in the sliding per-token decode with recent 128, none reloaded.
+            # Reloaded everywhere: sm_90's head_dim 64 decodes with held tokens went 6 -> 8 blocks per SM with
+            # per-token scales, 8 -> 6 with static ones, the chunked prefill's loop 3-13% longer (sm_90, sm_100),
+            # and with outlier tokens, at the split kernel's 168 registers, it spilled 64-80 B where kept 0-20 B)
             q = _scaled_query(q_ptr, query_args, q_rows, (kv_head * GROUP + member).to(tl.int64), row_ok,
                               score_scale * k_head, DOT, KV_HEADS * GROUP, 0, 1.0)  # fmt: skip
         acc, m_i, l_i = _attend_held(

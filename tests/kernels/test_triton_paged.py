@@ -50,6 +50,7 @@ RECENT_CASES = [
     (CASES[1], (6, 3, 5)),
     (CASES[4], (3, 0, 0)),
     (CASES[7], (16, 4, 0)),
+    (("fp8_e4m3", True, [(30, 1), (12, 1)], 2, 16, 10), (4, 0, 3)),  # a sliding layer's decode steps alone
 ]
 
 
@@ -187,6 +188,7 @@ SPLIT_CASES = [
           recent=(16, 5, 0), rotate=True), 5),
     (dict(case=("fp8_e4m3fnuz", False, [(60, 1), (9, 1)], 2, 24, None), new_in_pages=True), 2),
     (dict(case=("fp8_e4m3", True, [(20, 1), (3, 1)], 2, 16, None), page_size=16, block_padding=16), 7),
+    (dict(case=("fp8_e4m3", True, [(70, 1), (30, 1)], 2, 16, 24), recent=(8, 0, 2)), 3),  # a sliding layer's
 ]  # fmt: skip
 
 
