@@ -289,9 +289,9 @@ def plan(
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
     new_token = None
-    # as the layers' steps run: the write in the attention launch, but in a static cache's compiled graph (its
-    # registered ops: the write's and the attention's)
-    if case.kind == "decode" and not case.static_cache and triton_attention.writes_in_launch(view, case.q_len, gpu):
+    # as the layers' steps run (a static cache's compiled graph too: its attention op): the write in the attention
+    # launch
+    if case.kind == "decode" and triton_attention.writes_in_launch(view, case.q_len, gpu):
         new_shape = (case.batch, 1, case.kv_heads, case.head_dim)
         key, value = (torch.empty(new_shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
         stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
@@ -771,11 +771,11 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     context), the attention's split plan from the kernel's occupancy in `row`: fixed launch costs + gaps +
     max(copy, issue) x the split plan's loss (its waves against every tile spread evenly over the slots it uses) +
     the merge's serial reads from L2 (`triton_attention.merge_seconds` per partial result, `merge_reads` of them,
-    one after another). The launches: the attention's (which writes the new token itself, but with outlier tokens
-    and in a static cache's compiled graph: a write launch of its own), its reduce where the kernel does not merge
-    its splits; with outlier tokens, the staging copy of the token leaving the recent ones and the selection
-    (`triton_outliers`; a static cache's staging is a few torch ops, which its compiled step fuses: counted as
-    one)."""
+    one after another). The launches: the attention's (which writes the new token itself, a static cache's
+    compiled graph's included; with outlier tokens or rotated codes, and on targets that do not compile it, a write
+    launch of its own), its reduce where the kernel does not merge its splits; with outlier tokens, the staging
+    copy of the token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging is a
+    few torch ops, which its compiled step fuses: counted as one)."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]

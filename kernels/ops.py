@@ -174,6 +174,9 @@ class TritonLayerKernels(TorchLayerKernels):
         # (an import per call costs a decode step ~1 us)
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
         self._writes_in_launch, self._target = writes_in_launch, query_target
+        # registered before any graph is traced (a compiled step that registered them met `torch.library.triton_op`,
+        # which dynamo refuses to trace: reached through `functools.cache`, the registration runs again)
+        self._ops = triton_ops()
 
     def settle_outliers(self, outlier_set, positions: torch.Tensor | int, candidates: torch.Tensor, first_real,
                         first_visible=None) -> None:  # fmt: skip
@@ -187,15 +190,15 @@ class TritonLayerKernels(TorchLayerKernels):
 
     def write(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
-            triton_ops().write(key, value, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name,
-                               view.per_token, view.ring, view.rotate)  # fmt: skip
+            self._ops.write(key, value, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name,
+                            view.per_token, view.ring, view.rotate)  # fmt: skip
             return True
         self._write_kv(key, value, view, stats, self.plans, advance=view.static)
         return True
 
     def writes_in_attention(self, view: KVView, new_tokens: int) -> bool:
-        # a decode step: one launch where two were (a compiled graph keeps its write op)
-        return not torch.compiler.is_compiling() and self._writes_in_launch(view, new_tokens, self._target(view.codes))
+        # a decode step: one launch where two were (in a compiled graph, its attention op's)
+        return self._writes_in_launch(view, new_tokens, self._target(view.codes))
 
     def attend(
         self, query: torch.Tensor, view: KVView, *, scaling: float, mask=None, window=None, softcap=None,
@@ -203,11 +206,12 @@ class TritonLayerKernels(TorchLayerKernels):
     ) -> torch.Tensor:  # fmt: skip
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             splits, tickets = self.decode_splits.get((query.shape[:2], view.layout()), (1, None))
-            return triton_ops().attend(
+            new = (None, None, None) if new_token is None else new_token[:3]
+            return self._ops.attend(
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
                 view.positions, mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, tickets,
-                view.fmt.name, view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0, splits,
-                self.fp8_prefill,
+                *new, view.fmt.name, view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0,
+                splits, self.fp8_prefill,
             )  # fmt: skip
         if view.static:
             splits_key = (query.shape[:2], view.layout())
@@ -266,13 +270,20 @@ def _backend_named(name: str) -> TorchBackend:
 
 
 def _decode_splits(query: torch.Tensor, view: KVView) -> tuple[int, torch.Tensor | None]:
-    """The Triton kernel's KV splits for a decode step over a static view (from the GPU's occupancy), and the
-    counters their merge in the attention launch takes (a buffer of fixed address, for CUDA graphs; None: a reduce
-    launch merges them), made outside the compiled graph that will use them."""
-    from .triton_attention import AttentionPlan
+    """The Triton kernel's KV splits for a decode step over a static view (from the GPU's occupancy of the kernel
+    its compiled graph runs: the one that writes the step's token where it can), and the counters their merge in
+    the attention launch takes (a buffer of fixed address, for CUDA graphs; None: a reduce launch merges them),
+    made outside the compiled graph that will use them."""
+    from .triton_attention import AttentionPlan, writes_in_launch
+    from .triton_common import query_target
 
     step = query[:, :, -1:]
-    plan = AttentionPlan(step, view, None, None, 1.0)
+    new_token = None
+    if writes_in_launch(view, 1, query_target(query)):
+        _, batch, kv_heads, _, head_dim = view.codes.shape
+        token = torch.zeros(batch, kv_heads, 1, head_dim, dtype=query.dtype, device=query.device)
+        new_token = NewToken(token, token, torch.zeros(2, 2, dtype=torch.int64, device=query.device))
+    plan = AttentionPlan(step, view, None, None, 1.0, new_token=new_token)
     splits, merged = plan.splits(step, view)
     if not merged:
         return splits, None
@@ -296,7 +307,7 @@ def triton_ops():
     from .triton_attention import AttentionPlan
     from .triton_write import WritePlan
 
-    written = {"codes", "scales", "recent", "stats", "positions"}
+    written = {"codes", "scales", "recent", "stats", "positions"}  # (the attention op's too, where it writes)
 
     @torch.library.triton_op("hf_fp8kv::write", mutates_args=written)
     def write_op(
@@ -308,22 +319,26 @@ def triton_ops():
         for launch in WritePlan(key, value, view, stats, advance=True).launches(key, value, view, stats):
             launch.run(traced=True)
 
-    @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets"})
+    @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets", *written})
     def attend_op(
         query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor | None,
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
         positions: torch.Tensor, mask: torch.Tensor | None, sink_logits: torch.Tensor | None,
         channel: torch.Tensor | None, outliers: torch.Tensor | None, outlier_pos: torch.Tensor | None,
-        tickets: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, rotate: bool, scaling: float,
-        window: int, softcap: float, num_splits: int, fp8_prefill: bool,
+        tickets: torch.Tensor | None, new_key: torch.Tensor | None, new_value: torch.Tensor | None,
+        stats: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, rotate: bool, scaling: float, window: int,
+        softcap: float, num_splits: int, fp8_prefill: bool,
     ) -> torch.Tensor:  # fmt: skip
+        """`new_key` / `new_value` (with the write's `stats`): the decode step's token, written by this launch
+        (the view's device positions are the ones before it, and move past it)."""
         view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         view.outliers, view.outlier_pos = outliers, outlier_pos
         settings = (scaling, window or None, softcap or None, num_splits)
+        new_token = None if new_key is None else NewToken(new_key, new_value, stats)
         plan = AttentionPlan(query, view, mask, sink_logits, *settings, fp8_prefill=fp8_prefill,
-                             merge=tickets is not None)  # fmt: skip
-        out, launches = plan.launches(query, view, mask, sink_logits, tickets)
+                             merge=tickets is not None, new_token=new_token)  # fmt: skip
+        out, launches = plan.launches(query, view, mask, sink_logits, tickets, new_token)
         for launch in launches:
             launch.run(traced=True)
         return out

@@ -286,11 +286,14 @@ def check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: tor
     if (cache_batch, cache_heads, cache_dim) != (batch, heads, head_dim):
         raise ValueError(f"new keys {tuple(key.shape)} do not fit the code buffers {tuple(view.codes.shape)}")
     recent_slots = view.recent.shape[3] if view.recent is not None else 0
-    coded = coded_end(view.end, view.recent_start, new_tokens, recent_slots)
-    if not view.static and not view.ring and coded - view.offset > view.slots:
-        raise ValueError(
-            f"{new_tokens} new tokens at {view.end} overflow the code buffers' {view.slots} slots from {view.offset}"
-        )
+    # (a static view's positions are on the device, read by the kernels alone: in a compiled graph's trace, fake)
+    if not view.static and not view.ring:
+        coded = coded_end(view.end, view.recent_start, new_tokens, recent_slots)
+        if coded - view.offset > view.slots:
+            raise ValueError(
+                f"{new_tokens} new tokens at {view.end} overflow the code buffers' {view.slots} slots from "
+                f"{view.offset}"
+            )
     expected = (2, batch, heads, view.codes.shape[3]) if view.per_token else (2, 1, heads, 1)
     if view.scales.dtype not in scale_dtypes(view) or tuple(view.scales.shape) != expected:
         raise ValueError(

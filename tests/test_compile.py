@@ -9,6 +9,7 @@ from transformers import CompileConfig
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.compat import cache_kwargs
+from hf_fp8kv.kernels import ops
 from tests.models import tiny_model
 
 STEPS = 24
@@ -22,14 +23,14 @@ def model_of(model_type: str):
     return tiny_model(model_type, num_hidden_layers=1)
 
 
-def decode(model, forward, prompt: torch.Tensor, outliers: int = 0) -> list[int]:
-    """Eager prefill, then STEPS greedy steps through `forward` (`outliers`: outlier tokens per KV head)."""
-    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, outlier_tokens=outliers, **WINDOW)
+def decode(model, forward, prompt: torch.Tensor, steps: int = STEPS, **settings) -> list[int]:
+    """Eager prefill, then `steps` greedy steps through `forward` (`settings`: the cache's, besides WINDOW)."""
+    cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, **{**WINDOW, **settings})
     tokens = []
     with torch.no_grad():
         out = model(input_ids=prompt, **cache_kwargs(cache))
         position = prompt.shape[1]
-        for _ in range(STEPS):
+        for _ in range(steps):
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(int(token))
             out = forward(input_ids=token, **cache_kwargs(cache), position_ids=torch.tensor([[position]]))
@@ -43,12 +44,63 @@ def test_compiled_forward_by_hand(model_type, outliers):
     torch._dynamo.reset()
     model = model_of(model_type)
     prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
-    eager = decode(model, model.forward, prompt, outliers)
+    eager = decode(model, model.forward, prompt, outlier_tokens=outliers)
     counters.clear()
-    compiled = decode(model, torch.compile(model.forward, fullgraph=True), prompt, outliers)
+    compiled = decode(model, torch.compile(model.forward, fullgraph=True), prompt, outlier_tokens=outliers)
     assert compiled == eager
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] <= 2  # no recompilation per token
+
+
+@pytest.fixture(scope="module")
+def opaque_triton_ops():
+    """`ops.triton_ops()` behind opaque ops whose fake version only allocates the output, and the calls they run
+    (each attention's: whether it wrote the step's token). Dynamo runs a graph's ops on fake tensors, which the
+    Triton interpreter cannot do (on a GPU, `wrap_triton` traces the kernels themselves): so on the CPU the graph
+    is traced around the registered ops, and `aot_eager` runs them."""
+    real, calls = ops.triton_ops(), []
+    library = torch.library.Library("hf_fp8kv_cpu", "DEF")
+    for name in ("write", "attend"):
+        library.define(str(getattr(real, name).default._schema).split("::", 1)[1])
+
+        def run(*args, name=name):
+            calls.append(args[14] is not None if name == "attend" else "write")  # (attend's 15th: the new key)
+            return getattr(real, name)(*args)
+
+        library.impl(name, run, "CPU")
+    torch.library.register_fake("hf_fp8kv_cpu::write", lambda *args: None, lib=library)
+    # (the real output's layout: [batch, q_len, heads, head_dim] memory)
+    torch.library.register_fake("hf_fp8kv_cpu::attend", lambda query, *args: torch.empty_like(query.transpose(1, 2),
+                                memory_format=torch.contiguous_format).transpose(1, 2), lib=library)  # fmt: skip
+    yield torch.ops.hf_fp8kv_cpu, calls
+    library._destroy()
+
+
+@pytest.mark.parametrize("model_type, settings, step_calls", [
+    ("llama", {}, [True]),  # the attention op writes the step's token
+    ("gemma3_text", {}, [True, True]),  # a sliding layer's ring, a full layer
+    ("gemma3_text", dict(outlier_tokens=3), ["write", False] * 2),  # the outlier tokens' staging between the two
+    ("gemma3_text", dict(rotate=True, sink_tokens=0), ["write", False] * 2),  # rotated codes: a write op of its own
+])  # fmt: skip
+def test_compiled_static_decode_on_the_triton_path(opaque_triton_ops, monkeypatch, model_type, settings, step_calls):
+    """The Triton path's compiled decode step (the registered ops in one graph, no break) decodes the eager static
+    cache's tokens, and writes each step's token in its attention op where the eager step writes it in the
+    attention launch."""
+    namespace, calls = opaque_triton_ops
+    monkeypatch.setattr(ops, "triton_ops", lambda: namespace)  # (the layers' kernels take it when made)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch._dynamo.reset()
+    model = model_of(model_type)
+    prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
+    steps = 6  # (the interpreter's steps: past the recent tokens, every layer's ring wrapped by the prompt)
+    eager = decode(model, model.forward, prompt, steps, backend="triton", **settings)
+    counters.clear()
+    calls.clear()
+    compiled = decode(model, torch.compile(model.forward, fullgraph=True, backend="aot_eager"), prompt, steps,
+                      backend="triton", **settings)  # fmt: skip
+    assert compiled == eager
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert calls == step_calls * steps
 
 
 def test_generate_compiles_the_decode_step_itself():

@@ -15,7 +15,7 @@ from hf_fp8kv.kernels.triton_attention import (
     plan_attention, reduce_blocks, split_count, split_cost, split_plan,
 )
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
-from hf_fp8kv.kernels.triton_write import write_kv
+from hf_fp8kv.kernels.triton_write import plan_write, write_kv
 from hf_fp8kv.kernels.view import KVView, slot_codes
 from streams import Stream, fill
 
@@ -410,10 +410,13 @@ def test_bad_inputs_are_named():
         attention(query, view, scaling=1.0, mask=torch.ones(2, 1, 1, 60, dtype=torch.bool, device=DEVICE))
 
 
-def _op_args(view, query, mask, num_splits, tickets=None):
+def _op_args(view, query, mask, num_splits, tickets=None, new_token=None, scaling=0.1, window=None, softcap=None,
+             sink_logits=None):  # fmt: skip
+    new = (None, None, None) if new_token is None else new_token[:3]
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
-            mask, None, None, view.outliers, view.outlier_pos, tickets, view.fmt.name, view.per_token, view.ring,
-            view.rotate, 0.1, 0, 0.0, num_splits, False)  # fmt: skip
+            mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, tickets, *new, view.fmt.name,
+            view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0, num_splits,
+            False)  # fmt: skip
 
 
 @pytest.mark.parametrize("outliers", [0, 3])
@@ -738,6 +741,8 @@ WRITING_CASES = [  # decode steps whose last token the attention launch writes
     Case(Stream(static=80, updates=[30, 1])),
     Case(Stream(static=16, ring=True, recent=3, updates=[10, 1, 1, 1, 1, 1, 1, 1, 1, 1]), mask="padding"),
     Case(Stream(static=64, ring=True, recent=3, updates=[60, 1, 1, 1, 1, 1, 1, 1], tiled=True), splits=2),
+    Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1], tiled=True), splits=2, mask="padding"),
+    Case(Stream(static=80, updates=[30, 1], tiled=True, dtype=torch.bfloat16), dtype=torch.bfloat16, splits=3),
     Case(Stream(rotate=True, recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, options=dict(window=40)),
 ]
 
@@ -796,6 +801,21 @@ def test_a_decode_step_written_by_its_attention_launch_is_write_then_attend(case
             assert torch.equal(bits(a), bits(b)), name
     assert torch.equal(apart_stats, fused_stats)
     assert_close(got, expected.float(), case.dtype)
+    if view.static and view.value_tiled:  # the registered op a compiled graph calls (over the Triton layers'
+        # layout): the same launch, its merge's counters given
+        from hf_fp8kv.kernels import ops
+
+        op, op_stats = _copy(view), held["stats"].clone()
+        tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE) if mask is None else None
+        settings = {name: kwargs[name] for name in ("scaling", "window", "softcap", "sink_logits")}
+        new_token = NewToken(held["key"], held["value"], op_stats)
+        out = ops.triton_ops().attend(*_op_args(op, query, kwargs["mask"], case.splits or 1, tickets, new_token,
+                                                **settings))  # fmt: skip
+        for name in ("codes", "scales", "recent", "positions"):
+            if getattr(view, name) is not None:
+                assert torch.equal(getattr(op, name).view(torch.uint8), getattr(fused, name).view(torch.uint8)), name
+        assert torch.equal(op_stats, fused_stats) and torch.equal(out, got)
+        assert tickets is None or not tickets.any()
     del kwargs["num_splits"]
     assert_close(got, reference.attend(query.float(), apart, **kwargs), case.dtype)
 
@@ -827,3 +847,28 @@ def test_the_launch_writes_a_decode_step_only_where_it_was_measured_clean():
     assert writing == {"sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
     assert not writes_in_launch(dataclasses.replace(view, rotate=True), 1, None)
     assert not writes_in_launch(dataclasses.replace(view, outliers=view.recent), 1, EXAMPLE_GPUS["sm_90"])
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_a_static_views_launches_are_planned_without_reading_its_positions(rotate):
+    """A compiled graph traces the registered ops' planning with fake tensors: nothing in it may read a static
+    view's device positions on the host (a data-dependent branch fails the trace). Planned here under
+    `FakeTensorMode`: the write's launches (rotated codes: a write launch of its own) and the attention's, with
+    the step's token written by its launch where it can be."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    stream = Stream(static=64, recent=4, sinks=2, updates=[20, 1], tiled=True, rotate=rotate)
+    view, _, stats = fill(stream, reference.write, torch.Generator().manual_seed(4), DEVICE)
+    query, key = torch.randn(2, 6, 1, 80, device=DEVICE), torch.randn(2, 2, 1, 80, device=DEVICE)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = dataclasses.replace(view, **{name: mode.from_tensor(getattr(view, name)) for name in (
+            "codes", "scales", "recent", "sinks", "sink_start", "sink_count", "positions")})  # fmt: skip
+        fake.end, fake.recent_start = fake.positions[0], fake.positions[1]
+        query, key, stats = mode.from_tensor(query), mode.from_tensor(key), mode.from_tensor(stats)
+        with pytest.raises(DataDependentOutputException):  # (what a host read of them meets)
+            bool(fake.positions[0] > 0)
+        assert [launch.kernel.fn.__name__ for launch in plan_write(key, -key, fake, stats, advance=True)]
+        new_token = None if rotate else NewToken(key, -key, stats)
+        for mask in (None, torch.ones(2, 1, 1, 64, dtype=torch.bool, device=DEVICE)):  # (made in the mode: fake)
+            _, launches = plan_attention(query, fake, scaling=0.1, mask=mask, num_splits=2, new_token=new_token)
+            assert launches[0].kwargs["WRITE"] == (not rotate) and launches[0].grid[2] == 2
