@@ -124,7 +124,10 @@ class Case:
         scales += "" if self.fmt == "fp8_e4m3" else f" {self.fmt.removeprefix('fp8_').removesuffix('_per_token_head')}"
         scales += " rotated" if self.rotate else ""
         if self.kind == "write":
-            return f"{dtype} d{self.head_dim} {scales} {self.q_len} tok"
+            held = f" recent {self.recent}" if self.recent else ""
+            held += f" static-cache {self.static_cache}" if self.static_cache else ""
+            held += f" outliers {self.outliers}" if self.outliers else ""
+            return f"{dtype} d{self.head_dim} {scales}{held} {self.q_len} tok"
         if self.kind == "settle":
             return f"{dtype} d{self.head_dim} {self.outliers} outliers b{self.batch} kvh{self.kv_heads} {self.q_len} tok"
         if self.kind == "paged":
@@ -233,6 +236,8 @@ def every_case(quick: bool = False) -> list[Case]:
     # negated key scales; paged: by their positions), whose paged cases without them come too
     outliers = [dataclasses.replace(case, outliers=16) for case in (*window[:4], window[6])]
     outliers += [Case("settle", outliers=16, q_len=n) for n in (1, 500)]
+    # a decode step's write that judges the token it gives codes (`triton_outliers.write_and_settle`)
+    outliers += [Case("write", per_token=True, q_len=1, recent=128, outliers=16, static_cache=s) for s in (0, 16384)]
     default_paged = [dataclasses.replace(case, recent=128, sinks=4) for case in paged
                      if case.per_token and case.recent and not case.sliding]  # fmt: skip
     outliers += [case for case in default_paged if case not in paged]
@@ -285,6 +290,15 @@ def plan(
     if case.kind == "write":
         key, value = (torch.empty(shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
         stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
+        if case.outliers:  # a decode step's write that judges the token it gives codes (eager steps)
+            shape = (case.batch, case.kv_heads, case.outliers)
+            outlier_set = triton_outliers.OutlierSet(
+                view.outliers, view.outlier_pos, torch.empty(shape, device=device),
+                torch.empty(2, *shape[:2], device=device), scales[0], 0,
+            )  # fmt: skip
+            first_real = torch.empty(case.batch, dtype=torch.int64, device=device)
+            return [triton_outliers.plan_write_settle(key, value, view, stats, outlier_set, first_real,
+                                                      case.sliding or None)]  # fmt: skip
         return triton_write.plan_write(key, value, view, stats, advance=view.static)  # (as the layers write)
     query = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
     mask = torch.ones(case.batch, 1, case.q_len, case.context, dtype=torch.bool, device=device) if case.mask else None
@@ -773,14 +787,17 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     the merge's serial reads from L2 (`triton_attention.merge_seconds` per partial result, `merge_reads` of them,
     one after another). The launches: the attention's (which writes the new token itself, a static cache's
     compiled graph's included; with outlier tokens or rotated codes, and on targets that do not compile it, a write
-    launch of its own), its reduce where the kernel does not merge its splits; with outlier tokens, the staging
-    copy of the token leaving the recent ones and the selection (`triton_outliers`; a static cache's staging is a
-    few torch ops, which its compiled step fuses: counted as one)."""
+    launch of its own, which with outlier tokens judges the token it gives codes too), its reduce where the kernel
+    does not merge its splits; in a static cache's compiled graph with outlier tokens, the staging copy of the
+    token leaving the recent ones and the selection, torch ops its compiled step fuses: counted as one each."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
-    write = [] if launch.kwargs["WRITE"] else plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
-    launches = len(write) + len(attention) + 2 * bool(case.outliers)
+    # (a static cache's compiled graph: its write op, the outlier tokens' staging and selection as torch ops)
+    compiled_outliers = case.outliers if case.static_cache else 0
+    write_case = dataclasses.replace(case, kind="write", q_len=1, outliers=case.outliers - compiled_outliers)
+    write = [] if launch.kwargs["WRITE"] else plan(write_case, gpu, device="meta")
+    launches = len(write) + len(attention) + 2 * bool(compiled_outliers)
     clock, bandwidth = CLOCKS[gpu.arch], gpu.bandwidth
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize
     codes_bytes = tile_bytes(case, case.context - case.recent)

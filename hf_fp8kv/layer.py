@@ -260,14 +260,18 @@ class FP8Layer(CacheLayerMixin):
         self.outlier_tracker.settle(self)
         self._make_room(new_tokens)
         view = self.view()
-        self.outlier_tracker.stage(view, key_states, value_states)
         pending = None
-        if self.kernels.writes_in_attention(view, new_tokens):
-            pending = NewToken(self._stored_key(key_states), value_states, self.stats, view.recent_start)
+        if self.outlier_tracker.write_and_settle(self, view, key_states, value_states):
             self.has_nan = True  # (as the Triton write reports: NaN codes may be written)
-            stored_key = pending.key
+            stored_key = key_states
         else:
-            stored_key = self._write(key_states, value_states, view)
+            self.outlier_tracker.stage(view, key_states, value_states)
+            if self.kernels.writes_in_attention(view, new_tokens):
+                pending = NewToken(self._stored_key(key_states), value_states, self.stats, view.recent_start)
+                self.has_nan = True
+                stored_key = pending.key
+            else:
+                stored_key = self._write(key_states, value_states, view)
         self._advance(new_tokens)
         kv = QuantizedKV(self, self._visible(view, new_tokens), stored_key, value_states, pending)
         self.pending = kv if pending is not None else None

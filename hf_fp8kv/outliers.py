@@ -16,7 +16,8 @@ it). Every coded token keeps its codes; a kept one's key scale is stored negated
 The candidates are gathered in `stage`, before the write overwrites the recent slots they leave, and judged in
 `settle` (the layer's kernels: `kernels/outliers.py` on the torch path, one Triton launch on the other), once the
 attention mask has told the sink tracker where each row's real tokens begin (padding and sink tokens never
-enter). No host sync: static caches and CUDA graphs run it too.
+enter). No host sync: static caches and CUDA graphs run it too. An eager decode step on the Triton path, once the
+sinks are known, writes and judges in one launch instead (`write_and_settle`: no staging copy).
 """
 
 from __future__ import annotations
@@ -96,6 +97,19 @@ class OutlierTracker:
             pieces.append(torch.stack((key[:, :, : coded - end], value[:, :, : coded - end])))
         kv = torch.cat(pieces, dim=3) if len(pieces) > 1 else pieces[0] if coded > end else pieces[0].clone()
         self.pending = Candidates(recent_start, kv, n)
+
+    def write_and_settle(self, layer, view: KVView, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """A decode step's write and the judging of the token it gives codes, in one launch where the layer's
+        kernels have it (`kernels.write_and_settle`; no staging copy): each row's sinks known (padding and sinks
+        never enter) and no per-channel key scales (the exact keys are the states, as `stage` keeps them). Returns
+        whether it wrote the step."""
+        if (not self.count or key.shape[2] != 1 or layer.key_channel_scale is not None
+                or not layer.sink_tracker.known or not layer.kernels.settles_in_write(view)):  # fmt: skip
+            return False
+        window = layer.sliding_window if layer.is_sliding else None
+        first_real = layer.sink_start + layer.sink_tokens
+        layer.kernels.write_and_settle(key, value, view, layer.stats, self.outlier_set(layer), first_real, window)
+        return True
 
     def settle(self, layer) -> None:
         """Judge the staged candidates (`kernels.outliers.settle`): the kept set becomes the best `count` of it and

@@ -17,6 +17,11 @@ class SinkTracker:
         self.count = count
         self.rows: list[int] | None = None
 
+    @property
+    def known(self) -> bool:
+        """Whether every row's first real token is known (none to know without sinks)."""
+        return not self.count or (self.rows is not None and -1 not in self.rows)
+
     def capture(self, layer, new_key: torch.Tensor, new_value: torch.Tensor, mask: torch.Tensor | None, view) -> bool:
         """Copy the sink tokens among this update's new states into `layer.sinks` (`view`: what the update's
         queries see); returns whether the sinks changed (the caller then takes a new view)."""

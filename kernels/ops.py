@@ -116,6 +116,11 @@ class TorchLayerKernels:
         """Whether an update's write is left to the attention that reads it (`attend(new_token=...)`)."""
         return False
 
+    def settles_in_write(self, view: KVView) -> bool:
+        """Whether a decode step's write judges the outlier token it gives codes too (`write_and_settle(key,
+        value, view, stats, outlier_set, first_real, window)`, `triton_outliers.write_and_settle`'s arguments)."""
+        return False
+
     def __init__(self) -> None:
         self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
 
@@ -164,7 +169,7 @@ class TritonLayerKernels(TorchLayerKernels):
     def __init__(self, fp8_prefill: bool = False) -> None:
         from .triton_attention import attention, writes_in_launch
         from .triton_common import query_target
-        from .triton_outliers import settle
+        from .triton_outliers import settle, write_and_settle
         from .triton_write import write_kv
 
         super().__init__()
@@ -173,6 +178,7 @@ class TritonLayerKernels(TorchLayerKernels):
         self.decode_splits: dict[tuple, tuple[int, torch.Tensor | None]] = {}  # and the merge's tickets
         # (an import per call costs a decode step ~1 us)
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
+        self.write_and_settle = write_and_settle  # (`triton_outliers.write_and_settle`: the call as it is)
         self._writes_in_launch, self._target = writes_in_launch, query_target
         # registered before any graph is traced (a compiled step that registered them met `torch.library.triton_op`,
         # which dynamo refuses to trace: reached through `functools.cache`, the registration runs again)
@@ -199,6 +205,11 @@ class TritonLayerKernels(TorchLayerKernels):
     def writes_in_attention(self, view: KVView, new_tokens: int) -> bool:
         # a decode step: one launch where two were (in a compiled graph, its attention op's)
         return self._writes_in_launch(view, new_tokens, self._target(view.codes))
+
+    def settles_in_write(self, view: KVView) -> bool:
+        # one launch where three were (the staging copy, the write, the selection); a compiled graph keeps its
+        # write op and the selection's torch ops, which it fuses
+        return not torch.compiler.is_compiling()
 
     def attend(
         self, query: torch.Tensor, view: KVView, *, scaling: float, mask=None, window=None, softcap=None,

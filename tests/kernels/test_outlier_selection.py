@@ -1,11 +1,14 @@
 """The outlier tokens' selection: `outliers.settle` (torch) against its definition, the Triton kernel against it."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from streams import Stream, advance, empty_view, tokens
 
 from hf_fp8kv.kernels import outliers, triton_outliers
+from hf_fp8kv.kernels.triton_write import write_kv
 
 BATCH, HEADS, HEAD_DIM, SLOTS = 2, 3, 24, 96
 
@@ -39,7 +42,7 @@ def as_sets(outlier_set: outliers.OutlierSet) -> list[dict]:
     """Per (row, head): {position: (keys, values, score)}."""
     kv, positions, scores = outlier_set.kv, outlier_set.positions, outlier_set.scores
     return [{int(t): (kv[:, b, h, i], float(scores[b, h, i])) for i, t in enumerate(positions[b, h].tolist()) if t >= 0}
-            for b in range(BATCH) for h in range(HEADS)]  # fmt: skip
+            for b in range(positions.shape[0]) for h in range(positions.shape[1])]  # fmt: skip
 
 
 CASES = [
@@ -162,3 +165,78 @@ def test_the_kernel_refuses_strided_channels():
     candidates = torch.randn(2, BATCH, HEADS, HEAD_DIM, 3).transpose(-1, -2)  # channels 3 apart
     with pytest.raises(ValueError, match="contiguous channels"):
         triton_outliers.plan_settle(kept, 0, candidates, torch.zeros(BATCH, dtype=torch.int64))
+
+
+# decode steps written and judged in one launch (`triton_outliers.write_and_settle`): dynamic and static views, a
+# sliding layer's window over a linear buffer and a static ring, no recent buffer (the new token gets codes), a
+# recent buffer still filling (nothing gets codes at first), rotated codes, formats and model dtypes
+FUSED_CASES = [
+    (Stream(recent=4, updates=[30] + [1] * 8), dict(count=3)),
+    (Stream(recent=4, updates=[30] + [1] * 8, dtype=torch.bfloat16, fmt="fp8_e5m2", tiled=True), dict(count=4)),
+    (Stream(updates=[20] + [1] * 6, scale_dtype=torch.float32), dict(count=3)),
+    (Stream(recent=8, updates=[5] + [1] * 7), dict(count=2)),
+    (Stream(static=48, recent=4, updates=[20] + [1] * 8, tiled=True), dict(count=3)),
+    (Stream(static=16, ring=True, recent=3, updates=[10] + [1] * 10, tiled=True), dict(count=3, window=16)),
+    (Stream(recent=4, updates=[30] + [1] * 8, rotate=True, dtype=torch.float16), dict(count=3, window=12)),
+    (Stream(recent=4, updates=[30] + [1] * 6, fmt="fp8_e4m3fnuz"), dict(count=5)),
+]
+
+
+@pytest.mark.parametrize("stream, case", FUSED_CASES, ids=str)
+def test_a_decode_steps_write_and_judging_in_one_launch_are_write_then_settle(stream, case):
+    """Each step's codes, scales (their signs too), recent slots, statistics and static positions bit for bit
+    those of `write_kv` then `outliers.settle` of the token it gave codes (its exact rows read before the write;
+    an empty turn where none did), the sets the same (K/V exact, scores and norms to fp32 rounding)."""
+    window = case.get("window")
+    generator = torch.Generator().manual_seed(3)
+    kv = tokens(stream, generator)
+    view, stats = empty_view(stream, generator), torch.zeros(2, 2, dtype=torch.int64)
+    prefill = stream.updates[0]
+    write_kv(kv[0, :, :, :prefill], kv[1, :, :, :prefill], view, stats, advance=view.static)
+    if not view.static:
+        advance(view, stream, prefill)
+    count, first_real = case["count"], torch.tensor([2, 0])
+    ring = view.slots if stream.ring else 0
+    shape = (stream.batch, stream.kv_heads, count)
+    oracle = outliers.OutlierSet(
+        torch.zeros(2, *shape, stream.head_dim, dtype=stream.dtype), torch.full(shape, -1),
+        torch.full(shape, -math.inf), torch.zeros(2, *shape[:2]), view.scales[0], view.offset, ring,
+    )  # fmt: skip
+    coded = max(prefill - stream.recent, 0)
+    first_visible = prefill - window if window else None
+    outliers.settle(oracle, 0, kv[:, :, :, :coded], first_real, first_visible)  # (the prompt's, the same for both)
+    buffers = [name for name in ("codes", "scales", "recent", "positions") if getattr(view, name) is not None]
+    fused_view = dataclasses.replace(view, **{name: getattr(view, name).clone() for name in buffers})
+    if view.static:
+        fused_view.end, fused_view.recent_start = fused_view.positions[0], fused_view.positions[1]
+    fused = oracle._replace(kv=oracle.kv.clone(), positions=oracle.positions.clone(), scores=oracle.scores.clone(),
+                            norms=oracle.norms.clone(), key_scales=fused_view.scales[0])  # fmt: skip
+    fused_stats = stats.clone()
+    entered = []
+    for t in range(prefill, stream.length):
+        new = kv[:, :, :, t : t + 1]
+        recent_start = int(view.positions[1]) if view.static else view.recent_start
+        leaving = t - stream.recent
+        if stream.recent and leaving >= recent_start and leaving >= (0 if stream.ring else view.offset):
+            candidate, position = view.recent[:, :, :, leaving % stream.recent].clone()[:, :, :, None], leaving
+        elif stream.recent:
+            candidate, position = torch.zeros_like(new), -1
+        else:
+            candidate, position = new.clone(), t
+        entered += [position] if position >= 0 else []
+        write_kv(new[0], new[1], view, stats, advance=view.static)
+        if not view.static:
+            advance(view, stream, 1)
+        outliers.settle(oracle, torch.tensor([position]), candidate, first_real, t + 1 - window if window else None)
+        triton_outliers.write_and_settle(new[0], new[1], fused_view, fused_stats, fused, first_real, window)
+        if not view.static:
+            advance(fused_view, stream, 1)
+        for name in buffers:
+            assert torch.equal(getattr(fused_view, name).view(torch.uint8), getattr(view, name).view(torch.uint8)), t
+        assert torch.equal(fused_stats, stats)
+        for want, got in zip(as_sets(oracle), as_sets(fused)):
+            assert set(got) == set(want), t
+            for kept, (values, score) in want.items():
+                assert torch.equal(got[kept][0], values) and got[kept][1] == pytest.approx(score, rel=1e-5)
+        torch.testing.assert_close(fused.norms, oracle.norms, rtol=1e-6, atol=0)
+    assert entered and torch.isin(oracle.positions, torch.tensor(entered)).any()  # tokens of the steps won places
