@@ -333,7 +333,9 @@ def left_padding(batch: int, columns: int, device: torch.device) -> torch.Tensor
 def decode_write(layer: FP8Layer) -> tuple[KVView, list[Launch]]:
     """One decode step's write on `layer`: a random new token, stored by the layer's own update, whose launches
     `plan_write` plans again over the view that update wrote through (its buffers, room made; the positions
-    before it). Returns the view the step's attention reads, and those launches."""
+    before it; with outlier tokens, `plan_write_settle`: the write that judges them too). Returns the view the
+    step's attention reads, and those launches."""
+    from hf_fp8kv.kernels.triton_outliers import plan_write_settle
     from hf_fp8kv.kernels.triton_write import plan_write
 
     _, batch, heads, _, head_dim = layer.codes.shape
@@ -341,6 +343,10 @@ def decode_write(layer: FP8Layer) -> tuple[KVView, list[Launch]]:
     new = torch.randn(2, batch, heads, 1, head_dim, device=layer.codes.device, dtype=layer.dtype)
     stored, _ = layer.update(new[0], new[1])
     written = replace(layer.view(), end=before.end, recent_start=before.recent_start)
+    if layer.outlier_tokens:
+        first_real, window = layer.sink_start + layer.sink_tokens, layer.sliding_window if layer.is_sliding else None
+        outlier_set = layer.outlier_tracker.outlier_set(layer)
+        return stored.view, [plan_write_settle(new[0], new[1], written, layer.stats, outlier_set, first_real, window)]
     return stored.view, plan_write(new[0], new[1], written, layer.stats)
 
 
@@ -360,7 +366,7 @@ def decode_launches(report: Report, sizes: Sizes, device: torch.device, dry_run:
     for context in sizes.step_contexts:
         for batch in sizes.step_batches:
             cases = [(pure, False), (default, False)]
-            if batch == 1:  # the default window with 16 outlier tokens per KV head: their selection's launch too
+            if batch == 1:  # the default window with 16 outlier tokens per KV head (the write judges them)
                 cases.append((dict(outlier_tokens=16), False))
             if batch == max(sizes.step_batches) > 1:  # a left-padded batch: its rows' first real tokens differ
                 cases.append((default, True))
@@ -393,12 +399,6 @@ def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded
     tokens = 2 if view.recent is not None else 1  # the write reads the token leaving the recent buffer
     written = tokens * 2 * batch * sizes.kv_heads * sizes.head_dim * sizes.dtype.itemsize
     launches = [("-", launch, written) for launch in write]  # the write: the same whatever the stages
-    if layer.outlier_tokens:  # the outlier tokens' selection over the token leaving the recent ones
-        from hf_fp8kv.kernels.triton_outliers import plan_settle
-
-        pending, first_real = layer.outlier_tracker.pending, layer.sink_start + layer.sink_tokens
-        settle = plan_settle(layer.outlier_tracker.outlier_set(layer), pending.positions, pending.kv, first_real)
-        launches.append(("-", settle, pending.kv.nbytes))
     for stages in (3, 4):
         _, attention = plan_attention(query, view, scaling=sizes.head_dim**-0.5, mask=mask, stages=stages,
                                       resident_slots=sizes.resident_slots)  # fmt: skip

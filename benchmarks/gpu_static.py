@@ -290,7 +290,7 @@ def plan(
     if case.kind == "write":
         key, value = (torch.empty(shape, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
         stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
-        if case.outliers:  # a decode step's write that judges the token it gives codes (eager steps)
+        if case.outliers:  # a decode step's write that judges the token it gives codes
             shape = (case.batch, case.kv_heads, case.outliers)
             outlier_set = triton_outliers.OutlierSet(
                 view.outliers, view.outlier_pos, torch.empty(shape, device=device),
@@ -788,16 +788,12 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     one after another). The launches: the attention's (which writes the new token itself, a static cache's
     compiled graph's included; with outlier tokens or rotated codes, and on targets that do not compile it, a write
     launch of its own, which with outlier tokens judges the token it gives codes too), its reduce where the kernel
-    does not merge its splits; in a static cache's compiled graph with outlier tokens, the staging copy of the
-    token leaving the recent ones and the selection, torch ops its compiled step fuses: counted as one each."""
+    does not merge its splits."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
-    # (a static cache's compiled graph: its write op, the outlier tokens' staging and selection as torch ops)
-    compiled_outliers = case.outliers if case.static_cache else 0
-    write_case = dataclasses.replace(case, kind="write", q_len=1, outliers=case.outliers - compiled_outliers)
-    write = [] if launch.kwargs["WRITE"] else plan(write_case, gpu, device="meta")
-    launches = len(write) + len(attention) + 2 * bool(compiled_outliers)
+    write = [] if launch.kwargs["WRITE"] else plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
+    launches = len(write) + len(attention)
     clock, bandwidth = CLOCKS[gpu.arch], gpu.bandwidth
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize
     codes_bytes = tile_bytes(case, case.context - case.recent)

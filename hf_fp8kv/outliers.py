@@ -16,8 +16,8 @@ it). Every coded token keeps its codes; a kept one's key scale is stored negated
 The candidates are gathered in `stage`, before the write overwrites the recent slots they leave, and judged in
 `settle` (the layer's kernels: `kernels/outliers.py` on the torch path, one Triton launch on the other), once the
 attention mask has told the sink tracker where each row's real tokens begin (padding and sink tokens never
-enter). No host sync: static caches and CUDA graphs run it too. An eager decode step on the Triton path, once the
-sinks are known, writes and judges in one launch instead (`write_and_settle`: no staging copy).
+enter). No host sync: static caches and CUDA graphs run it too. A decode step on the Triton path, once the sinks
+are known, writes and judges in one launch instead (`write_and_settle`: no staging copy).
 """
 
 from __future__ import annotations
@@ -60,9 +60,13 @@ class OutlierTracker:
 
     @staticmethod
     def outlier_set(layer) -> OutlierSet:
-        ring = layer.code_slots if layer.is_sliding and layer.is_compileable else 0  # a static sliding layer's ring
         return OutlierSet(layer.outlier_kv, layer.outlier_pos[0], layer.outlier_score[0], layer.outlier_norms,
-                          layer.scale[0], getattr(layer, "offset", 0), ring)  # fmt: skip
+                          layer.scale[0], getattr(layer, "offset", 0), OutlierTracker.ring(layer))  # fmt: skip
+
+    @staticmethod
+    def ring(layer) -> int:
+        """The slots of a static sliding layer's ring of codes (else 0: a linear buffer)."""
+        return layer.code_slots if layer.is_sliding and layer.is_compileable else 0
 
     def clear(self, buffers: dict[str, torch.Tensor]) -> None:
         """Forget every outlier, in place (a static layer's reset, `buffers` its storage: the addresses stay)."""
@@ -100,15 +104,16 @@ class OutlierTracker:
 
     def write_and_settle(self, layer, view: KVView, key: torch.Tensor, value: torch.Tensor) -> bool:
         """A decode step's write and the judging of the token it gives codes, in one launch where the layer's
-        kernels have it (`kernels.write_and_settle`; no staging copy): each row's sinks known (padding and sinks
-        never enter) and no per-channel key scales (the exact keys are the states, as `stage` keeps them). Returns
-        whether it wrote the step."""
+        kernels have it (`kernels.write_and_settle`, a compiled graph's op too; no staging copy): each row's sinks
+        known (padding and sinks never enter) and no per-channel key scales (the exact keys are the states, as
+        `stage` keeps them). Returns whether it wrote the step."""
         if (not self.count or key.shape[2] != 1 or layer.key_channel_scale is not None
                 or not layer.sink_tracker.known or not layer.kernels.settles_in_write(view)):  # fmt: skip
             return False
         window = layer.sliding_window if layer.is_sliding else None
         first_real = layer.sink_start + layer.sink_tokens
-        layer.kernels.write_and_settle(key, value, view, layer.stats, self.outlier_set(layer), first_real, window)
+        buffers = tuple(getattr(layer, name) for name in BUFFERS)
+        layer.kernels.write_and_settle(key, value, view, layer.stats, buffers, self.ring(layer), first_real, window)
         return True
 
     def settle(self, layer) -> None:

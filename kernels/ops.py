@@ -118,7 +118,8 @@ class TorchLayerKernels:
 
     def settles_in_write(self, view: KVView) -> bool:
         """Whether a decode step's write judges the outlier token it gives codes too (`write_and_settle(key,
-        value, view, stats, outlier_set, first_real, window)`, `triton_outliers.write_and_settle`'s arguments)."""
+        value, view, stats, buffers, ring, first_real, window)`: `buffers` the layer's outlier buffers,
+        `hf_fp8kv/outliers.py`; the rest `triton_outliers.write_and_settle`'s)."""
         return False
 
     def __init__(self) -> None:
@@ -178,7 +179,7 @@ class TritonLayerKernels(TorchLayerKernels):
         self.decode_splits: dict[tuple, tuple[int, torch.Tensor | None]] = {}  # and the merge's tickets
         # (an import per call costs a decode step ~1 us)
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
-        self.write_and_settle = write_and_settle  # (`triton_outliers.write_and_settle`: the call as it is)
+        self._write_and_settle = write_and_settle
         self._writes_in_launch, self._target = writes_in_launch, query_target
         # registered before any graph is traced (a compiled step that registered them met `torch.library.triton_op`,
         # which dynamo refuses to trace: reached through `functools.cache`, the registration runs again)
@@ -207,9 +208,16 @@ class TritonLayerKernels(TorchLayerKernels):
         return self._writes_in_launch(view, new_tokens, self._target(view.codes))
 
     def settles_in_write(self, view: KVView) -> bool:
-        # one launch where three were (the staging copy, the write, the selection); a compiled graph keeps its
-        # write op and the selection's torch ops, which it fuses
-        return not torch.compiler.is_compiling()
+        return True  # one launch where three were (the staging copy, the write, the selection)
+
+    def write_and_settle(self, key, value, view: KVView, stats, buffers: tuple, ring: int, first_real, window) -> None:
+        if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
+            self._ops.write_settle(key, value, view.codes, view.scales, view.recent, stats, view.positions, *buffers,
+                                   first_real, view.fmt.name, view.ring, view.rotate, ring, window or 0)  # fmt: skip
+            return
+        kv, positions, scores, norms = buffers
+        outlier_set = outliers.OutlierSet(kv, positions[0], scores[0], norms, view.scales[0], view.offset, ring)
+        self._write_and_settle(key, value, view, stats, outlier_set, first_real, window)
 
     def attend(
         self, query: torch.Tensor, view: KVView, *, scaling: float, mask=None, window=None, softcap=None,
@@ -306,7 +314,7 @@ def _decode_splits(query: torch.Tensor, view: KVView) -> tuple[int, torch.Tensor
 # --- the same operations as custom ops, for torch.compile graphs --------------------------------------------------
 @functools.cache
 def triton_ops():
-    """`torch.ops.hf_fp8kv`: `write` and `attend` registered with `torch.library.triton_op` (on first use), over
+    """`torch.ops.hf_fp8kv`: `write`, `write_settle` and `attend` registered with `torch.library.triton_op`, over
     a static view's flat tensors, so that `torch.compile` puts the Triton kernels in its graph (and CUDA graphs
     capture them) without tracing the launchers' Python.
 
@@ -316,9 +324,11 @@ def triton_ops():
     every buffer keeps its address (marked static), and nothing syncs with the host.
     """
     from .triton_attention import AttentionPlan
+    from .triton_outliers import plan_write_settle
     from .triton_write import WritePlan
 
     written = {"codes", "scales", "recent", "stats", "positions"}  # (the attention op's too, where it writes)
+    outlier_buffers = {"outlier_kv", "outlier_pos", "outlier_score", "outlier_norms"}
 
     @torch.library.triton_op("hf_fp8kv::write", mutates_args=written)
     def write_op(
@@ -329,6 +339,20 @@ def triton_ops():
         view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
         for launch in WritePlan(key, value, view, stats, advance=True).launches(key, value, view, stats):
             launch.run(traced=True)
+
+    @torch.library.triton_op("hf_fp8kv::write_settle", mutates_args={*written, *outlier_buffers})
+    def write_settle_op(
+        key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+        recent: torch.Tensor | None, stats: torch.Tensor, positions: torch.Tensor, outlier_kv: torch.Tensor,
+        outlier_pos: torch.Tensor, outlier_score: torch.Tensor, outlier_norms: torch.Tensor, first_real: torch.Tensor,
+        fmt: str, ring: bool, rotate: bool, set_ring: int, window: int,
+    ) -> None:  # fmt: skip
+        """A decode step's write that judges the outlier token it gives codes (`triton_outliers.write_and_settle`;
+        the outlier buffers as a layer holds them, `hf_fp8kv/outliers.py`; `set_ring` the set's ring)."""
+        view = _static_view(codes, scales, positions, fmt, True, ring, rotate, recent)
+        outlier_set = outliers.OutlierSet(outlier_kv, outlier_pos[0], outlier_score[0], outlier_norms, scales[0], 0,
+                                          set_ring)  # fmt: skip
+        plan_write_settle(key, value, view, stats, outlier_set, first_real, window or None).run(traced=True)
 
     @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets", *written})
     def attend_op(

@@ -1,6 +1,7 @@
-"""Triton kernel of the outlier tokens' selection (`outliers.settle`, its oracle): one launch per update, one program
-per (row, KV head) that walks the update's candidates in order and keeps its set in registers. The torch version
-takes some 30 small ops per layer and step, each a launch on a GPU.
+"""Triton kernels of the outlier tokens' selection (`outliers.settle`, its oracle): one launch per update, one program
+per (row, KV head) that walks the update's candidates in order and keeps its set in registers (the torch version
+takes some 30 small ops per layer and step, each a launch on a GPU); and a decode step's write that judges the token
+it gives codes in the same launch (`write_and_settle`: `triton_write.write_kv`, then `settle`).
 """
 
 from __future__ import annotations

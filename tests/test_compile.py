@@ -60,15 +60,16 @@ def opaque_triton_ops():
     is traced around the registered ops, and `aot_eager` runs them."""
     real, calls = ops.triton_ops(), []
     library = torch.library.Library("hf_fp8kv_cpu", "DEF")
-    for name in ("write", "attend"):
+    for name in ("write", "write_settle", "attend"):
         library.define(str(getattr(real, name).default._schema).split("::", 1)[1])
 
         def run(*args, name=name):
-            calls.append(args[14] is not None if name == "attend" else "write")  # (attend's 15th: the new key)
+            calls.append(args[14] is not None if name == "attend" else name)  # (attend's 15th: the new key)
             return getattr(real, name)(*args)
 
         library.impl(name, run, "CPU")
-    torch.library.register_fake("hf_fp8kv_cpu::write", lambda *args: None, lib=library)
+        if name != "attend":
+            torch.library.register_fake(f"hf_fp8kv_cpu::{name}", lambda *args: None, lib=library)
     # (the real output's layout: [batch, q_len, heads, head_dim] memory)
     torch.library.register_fake("hf_fp8kv_cpu::attend", lambda query, *args: torch.empty_like(query.transpose(1, 2),
                                 memory_format=torch.contiguous_format).transpose(1, 2), lib=library)  # fmt: skip
@@ -79,13 +80,13 @@ def opaque_triton_ops():
 @pytest.mark.parametrize("model_type, settings, step_calls", [
     ("llama", {}, [True]),  # the attention op writes the step's token
     ("gemma3_text", {}, [True, True]),  # a sliding layer's ring, a full layer
-    ("gemma3_text", dict(outlier_tokens=3), ["write", False] * 2),  # the outlier tokens' staging between the two
+    ("gemma3_text", dict(outlier_tokens=3), ["write_settle", False] * 2),  # the write judges the outlier tokens
     ("gemma3_text", dict(rotate=True, sink_tokens=0), ["write", False] * 2),  # rotated codes: a write op of its own
 ])  # fmt: skip
 def test_compiled_static_decode_on_the_triton_path(opaque_triton_ops, monkeypatch, model_type, settings, step_calls):
     """The Triton path's compiled decode step (the registered ops in one graph, no break) decodes the eager static
-    cache's tokens, and writes each step's token in its attention op where the eager step writes it in the
-    attention launch."""
+    cache's tokens, with the eager step's launches: each step's token written by its attention op where the eager
+    step writes it in the attention launch, else by a write op (which judges the outlier tokens too)."""
     namespace, calls = opaque_triton_ops
     monkeypatch.setattr(ops, "triton_ops", lambda: namespace)  # (the layers' kernels take it when made)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

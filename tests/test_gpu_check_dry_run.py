@@ -27,7 +27,8 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     assert re.search(r"slope ratio ours / DynamicCache: -?\d+\.\d+", report)
     assert "ours e4m3 per-token-head host us/layer" in report  # the host side of a decode step, per layer
     launches = report.split("## (h) decode step launches")[1].split("\n## ")[0]
-    for launch in ("write", "attention", "reduce", "settle"):  # a timed line per launch: us, bytes read, GB/s, % of copy
+    # a timed line per launch: us, bytes read, GB/s, % of copy (write_settle: the write with outlier tokens)
+    for launch in ("write", "attention", "reduce", "write_settle"):
         assert re.search(rf"^.*\b{launch}\b +\S+ +\d+\.\d +\d+\.\d{{3}} +\d+ +\d+%", launches, re.M), launch
     assert re.search(r"left-padded +4 +attention", launches)  # the left-padded step, at STAGES 4 too
     paged = report.split("## (i) paged decode")[1].split("\n## ")[0]  # one program per request, then 3 splits

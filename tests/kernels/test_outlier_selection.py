@@ -7,7 +7,7 @@ import pytest
 import torch
 from streams import Stream, advance, empty_view, tokens
 
-from hf_fp8kv.kernels import outliers, triton_outliers
+from hf_fp8kv.kernels import ops, outliers, triton_outliers
 from hf_fp8kv.kernels.triton_write import write_kv
 
 BATCH, HEADS, HEAD_DIM, SLOTS = 2, 3, 24, 96
@@ -186,7 +186,8 @@ FUSED_CASES = [
 def test_a_decode_steps_write_and_judging_in_one_launch_are_write_then_settle(stream, case):
     """Each step's codes, scales (their signs too), recent slots, statistics and static positions bit for bit
     those of `write_kv` then `outliers.settle` of the token it gave codes (its exact rows read before the write;
-    an empty turn where none did), the sets the same (K/V exact, scores and norms to fp32 rounding)."""
+    an empty turn where none did), the sets the same (K/V exact, scores and norms to fp32 rounding). Static views
+    through the registered op a compiled graph calls (the eager static step's launch: the dynamic views')."""
     window = case.get("window")
     generator = torch.Generator().manual_seed(3)
     kv = tokens(stream, generator)
@@ -228,7 +229,14 @@ def test_a_decode_steps_write_and_judging_in_one_launch_are_write_then_settle(st
         if not view.static:
             advance(view, stream, 1)
         outliers.settle(oracle, torch.tensor([position]), candidate, first_real, t + 1 - window if window else None)
-        triton_outliers.write_and_settle(new[0], new[1], fused_view, fused_stats, fused, first_real, window)
+        if view.static:  # the registered op a compiled graph calls (over a layer's buffers: leading 1s)
+            ops.triton_ops().write_settle(
+                new[0], new[1], fused_view.codes, fused_view.scales, fused_view.recent, fused_stats,
+                fused_view.positions, fused.kv, fused.positions[None], fused.scores[None], fused.norms, first_real,
+                fused_view.fmt.name, fused_view.ring, fused_view.rotate, ring, window or 0,
+            )  # fmt: skip
+        else:
+            triton_outliers.write_and_settle(new[0], new[1], fused_view, fused_stats, fused, first_real, window)
         if not view.static:
             advance(fused_view, stream, 1)
         for name in buffers:
