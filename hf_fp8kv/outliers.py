@@ -108,7 +108,7 @@ class OutlierTracker:
         known (padding and sinks never enter) and no per-channel key scales (the exact keys are the states, as
         `stage` keeps them). Returns whether it wrote the step."""
         if (not self.count or key.shape[2] != 1 or layer.key_channel_scale is not None
-                or not layer.sink_tracker.known or not layer.kernels.settles_in_write(view)):  # fmt: skip
+                or not layer.sink_tracker.known or not layer.kernels.settles_in_write):  # fmt: skip
             return False
         window = layer.sliding_window if layer.is_sliding else None
         first_real = layer.sink_start + layer.sink_tokens

@@ -111,15 +111,13 @@ class TorchLayerKernels:
     settle_outliers = staticmethod(outliers.settle)  # judge the tokens that got codes (`outliers.settle`)
     value_tiled = False  # the value codes' layout of the buffers a layer allocates (`KVView.value_tiled`)
     advances_positions = False  # whether `write` moves a static view's device positions past the new tokens
+    # whether a decode step's write judges the outlier token it gives codes too (`write_and_settle(key, value, view,
+    # stats, buffers, ring, first_real, window)`: `buffers` the layer's outlier buffers, `hf_fp8kv/outliers.py`;
+    # the rest `triton_outliers.write_and_settle`'s)
+    settles_in_write = False
 
     def writes_in_attention(self, view: KVView, new_tokens: int) -> bool:
         """Whether an update's write is left to the attention that reads it (`attend(new_token=...)`)."""
-        return False
-
-    def settles_in_write(self, view: KVView) -> bool:
-        """Whether a decode step's write judges the outlier token it gives codes too (`write_and_settle(key,
-        value, view, stats, buffers, ring, first_real, window)`: `buffers` the layer's outlier buffers,
-        `hf_fp8kv/outliers.py`; the rest `triton_outliers.write_and_settle`'s)."""
         return False
 
     def __init__(self) -> None:
@@ -166,6 +164,7 @@ class TritonLayerKernels(TorchLayerKernels):
 
     value_tiled = True
     advances_positions = True  # (the write kernel's last program: no launch of their own)
+    settles_in_write = True  # one launch where three were (the staging copy, the write, the selection)
 
     def __init__(self, fp8_prefill: bool = False) -> None:
         from .triton_attention import attention, writes_in_launch
@@ -206,9 +205,6 @@ class TritonLayerKernels(TorchLayerKernels):
     def writes_in_attention(self, view: KVView, new_tokens: int) -> bool:
         # a decode step: one launch where two were (in a compiled graph, its attention op's)
         return self._writes_in_launch(view, new_tokens, self._target(view.codes))
-
-    def settles_in_write(self, view: KVView) -> bool:
-        return True  # one launch where three were (the staging copy, the write, the selection)
 
     def write_and_settle(self, key, value, view: KVView, stats, buffers: tuple, ring: int, first_real, window) -> None:
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
