@@ -248,3 +248,21 @@ def test_a_decode_steps_write_and_judging_in_one_launch_are_write_then_settle(st
                 assert torch.equal(got[kept][0], values) and got[kept][1] == pytest.approx(score, rel=1e-5)
         torch.testing.assert_close(fused.norms, oracle.norms, rtol=1e-6, atol=0)
     assert entered and torch.isin(oracle.positions, torch.tensor(entered)).any()  # tokens of the steps won places
+
+
+def test_a_write_that_settles_refuses_what_it_cannot_do_by_name():
+    """More than one new token, scales that are not per token, strided outlier buffers: each refused, naming it."""
+    stream = Stream(recent=4, updates=[10])
+    view, stats = empty_view(stream, torch.Generator().manual_seed(0)), torch.zeros(2, 2, dtype=torch.int64)
+    kept = outliers.OutlierSet(torch.zeros(2, 2, 2, 3, 80), torch.full((2, 2, 3), -1), torch.full((2, 2, 3), -math.inf),
+                               torch.zeros(2, 2, 2), view.scales[0], 0)  # fmt: skip
+    first_real, new = torch.zeros(2, dtype=torch.int64), torch.randn(2, 2, 2, 2, 80)
+    with pytest.raises(ValueError, match="takes one new token and per-token scales, got 2 tokens"):
+        triton_outliers.plan_write_settle(new[0], new[1], view, stats, kept, first_real)
+    per_head = Stream(recent=4, updates=[10], scales="per-head")
+    static_view = empty_view(per_head, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="per_token=False"):
+        triton_outliers.plan_write_settle(new[0, :, :, :1], new[1, :, :, :1], static_view, stats, kept, first_real)
+    strided = kept._replace(kv=torch.zeros(2, 2, 2, 80, 3).transpose(-1, -2))
+    with pytest.raises(ValueError, match="contiguous channels"):
+        triton_outliers.plan_write_settle(new[0, :, :, :1], new[1, :, :, :1], view, stats, strided, first_real)
