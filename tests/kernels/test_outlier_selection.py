@@ -250,6 +250,28 @@ def test_a_decode_steps_write_and_judging_in_one_launch_are_write_then_settle(st
     assert entered and torch.isin(oracle.positions, torch.tensor(entered)).any()  # tokens of the steps won places
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing of Triton kernels needs a GPU")
+def test_registered_write_settle_traces_for_torch_compile():
+    """`hf_fp8kv::write_settle` (a compiled static step with outlier tokens) passes torch's op checks: its fake
+    version's outputs and the buffers it declares it writes."""
+    stream = Stream(static=48, recent=4, updates=[20], tiled=True)
+    view = empty_view(stream, torch.Generator().manual_seed(0), device="cuda")
+    kv = tokens(stream, torch.Generator().manual_seed(1)).cuda()
+    stats = torch.zeros(2, 2, dtype=torch.int64, device="cuda")
+    write_kv(kv[0], kv[1], view, stats, advance=True)
+    shape = (stream.batch, stream.kv_heads, 3)
+    args = (
+        kv[0, :, :, -1:], kv[1, :, :, -1:], view.codes, view.scales, view.recent, stats, view.positions,
+        torch.zeros(2, *shape, stream.head_dim, dtype=stream.dtype, device="cuda"),
+        torch.full((1, *shape), -1, device="cuda"), torch.full((1, *shape), -math.inf, device="cuda"),
+        torch.zeros(2, *shape[:2], device="cuda"), torch.zeros(stream.batch, dtype=torch.int64, device="cuda"),
+        view.fmt.name, view.ring, view.rotate, 0, 0,
+    )  # fmt: skip
+    torch.library.opcheck(
+        ops.triton_ops().write_settle.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic")
+    )
+
+
 def test_a_write_that_settles_refuses_what_it_cannot_do_by_name():
     """More than one new token, scales that are not per token, strided outlier buffers: each refused, naming it."""
     stream = Stream(recent=4, updates=[10])
