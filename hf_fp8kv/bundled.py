@@ -43,13 +43,27 @@ def smollm2_gguf() -> Path:
 
 def converted_dir(name: str, gguf: Path | Callable[[], Path]) -> Path:
     """A dense safetensors copy of the GGUF file `gguf` (a path, or a function giving it, called only when the
-    copy is made on first use), loadable with `from_pretrained`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    copy is made on first use), loadable with `from_pretrained`. Processes that want it at once (test workers)
+    make it one at a time under a lock file: the first makes it, the others wait and read it."""
+    from filelock import FileLock
 
     target = cache_root() / name
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+    if _converted(target):
         return target
-    gguf_path = gguf() if callable(gguf) else gguf
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.with_name(target.name + ".lock")):
+        if not _converted(target):
+            _convert(gguf() if callable(gguf) else gguf, target)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent,
@@ -61,7 +75,6 @@ def converted_dir(name: str, gguf: Path | Callable[[], Path]) -> Path:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(target)
-    return target
 
 
 def smollm2_dir() -> Path:
