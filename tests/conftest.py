@@ -8,6 +8,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (scripts/test.sh: -n auto) each worker gets its share of the cores for torch's threads, and so
+# do the processes it starts (a notebook's kernel, a script's pytest): the workers do not oversubscribe the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 # HF_FP8KV_SKIP_MISSING_MODELS=1 (scripts/gpu_acceptance.sh, on a machine the bundled models' packages cannot reach):
 # a test that needs one of them is skipped, naming it; everywhere else it fails
