@@ -123,7 +123,10 @@ class SearchedCodes(DynamicCache):
 def main() -> None:
     parser = decode_probe_parser(__doc__)
     parser.add_argument("--mode", choices=("prefill", "decode"), default="decode")
-    parser.add_argument("--weights-text", default="sample", help="prefill mode: the text the query weights come from")
+    parser.add_argument("--weights-text", default="sample", help="the text the query weights come from (prefill "
+                        "mode; decode mode with --decode-weights text)")
+    parser.add_argument("--decode-weights", choices=("prompt", "text"), default="prompt",
+                        help="decode mode: the weights from the prompt's queries, or from --weights-text's prefill")
     parser.add_argument("--rows", type=int, nargs="*", help="the rows to run, by index (default: all)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -132,9 +135,10 @@ def main() -> None:
     attention = QueryWeights()
     AttentionInterface.register("fp8kv_scale_search_probe", attention)
     model.set_attn_implementation("fp8kv_scale_search_probe")
-    if args.mode == "prefill":
+    if args.mode == "prefill" or args.decode_weights == "text":
         prefill(model, tokenizer, args.weights_text, args.tokens)
         attention.recording = False
+    if args.mode == "prefill":
         reference_logits, targets = prefill(model, tokenizer, args.text, args.tokens)
     else:
         ids = tokenizer(TEXTS[args.text](), return_tensors="pt").input_ids[:, : args.tokens]
@@ -149,13 +153,14 @@ def main() -> None:
             logits = prefill(model, tokenizer, args.text, args.tokens)[0]
             attention.setting = None
         else:
-            attention.weights.clear()  # the prompt's queries, recorded in this run's prefill
+            if attention.recording:
+                attention.weights.clear()  # the prompt's queries, recorded in this run's prefill
             logits = decode_mode_logits(model, ids, args.prefix, SearchedCodes(model, setting, attention.weights))
         q = quality(reference_logits, logits, targets)
         rows.append({"K/V (e4m3, per-token-head bf16 scales)": name} | quality_columns(q)
                     | {"ppl delta": f"{q.ppl_delta_pct:+.2f}%"})  # fmt: skip
         print(index, rows[-1], flush=True)
-    weights = f"the query weights from '{args.weights_text}'" if args.mode == "prefill" else "the prompt's queries"
+    weights = "the prompt's queries" if attention.recording else f"the query weights from '{args.weights_text}'"
     against = "one prefill against the exact model" if args.mode == "prefill" else (
         f"decode mode ({args.prefix} prefilled) against DynamicCache")  # fmt: skip
     print(f"{label}, '{args.text}' ({args.tokens} tokens), {against}; {weights}")
