@@ -60,8 +60,13 @@ class OutlierTracker:
 
     @staticmethod
     def outlier_set(layer) -> OutlierSet:
-        return OutlierSet(layer.outlier_kv, layer.outlier_pos[0], layer.outlier_score[0], layer.outlier_norms,
-                          layer.scale[0], getattr(layer, "offset", 0), OutlierTracker.ring(layer))  # fmt: skip
+        offset = getattr(layer, "offset", 0)
+        return OutlierSet.of_buffers(OutlierTracker.buffers(layer), layer.scale[0], offset, OutlierTracker.ring(layer))
+
+    @staticmethod
+    def buffers(layer) -> tuple[torch.Tensor, ...]:
+        """The layer's outlier buffers, in `BUFFERS`' order."""
+        return tuple(getattr(layer, name) for name in BUFFERS)
 
     @staticmethod
     def ring(layer) -> int:
@@ -112,8 +117,8 @@ class OutlierTracker:
             return False
         window = layer.sliding_window if layer.is_sliding else None
         first_real = layer.sink_start + layer.sink_tokens
-        buffers = tuple(getattr(layer, name) for name in BUFFERS)
-        layer.kernels.write_and_settle(key, value, view, layer.stats, buffers, self.ring(layer), first_real, window)
+        layer.kernels.write_and_settle(key, value, view, layer.stats, self.buffers(layer), self.ring(layer), first_real,
+                                       window)  # fmt: skip
         return True
 
     def settle(self, layer) -> None:

@@ -211,8 +211,7 @@ class TritonLayerKernels(TorchLayerKernels):
             self._ops.write_settle(key, value, view.codes, view.scales, view.recent, stats, view.positions, *buffers,
                                    first_real, view.fmt.name, view.ring, view.rotate, ring, window or 0)  # fmt: skip
             return
-        kv, positions, scores, norms = buffers
-        outlier_set = outliers.OutlierSet(kv, positions[0], scores[0], norms, view.scales[0], view.offset, ring)
+        outlier_set = outliers.OutlierSet.of_buffers(buffers, view.scales[0], view.offset, ring)
         self._write_and_settle(key, value, view, stats, outlier_set, first_real, window)
 
     def attend(
@@ -346,8 +345,8 @@ def triton_ops():
         """A decode step's write that judges the outlier token it gives codes (`triton_outliers.write_and_settle`;
         the outlier buffers as a layer holds them, `hf_fp8kv/outliers.py`; `set_ring` the set's ring)."""
         view = _static_view(codes, scales, positions, fmt, True, ring, rotate, recent)
-        outlier_set = outliers.OutlierSet(outlier_kv, outlier_pos[0], outlier_score[0], outlier_norms, scales[0], 0,
-                                          set_ring)  # fmt: skip
+        buffers = (outlier_kv, outlier_pos, outlier_score, outlier_norms)
+        outlier_set = outliers.OutlierSet.of_buffers(buffers, scales[0], 0, set_ring)
         plan_write_settle(key, value, view, stats, outlier_set, first_real, window or None).run(traced=True)
 
     @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets", *written})

@@ -31,6 +31,13 @@ class OutlierSet(NamedTuple):
     offset: int
     ring: int = 0
 
+    @classmethod
+    def of_buffers(cls, buffers: tuple, key_scales: torch.Tensor, offset: int, ring: int) -> OutlierSet:
+        """The set over a layer's outlier buffers (kv, positions, scores, norms; positions and scores with a
+        leading 1, as a layer holds them: `hf_fp8kv/outliers.py`)."""
+        kv, positions, scores, norms = buffers
+        return cls(kv, positions[0], scores[0], norms, key_scales, offset, ring)
+
 
 class KeptSet(NamedTuple):
     """Outlier sets of `[rows, kv_heads]`: their tokens' K/V `[2, rows, kv_heads, N, head_dim]`, positions `[rows,
