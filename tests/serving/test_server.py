@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ pytest.importorskip("transformers.cli.serve", reason="this transformers has no `
 
 from hf_fp8kv import QuantizedFP8Cache  # noqa: E402
 from hf_fp8kv.evaluate import greedy_with_logits, topk_rule  # noqa: E402
+from hf_fp8kv.serving.server import page_state  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
 from tests.prompts import PROMPTS  # noqa: E402
 
@@ -270,17 +272,45 @@ def test_bad_requests_get_a_4xx_naming_the_problem(served, body, status, named):
     assert served.pages()["worker_alive"]
 
 
+@contextmanager
+def holding_after_a_step(served, condition):
+    """The generation thread holds after the first step whose page state meets `condition`, until `release` is
+    set (at the latest when the block exits): yields the events (`held`, `release`). A state that lasts a few
+    decode steps (the tiny model's take milliseconds) is shorter than a poll of `/fp8kv/pages` on a busy
+    machine."""
+    processor = served.server.manager._cb.batch_processor
+    held, release = threading.Event(), threading.Event()
+    update_batch = processor.update_batch
+
+    def update_then_hold():
+        update_batch()
+        if not held.is_set() and condition(page_state(served.server.manager)):
+            held.set()
+            release.wait(REQUEST_TIMEOUT_S)  # (the test fails on its side if it never releases)
+
+    processor.update_batch = update_then_hold
+    try:
+        yield held, release
+    finally:
+        release.set()
+        processor.update_batch = update_batch
+
+
 def test_a_request_arriving_while_the_pages_are_full_waits_and_completes(served):
     """Two long requests outgrow the pages together (one is preempted and recomputed); a short one sent while
     every block is taken waits for room, and all three complete."""
     served.wait_until(is_idle, "idle")
-    long_ones = []
-    with ThreadPoolExecutor(3) as pool:
-        for n in (1, 2):  # ~480 prompt tokens + 100 new, the newest 128 in no block: 2 x 29 blocks against 48
-            long_ones.append(pool.submit(served.chat, f"{n} " + long_prompt(LONG_WORDS), 100))
-        full = served.wait_until(lambda s: s["blocks_in_use"] == NUM_BLOCKS, "every block taken")
-        assert full["active_requests"] + full["waiting_requests"] == 2
-        request_id, text, finish = served.chat(PROMPTS[3], 5)
+    every_block_taken = holding_after_a_step(served, lambda s: s["blocks_in_use"] == NUM_BLOCKS)
+    with ThreadPoolExecutor(3) as pool, every_block_taken as (held, release):  # (released before the pool waits)
+        # ~480 prompt tokens + 100 new, the newest 128 in no block: 2 x 29 blocks against 48
+        long_ones = [pool.submit(served.chat, f"{n} " + long_prompt(LONG_WORDS), 100) for n in (1, 2)]
+        assert held.wait(60), f"every block taken not reached in 60 s: {served.pages()}"
+        full = served.pages()  # (a still picture while the generation thread holds)
+        assert full["blocks_in_use"] == NUM_BLOCKS and full["active_requests"] + full["waiting_requests"] == 2
+        short_one = pool.submit(served.chat, PROMPTS[3], 5)
+        served.wait_until(lambda s: s["waiting_requests"] > full["waiting_requests"], "the short request queued")
+        release.set()
+        request_id, text, finish = short_one.result(timeout=REQUEST_TIMEOUT_S)
         results = [future.result(timeout=REQUEST_TIMEOUT_S) for future in long_ones]
     assert finish == "length" and text
     assert [r[2] for r in results] == ["length", "length"]
@@ -311,11 +341,13 @@ def test_dropping_the_running_stream_after_a_preemption_admits_the_others(served
             finish = chunk.choices[0].finish_reason if chunk.choices else finish
         return chunk.id, finish
 
-    with ThreadPoolExecutor(2) as pool:
+    a_preemption = holding_after_a_step(served, lambda s: s["block_new_requests"])
+    with ThreadPoolExecutor(2) as pool, a_preemption as (held, release):
         long_ones = [pool.submit(chat_until_told, n) for n in (1, 2)]
-        served.wait_until(lambda s: s["block_new_requests"], "a preemption")
+        assert held.wait(60), f"no preemption in 60 s: {served.pages()}"
         (running,) = served.server.manager._cb.batch_processor.scheduler.active_requests
         drop.setdefault(running, threading.Event()).set()
+        release.set()
         results = dict(future.result(timeout=60) for future in long_ones)
     (preempted,) = set(results) - {running}
     assert results == {running: None, preempted: "length"}
