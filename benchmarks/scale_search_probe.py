@@ -10,18 +10,19 @@ to bf16, as the cache stores scales), as the one with the least error:
 - `query`: the same, each channel weighted by the queries' mean square on it (per layer and KV head): the error
   a key adds to `q.k` is `sum_c q_c e_c`, whose mean square over queries is about `sum_c E[q_c^2] e_c^2`.
   The weights come from other queries than the ones measured: in `--mode prefill` another text's prefill
-  (`--weights-text`), in `--mode decode` the prompt's own (the `--prefix` tokens' queries, which a cache sees
-  in its prefill's attention).
+  (`--weights-text`); in `--mode decode` as `--decode-weights` says (`DECODE_WEIGHTS`): the prompt's, another
+  text's, or a running mean of every query the layer saw.
 
 Values take `mse` where a row says so (their error reaches the output as `sum_t p_t e_t`, unweighted).
 
 `--mode prefill`: one prefill of `--tokens` tokens, every layer's K/V read back as stored, against the exact
-model (as `rotation_probe.py`). `--mode decode`: the prompt prefilled, then every later token one at a time, the
-whole past read back as stored at every step, against DynamicCache (as `block_centring_probe.py`). A probe, not a
-cache option.
+model (as `rotation_probe.py`). `--mode decode`: the prompt prefilled, then every later token one at a time,
+against DynamicCache; each token coded once, when it leaves the `--recent` newest tokens (the first `--sinks`
+stay exact), under the query weights of that moment, as a cache would write it. A probe, not a cache option.
 
     python benchmarks/scale_search_probe.py --model gemma3 --mode prefill --tokens 512
     python benchmarks/scale_search_probe.py --model gemma3 --mode decode --tokens 640 --rows 0 2 4
+    python benchmarks/scale_search_probe.py --model gemma3 --tokens 1152 --decode-weights running --rows 0 5
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ ROWS = {
     "keys and values searched (mse), 16 per octave": ("mse", "mse", 16),
     "keys searched against the queries' weights, values (mse), 8 per octave": ("query", "mse", 8),
     "keys searched against the queries' weights, values (mse), 16 per octave": ("query", "mse", 16),
+}
+# decode mode's query weights: where they come from, and when a token is coded against them
+DECODE_WEIGHTS = {
+    "prompt": "the prompt's queries (its tokens coded after its attention)",
+    "text": "the queries of --weights-text's prefill",
+    "running": "a running mean of every query the layer saw before the token was coded (the prompt's own tokens "
+               "coded before its attention: unweighted)",
+    "running-deferred": "a running mean of every query the layer saw, the coding token's step included (the "
+                         "write in the attention launch)",
 }
 
 
@@ -79,21 +89,39 @@ def read_back(x: torch.Tensor, error: str | None, steps: int, weight: torch.Tens
 
 class QueryWeights:
     """An attention function (transformers' interface) that records each layer's mean square query per KV head
-    and channel from the first call with more than one query (a prefill), then attends; with
-    `setting` (prefill mode) it reads K/V back as stored first. Attention in fp32 (`reference.attention`)."""
+    and channel, then attends in fp32 (`reference.attention`).
 
-    def __init__(self) -> None:
-        self.weights: dict[int, torch.Tensor] = {}
+    Recorded: with `running`, every query the layer sees (a running mean); else the first call with more than one
+    query (a prefill) only. With `setting` (prefill mode) it reads K/V back as stored first. With `cache` (decode
+    mode, a `CodedOnce`) it attends to the cache's tokens as stored, coded by `cache.code` here, once each: with
+    `deferred` after this call's queries are recorded (a write in the attention launch), else before (a write by
+    the cache's update, before the attention)."""
+
+    def __init__(self, running: bool = False, deferred: bool = False) -> None:
+        self.sums: dict[int, tuple[torch.Tensor, int]] = {}
         self.setting: tuple | None = None
-        self.recording = True
+        self.cache: CodedOnce | None = None
+        self.recording, self.running, self.deferred = True, running, deferred
+
+    @property
+    def weights(self) -> dict[int, torch.Tensor]:
+        return {layer: total / count for layer, (total, count) in self.sums.items()}
+
+    def _record(self, layer: int, query: torch.Tensor, kv_heads: int) -> None:
+        if not self.recording or (not self.running and (layer in self.sums or query.shape[2] == 1)):
+            return
+        squares = (query.float() ** 2).unflatten(1, (kv_heads, -1))
+        total, count = self.sums.get(layer, (0.0, 0))
+        self.sums[layer] = (total + squares.sum((0, 2, 3))[None, :, None], count + squares[0, 0, :, :, 0].numel())
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                  **kwargs):  # fmt: skip
         layer = module.layer_idx
-        if self.recording and layer not in self.weights and query.shape[2] > 1:
-            group = query.shape[1] // key.shape[1]
-            squares = (query.float() ** 2).unflatten(1, (key.shape[1], group))
-            self.weights[layer] = squares.mean((0, 2, 3))[None, :, None]
+        if self.cache is not None and not self.deferred:
+            key, value = self.cache.code(layer, key.shape[2], self.weights.get(layer))
+        self._record(layer, query, key.shape[1])
+        if self.cache is not None and self.deferred:
+            key, value = self.cache.code(layer, key.shape[2], self.weights.get(layer))
         if self.setting is not None:
             key_error, value_error, steps = self.setting
             key = read_back(key, key_error, steps, self.weights.get(layer))
@@ -103,20 +131,38 @@ class QueryWeights:
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-class SearchedCodes(DynamicCache):
-    """DynamicCache whose `update` returns the whole past as read back from codes under searched scales (decode
-    mode; the keys' weights: `weights`' for the layer once recorded, else `mse`)."""
+class CodedOnce(DynamicCache):
+    """DynamicCache (which keeps the exact K/V, sliding layers as transformers does) beside each layer's tokens as
+    the FP8 cache would read them back: a token is coded once, when it leaves the newest `recent` tokens, under
+    the layer's query weights of that moment (`code`); the first `sinks` tokens and the newest `recent` stay
+    exact."""
 
-    def __init__(self, model, setting: tuple, weights: dict[int, torch.Tensor]) -> None:
+    def __init__(self, model, setting: tuple, recent: int = 0, sinks: int = 0) -> None:
         super().__init__(config=model.config)
-        self.setting, self.weights = setting, weights
+        self.setting, self.recent, self.sinks = setting, recent, sinks
+        self.exact: dict[int, list[torch.Tensor]] = {}  # layer -> [keys, values] `[1, kv_heads, t, head_dim]`
+        self.read: dict[int, list[torch.Tensor]] = {}  # layer -> the coded tokens, read back
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        key_error, value_error, steps = self.setting
-        weight = self.weights.get(layer_idx)
-        key_error = "mse" if key_error == "query" and weight is None else key_error
-        return read_back(keys, key_error, steps, weight), read_back(values, value_error, steps, None)
+        exact = self.exact.setdefault(layer_idx, [key_states[:, :, :0], value_states[:, :, :0]])
+        exact[:] = [torch.cat((held, new), 2) for held, new in zip(exact, (key_states, value_states))]
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def code(self, layer: int, length: int, weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's last `length` tokens as stored, after coding those that left the recent tokens."""
+        exact = self.exact[layer]
+        read = self.read.setdefault(layer, [exact[0][:, :, :0], exact[1][:, :, :0]])
+        total, coded = exact[0].shape[2], read[0].shape[2]
+        leaving = max(total - self.recent, coded)
+        if leaving > coded:
+            key_error, value_error, steps = self.setting
+            key_error = "mse" if key_error == "query" and weight is None else key_error
+            new = [x[:, :, coded:leaving] for x in exact]
+            new = [read_back(new[0], key_error, steps, weight), read_back(new[1], value_error, steps, None)]
+            read[:] = [torch.cat((held, x), 2) for held, x in zip(read, new)]
+        sinks = min(self.sinks, leaving)
+        stored = [torch.cat((x[:, :, :sinks], r[:, :, sinks:], x[:, :, leaving:]), 2) for x, r in zip(exact, read)]
+        return stored[0][:, :, -length:], stored[1][:, :, -length:]
 
 
 @torch.inference_mode()
@@ -125,8 +171,10 @@ def main() -> None:
     parser.add_argument("--mode", choices=("prefill", "decode"), default="decode")
     parser.add_argument("--weights-text", default="sample", help="the text the query weights come from (prefill "
                         "mode; decode mode with --decode-weights text)")
-    parser.add_argument("--decode-weights", choices=("prompt", "text"), default="prompt",
-                        help="decode mode: the weights from the prompt's queries, or from --weights-text's prefill")
+    parser.add_argument("--decode-weights", choices=DECODE_WEIGHTS, nargs="+", default=["prompt"],
+                        help="decode mode, each in turn: " + "; ".join(f"{k}: {v}" for k, v in DECODE_WEIGHTS.items()))
+    parser.add_argument("--recent", type=int, default=0, help="decode mode: the newest tokens kept exact")
+    parser.add_argument("--sinks", type=int, default=0, help="decode mode: the first tokens kept exact")
     parser.add_argument("--rows", type=int, nargs="*", help="the rows to run, by index (default: all)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -135,9 +183,12 @@ def main() -> None:
     attention = QueryWeights()
     AttentionInterface.register("fp8kv_scale_search_probe", attention)
     model.set_attn_implementation("fp8kv_scale_search_probe")
-    if args.mode == "prefill" or args.decode_weights == "text":
+    modes = args.decode_weights if args.mode == "decode" else ["text"]
+    text_sums = {}
+    if "text" in modes:
         prefill(model, tokenizer, args.weights_text, args.tokens)
-        attention.recording = False
+        text_sums = dict(attention.sums)
+    attention.recording = False
     if args.mode == "prefill":
         reference_logits, targets = prefill(model, tokenizer, args.text, args.tokens)
     else:
@@ -148,22 +199,31 @@ def main() -> None:
     for index, (name, setting) in enumerate(ROWS.items()):
         if args.rows and index not in args.rows:
             continue
-        if args.mode == "prefill":
-            attention.setting = setting
-            logits = prefill(model, tokenizer, args.text, args.tokens)[0]
-            attention.setting = None
-        else:
-            if attention.recording:
-                attention.weights.clear()  # the prompt's queries, recorded in this run's prefill
-            logits = decode_mode_logits(model, ids, args.prefix, SearchedCodes(model, setting, attention.weights))
-        q = quality(reference_logits, logits, targets)
-        rows.append({"K/V (e4m3, per-token-head bf16 scales)": name} | quality_columns(q)
-                    | {"ppl delta": f"{q.ppl_delta_pct:+.2f}%"})  # fmt: skip
-        print(index, rows[-1], flush=True)
-    weights = "the prompt's queries" if attention.recording else f"the query weights from '{args.weights_text}'"
-    against = "one prefill against the exact model" if args.mode == "prefill" else (
-        f"decode mode ({args.prefix} prefilled) against DynamicCache")  # fmt: skip
-    print(f"{label}, '{args.text}' ({args.tokens} tokens), {against}; {weights}")
+        for mode in modes if setting[0] == "query" else modes[:1]:
+            attention.sums = dict(text_sums) if mode == "text" else {}
+            attention.recording = mode != "text"
+            attention.running, attention.deferred = mode.startswith("running"), mode in ("prompt", "running-deferred")
+            if args.mode == "prefill":
+                attention.setting = setting
+                logits = prefill(model, tokenizer, args.text, args.tokens)[0]
+                attention.setting = None
+            else:
+                attention.cache = CodedOnce(model, setting, args.recent, args.sinks)
+                logits = decode_mode_logits(model, ids, args.prefix, attention.cache)
+                attention.cache = None
+            q = quality(reference_logits, logits, targets)
+            weights = f", weights: {mode}" if setting[0] == "query" and args.mode == "decode" else ""
+            rows.append({"K/V (e4m3, per-token-head bf16 scales)": name + weights} | quality_columns(q)
+                        | {"ppl delta": f"{q.ppl_delta_pct:+.2f}%"})  # fmt: skip
+            print(index, rows[-1], flush=True)
+    if args.mode == "prefill":
+        print(f"{label}, '{args.text}' ({args.tokens} tokens), one prefill against the exact model; the query "
+              f"weights from '{args.weights_text}'")  # fmt: skip
+    else:
+        print(f"{label}, '{args.text}' ({args.tokens} tokens), decode mode ({args.prefix} prefilled) against "
+              f"DynamicCache, recent {args.recent} + sinks {args.sinks} exact; the query weights:")  # fmt: skip
+        for mode in modes:
+            print(f"- {mode}: " + DECODE_WEIGHTS[mode].replace("--weights-text", repr(args.weights_text)))
     print(format_table(rows))
 
 
