@@ -80,6 +80,11 @@ VARIANTS = dict([
      dict(kv_cache_dtype="int8_per_token_head", scales=KEY_CHANNELS, recent_tokens=0, sink_tokens=0)),
     ("fp8 e4m3 per-token-head + key channels, recent 128 + sinks 4",
      dict(scales=KEY_CHANNELS, recent_tokens=128, sink_tokens=4)),
+    # per-token scales searched within an octave, 16 candidates (issue 35): pure FP8 and the recommended window
+    ("fp8 e4m3 per-token-head (recent 0 + sinks 0), scales searched (16)",
+     dict(scales="dynamic", recent_tokens=0, sink_tokens=0, scale_search=16)),
+    ("recent 128 + sinks 4, scales searched (16)",
+     dict(scales="dynamic", recent_tokens=128, sink_tokens=4, scale_search=16)),
 ])  # fmt: skip
 # Texts unlike the bundled sample (the held-out measurements of docs/recent.md): Python's own source code and the
 # Apache License 2.0 as transformers ships it, wherever they are installed; any other file by its path

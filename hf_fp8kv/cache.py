@@ -76,6 +76,10 @@ class QuantizedFP8Cache(Cache):
             mean (Outlier Tokens Tracing's rule: delimiters that draw attention like sinks); chosen as they get
             codes, read exact by the attention.
             Needs per-token scales (`scales="dynamic"`); default 0. Measurements: docs/recent.md.
+        scale_search: each coded token's per-token scale chosen among this many (2-128, a power of two) in one
+            octave above its amax scale, the one with the least error (the keys' weighted by the queries' mean
+            square per channel, `hf_fp8kv/scale_search.py`); 0 (default): the amax scale. Needs per-token scales;
+            the torch backend so far. Measurements: docs/recent.md.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class QuantizedFP8Cache(Cache):
         fp8_prefill: bool = False,
         rotate: bool = False,
         outlier_tokens: int = 0,
+        scale_search: int = 0,
     ):
         if model is None and config is None:
             raise ValueError("QuantizedFP8Cache needs the model (or config=model.config)")
@@ -104,7 +109,7 @@ class QuantizedFP8Cache(Cache):
             config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers, backend=backend,
             recent_tokens=recent_tokens, sink_tokens=sink_tokens, block_size=block_size, max_cache_len=max_cache_len,
             max_batch_size=max_batch_size, offloading=offloading, fp8_prefill=fp8_prefill, rotate=rotate,
-            outlier_tokens=outlier_tokens,
+            outlier_tokens=outlier_tokens, scale_search=scale_search,
         )  # fmt: skip
         self.fmt = settings.fmt
         if settings.fp8_prefill and model is not None:
@@ -137,7 +142,8 @@ class QuantizedFP8Cache(Cache):
         return dynamic(
             settings.fmt, settings.scales[i], settings.block_size, settings.backend, self._uses_fp8_attention, i,
             recent_tokens=settings.recent_tokens, sink_tokens=settings.sink_tokens, fp8_prefill=settings.fp8_prefill,
-            rotate=settings.rotate, outlier_tokens=settings.outlier_tokens, **extra, **kwargs,
+            rotate=settings.rotate, outlier_tokens=settings.outlier_tokens, scale_search=settings.scale_search,
+            **extra, **kwargs,
         )  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -57,7 +57,7 @@ class DynamicFP8Layer(FP8Layer):
             offset=self.offset, recent=self.recent, sinks=self.sinks if tracker.rows else None,
             sink_start=self.sink_start, sink_count=self.sink_count, sink_rows=tracker.rows,
             key_channel_scale=self.key_channel_scale, has_nan=self.has_nan, memo=self.kernels.memo,
-            value_tiled=self.kernels.value_tiled, rotate=self.rotate, **self.outlier_view(),
+            value_tiled=self.kernels.value_tiled, rotate=self.rotate, **self.outlier_view(), **self.scale_search.view(),
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -157,6 +157,7 @@ class DynamicFP8Layer(FP8Layer):
         self.stats = torch.zeros(2, 2, dtype=torch.int64)
         self.has_nan = False
         self.sink_tracker.reset()
+        self.scale_search.reset()
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -25,6 +25,7 @@ from hf_fp8kv.kernels.formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
 from hf_fp8kv.kernels.view import VALUE_TILE, KVView, NewToken
 from hf_fp8kv.outliers import BUFFERS as OUTLIER_BUFFERS
 from hf_fp8kv.outliers import OutlierTracker
+from hf_fp8kv.scale_search import ScaleSearch
 from hf_fp8kv.scales import LayerScales
 from hf_fp8kv.sinks import SinkTracker
 
@@ -58,7 +59,9 @@ class QuantizedKV(FP8KeyStates):
         layer.outlier_tracker.settle(layer)  # (the sinks known: padding and sinks never enter)
         if self.pending is not None and layer.pending is self:  # this launch writes the update's token
             kwargs["new_token"], self.pending, layer.pending = self.pending, None, None
-        return layer.kernels.attend(query, self.view, scaling=scaling, mask=mask, **kwargs)
+        out = layer.kernels.attend(query, self.view, scaling=scaling, mask=mask, **kwargs)
+        layer.scale_search.observe(query, layer.key_channel_scale, layer.rotate)  # (after: see scale_search.py)
+        return out
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision keys and values of the visible tokens (the slow path: a full copy)."""
@@ -96,6 +99,7 @@ class FP8Layer(CacheLayerMixin):
         fp8_prefill: bool = False,
         rotate: bool = False,
         outlier_tokens: int = 0,
+        scale_search: int = 0,
     ):
         super().__init__()
         self.fmt = fmt
@@ -110,6 +114,7 @@ class FP8Layer(CacheLayerMixin):
         self.rotate = rotate
         self.sink_tracker = SinkTracker(sink_tokens)
         self.outlier_tracker = OutlierTracker(outlier_tokens)
+        self.scale_search = ScaleSearch(scale_search)
         self.stats = torch.zeros(2, 2, dtype=torch.int64)  # keys / values x clipped / non-finite
         self.has_nan = False
         self.kernels: ops.TorchLayerKernels | None = None
@@ -187,6 +192,11 @@ class FP8Layer(CacheLayerMixin):
         if self.fp8_prefill:  # (a cache built from the model checked its devices already)
             ops.check_fp8_prefill(self.requested_backend, self.device, self.fmt)
         self.backend = ops.backend_for(self.requested_backend, self.device)
+        if self.scale_search.candidates and self.backend.name != "torch":
+            raise ValueError(
+                f"layer {self.layer_idx}: scale_search={self.scale_search.candidates} is built on the torch backend "
+                f"only so far, not on {self.backend.name}: pass backend='torch', or scale_search=0"
+            )
         self.kernels = self.backend.layer_kernels(fp8_prefill=self.fp8_prefill)
         if self.kernels.value_tiled:  # codes held in whole blocks of tiled values, which the attention reads whole
             self.block_size = math.lcm(self.block_size, VALUE_TILE)
@@ -203,6 +213,7 @@ class FP8Layer(CacheLayerMixin):
                 f"layer {self.layer_idx}: scales are for {self.scales.key.numel()} KV heads, keys have {kv_heads}"
             )
         self._allocate(batch, kv_heads, head_dim)
+        self.scale_search.allocate(kv_heads, head_dim, self.device)
         self.is_initialized = True
 
     def _allocate(self, batch: int, kv_heads: int, head_dim: int) -> None:
@@ -366,6 +377,7 @@ class FP8Layer(CacheLayerMixin):
         restore = lambda bits: memo.setdefault(id(bits), bits.bits.view(bits.dtype))  # noqa: E731
         self.__dict__.update({name: _map_float8(value, restore) for name, value in state.items()})
         self.__dict__.setdefault("pending", None)  # (a layer pickled before the attention wrote decode steps)
+        self.__dict__.setdefault("scale_search", ScaleSearch(0))  # (or before scale_search)
         if self.is_initialized:
             self.kernels = self.backend.layer_kernels(fp8_prefill=self.fp8_prefill)
 

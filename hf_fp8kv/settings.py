@@ -17,6 +17,7 @@ from hf_fp8kv.kernels.formats import StorageFormat, get_format
 from hf_fp8kv.kernels.ops import check_backend
 from hf_fp8kv.kernels.rotation import hadamard_block
 from hf_fp8kv.kernels.targets import device_target
+from hf_fp8kv.scale_search import check_scale_search
 from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, UncalibratedScalesWarning, resolve_scales
 
 # Layer types (from `get_layer_types_and_kwargs`) we store; chunked attention caches like a sliding window of the
@@ -46,6 +47,7 @@ class CacheSettings:
     fp8_prefill: bool = False  # a prefill's dots over e4m3 codes on FP8 tensor cores (the Triton backend)
     rotate: bool = False  # codes of the keys and values times a Hadamard matrix (`kernels/rotation.py`)
     outlier_tokens: int = 0  # coded tokens per KV head kept exact too (`hf_fp8kv/outliers.py`)
+    scale_search: int = 0  # per-token scales searched among this many candidates (`hf_fp8kv/scale_search.py`)
 
     def stored(self, layer: int) -> bool:
         """Whether `layer` is stored as codes (not skipped, not a dummy layer)."""
@@ -68,6 +70,7 @@ def resolve_settings(
     fp8_prefill: bool = False,
     rotate: bool = False,
     outlier_tokens: int = 0,
+    scale_search: int = 0,
 ) -> CacheSettings:
     """Resolve and check a cache's arguments for the model of `config` (warns when the scales fall back to 1.0)."""
     text_config = config.get_text_config(decoder=True)
@@ -103,12 +106,16 @@ def resolve_settings(
     if rotate:
         check_rotation(head_dim, layer_scales, uncalibrated)
     if outlier_tokens:
-        check_outliers(outlier_tokens, layer_scales)
+        check_per_token(f"outlier_tokens={outlier_tokens}", layer_scales,
+                        "the attention finds a kept token by its key scale, stored negated")  # fmt: skip
+    if check_scale_search(scale_search):
+        check_per_token(f"scale_search={scale_search}", layer_scales, "it searches each token's own scale")
     if uncalibrated:
         warnings.warn(CALIBRATION_WARNING, UncalibratedScalesWarning, stacklevel=3)
     return CacheSettings(
         fmt, list(layer_types), list(layer_kwargs), frozenset(skip), layer_scales, backend, recent_tokens, sink_tokens,
         block_size, max_cache_len, max_batch_size, kv_heads, head_dim, fp8_prefill, rotate, outlier_tokens,
+        scale_search,
     )  # fmt: skip
 
 
@@ -126,14 +133,12 @@ def check_rotation(head_dim: int, layer_scales: dict[int, LayerScales], uncalibr
         )
 
 
-def check_outliers(outlier_tokens: int, layer_scales: dict[int, LayerScales]) -> None:
-    """Refuse outlier tokens without per-token scales: a kept token is marked by its key scale, negated."""
+def check_per_token(option: str, layer_scales: dict[int, LayerScales], why: str) -> None:
+    """Refuse `option` (its name and value) without per-token scales, saying `why` it needs them."""
     static = sorted({s.source for s in layer_scales.values() if not s.per_token})
     if static:
-        raise ValueError(
-            f"outlier_tokens={outlier_tokens} needs per-token scales (scales='dynamic'), not static ones "
-            f"({', '.join(static)}): the attention finds a kept token by its key scale, stored negated"
-        )
+        raise ValueError(f"{option} needs per-token scales (scales='dynamic'), not static ones ({', '.join(static)}): "
+                         f"{why}")  # fmt: skip
 
 
 def platform_dtype(kv_cache_dtype: str) -> str:

@@ -137,6 +137,7 @@ class StaticFP8Layer(FP8Layer):
             sinks=self.sinks if tracker.rows else None, sink_start=self.sink_start, sink_count=self.sink_count,
             key_channel_scale=self.key_channel_scale, positions=self.positions, memo=self.kernels.memo,
             value_tiled=self.kernels.value_tiled, columns=self.ring_slots, rotate=self.rotate, **self.outlier_view(),
+            **self.scale_search.view(),
         )  # fmt: skip
 
     def visible_length(self, view: KVView) -> int:
@@ -201,6 +202,7 @@ class StaticFP8Layer(FP8Layer):
         self.host_positions = (0, 0)
         self.sink_tracker.reset()
         self.outlier_tracker.clear(self.storage)
+        self.scale_search.reset()
         self.has_nan = False
         self.rows = None
 
@@ -321,7 +323,7 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
         linear = KVView(
             codes=codes, scales=scales, fmt=self.fmt, per_token=self.per_token, start=first, end=end,
             recent_start=recent_start, offset=first, recent=self.recent, key_channel_scale=self.key_channel_scale,
-            rotate=self.rotate, **self.outlier_view(),
+            rotate=self.rotate, **self.outlier_view(), **self.scale_search.view(),
         )  # fmt: skip
         stored_key = self._write(key_states, value_states, linear)
         linear.end, linear.recent_start = end + new_tokens, max(recent_start, end + new_tokens - self.recent_tokens)

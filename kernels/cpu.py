@@ -20,7 +20,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 
 from .formats import TINY_SCALE, StorageFormat, get_format
-from .reference import attention, dynamic_scale, quantize
+from .reference import attention, quantize, token_scale
 from .rotation import hadamard
 from .view import KVView, coded_end, token_major
 
@@ -264,8 +264,13 @@ class HostPositions:
         n, slot = rows.shape[3], first - view.offset
         scale = _scale_columns(view)
         rows = hadamard(rows) if view.rotate else rows
-        return write_stacked(rows, view.codes.narrow(3, slot, n), scale.narrow(3, slot, n) if view.per_token else scale,
-                             view.fmt, view.per_token, stats)  # fmt: skip
+        codes = view.codes.narrow(3, slot, n)
+        if view.scale_search > 1:  # the searched scales, then a write under them
+            row_scale = token_scale(rows, view)[..., None]
+            scale.narrow(3, slot, n).copy_(row_scale)
+            return write_stacked(rows, codes, row_scale, view.fmt, False, stats)
+        return write_stacked(rows, codes, scale.narrow(3, slot, n) if view.per_token else scale, view.fmt,
+                             view.per_token, stats)  # fmt: skip
 
     @staticmethod
     def materialize(view: KVView, rotated: bool = False) -> torch.Tensor:
@@ -348,7 +353,7 @@ class DevicePositions:
             if view.rotate:
                 rows = hadamard(rows)
             if view.per_token:
-                row_scale = dynamic_scale(rows, fmt, scales.dtype)[..., None]
+                row_scale = token_scale(rows, view)[..., None]
                 scales.index_copy_(3, index, row_scale[..., 0].to(scales.dtype))
             else:
                 row_scale = scales[..., None]

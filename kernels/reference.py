@@ -39,6 +39,49 @@ def dynamic_scale(x: torch.Tensor, fmt: StorageFormat, dtype: torch.dtype = torc
     return torch.where(held.float() < scale, torch.nextafter(held, torch.full_like(held, math.inf)), held).float()
 
 
+SEARCH_ERROR_BITS = 10  # a searched scale's error terms: |code-unit error| <= half the top code step = 2^10
+SEARCH_WEIGHT_MAX = 255  # a channel's error weight: an integer in [0, 255]
+
+
+def searched_scale(
+    x: torch.Tensor, fmt: StorageFormat, dtype: torch.dtype, candidates: int, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row scale over the last dim, searched within one octave: of `candidates` scales from `dynamic_scale`'s
+    `s0` up (`s0`'s fp32 bits plus `i * 2^23 / candidates`, `i < candidates`: `candidates` evenly spread
+    significands of each binade, every one a `dtype` value, all in `[s0, 2 s0)`), the one whose codes have the
+    least weighted squared error, ties to the smallest. Returned in fp32; `candidates=1` is `dynamic_scale`.
+
+    The error is integer arithmetic, so that every path finds the same scale whatever the order of its sums:
+    each element's error in code units `x / s - code value` (0 for a non-finite `x`), times 2^SEARCH_ERROR_BITS
+    over half the format's top code step, truncated (`q`); the row's error is `sum_c weight_c q_c^2` (int64,
+    `weight` broadcasting against `x`: integers in [0, SEARCH_WEIGHT_MAX], None: 1) times `m^2 4^b`, `m` the top 8
+    bits of the candidate's significand and `b` its binade above `s0`'s (the code-unit error times the scale:
+    exact for bf16 scales)."""
+    if candidates & (candidates - 1) or not 1 <= candidates <= 128:
+        raise ValueError(f"candidates={candidates}: expected a power of two from 1 to 128")
+    base = dynamic_scale(x, fmt, dtype)
+    finite = torch.isfinite(x)
+    x = x.float().where(finite, 0.0)
+    unit_scale = 2.0**SEARCH_ERROR_BITS / (fmt.clip_bound - fmt.max)  # a power of two
+    base_bits = base.view(torch.int32)
+    best = best_error = None
+    for i in range(candidates):
+        bits = base_bits + i * (2**23 // candidates)
+        scale = bits.view(torch.float32)
+        scaled = x / scale[..., None]
+        error = ((scaled - quantize(x, scale[..., None], fmt)[0].float()) * unit_scale).to(torch.int64)
+        error = error * error if weight is None else error * error * weight
+        significand = ((bits >> 16) & 0x7F) | 0x80
+        binade = ((bits >> 23) - (base_bits >> 23)).to(torch.int64)
+        error = error.sum(-1) * (significand * significand).to(torch.int64) << (2 * binade)
+        if best is None:
+            best, best_error = scale, error
+        else:
+            better = error < best_error
+            best, best_error = scale.where(better, best), error.where(better, best_error)
+    return best
+
+
 def quantize(
     x: torch.Tensor, scale: torch.Tensor, fmt: StorageFormat, count_per_row: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -265,7 +308,7 @@ def _quantize_token(x: torch.Tensor, t: int, view: KVView, stats: torch.Tensor) 
     if view.rotate:
         x = hadamard(x)
     if view.per_token:
-        scale = dynamic_scale(x, view.fmt, view.scales.dtype)
+        scale = token_scale(x[..., None, :], view)[..., 0]
         view.scales[:, :, :, slot] = scale
     else:
         scale = view.scales[..., 0]
@@ -275,6 +318,14 @@ def _quantize_token(x: torch.Tensor, t: int, view: KVView, stats: torch.Tensor) 
     stats[:, 0] += clipped.to(stats.device)
     stats[:, 1] += nonfinite.to(stats.device)
     return bool(nonfinite.any())
+
+
+def token_scale(rows: torch.Tensor, view: KVView) -> torch.Tensor:
+    """The per-token scales of stacked K/V `rows` (`[2, batch, kv_heads, tokens, head_dim]`, rotated already) as
+    `view` writes them: searched (`view.scale_search`, weighted by `view.search_weight`), else `dynamic_scale`."""
+    if view.scale_search > 1:
+        return searched_scale(rows, view.fmt, view.scales.dtype, view.scale_search, view.search_weight)
+    return dynamic_scale(rows, view.fmt, view.scales.dtype)
 
 
 def _code_slot(view: KVView, t: int) -> int:

@@ -35,6 +35,7 @@ class Stream:
     tiled: bool = False  # value codes tiled (the Triton backend's layout, `KVView.value_tiled`)
     rotate: bool = False  # codes of the rotated keys and values (`KVView.rotate`)
     outliers: int = 0  # outlier slots per row and KV head (`KVView.outliers`; per-token scales, no ring)
+    scale_search: int = 0  # per-token scales searched among this many candidates, keys weighted (`search_weight`)
 
     @property
     def length(self) -> int:
@@ -53,6 +54,17 @@ def tokens(stream: Stream, generator: torch.Generator) -> torch.Tensor:
     keys[..., :3] *= 20
     values = torch.randn(shape, generator=generator) * (4.0 if fmt.max < 1000 else 40.0)
     return torch.stack([keys, values]).to(stream.dtype)
+
+
+def search_weight(stream: Stream) -> torch.Tensor | None:
+    """The keys' search weights of a stream (`KVView.search_weight`): integers in [0, 255], some 0 (a channel no
+    query reads), the values' 1."""
+    if not stream.scale_search:
+        return None
+    weight = torch.ones(2, 1, stream.kv_heads, 1, stream.head_dim, dtype=torch.int64)
+    weight[0] = torch.randint(0, 256, weight[0].shape, generator=torch.Generator().manual_seed(7))
+    weight[0, ..., 1::7] = 0
+    return weight
 
 
 def static_scales(stream: Stream, generator: torch.Generator) -> torch.Tensor:
@@ -82,7 +94,8 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
         codes=codes.to(device), scales=scales.to(device), fmt=fmt, per_token=stream.scales == "dynamic",
         end=positions[0] if stream.static else 0, recent_start=positions[1] if stream.static else 0,
         recent=None if recent is None else recent.to(device), ring=stream.ring, positions=positions,
-        value_tiled=stream.tiled, columns=stream.static, rotate=stream.rotate,
+        value_tiled=stream.tiled, columns=stream.static, rotate=stream.rotate, scale_search=stream.scale_search,
+        search_weight=None if stream.scale_search == 0 else search_weight(stream).to(device),
     )  # fmt: skip
     return view
 
@@ -164,7 +177,10 @@ def expected_kv(stream: Stream, kv: torch.Tensor, view: KVView) -> torch.Tensor:
     fmt = FORMATS[stream.fmt]
     x = kv.float()
     coded = hadamard(x) if stream.rotate else x
-    if stream.scales == "dynamic":
+    if stream.scale_search:  # (the weights broadcast against [2, batch, heads, tokens, D])
+        scale = reference.searched_scale(coded, fmt, stream.scale_dtype, stream.scale_search, search_weight(stream))
+        scale = scale[..., None]
+    elif stream.scales == "dynamic":
         scale = reference.dynamic_scale(coded, fmt, stream.scale_dtype)[..., None]
     else:
         scale = view.scales.cpu()[..., None]
