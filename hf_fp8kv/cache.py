@@ -244,7 +244,8 @@ class QuantizedFP8Cache(Cache):
                     {
                         "layer": i,
                         "storage": layer.fmt.name,
-                        "granularity": scales.granularity,
+                        "granularity": scales.granularity
+                        + (f", searched ({layer.scale_search.candidates})" if layer.scale_search.candidates else ""),
                         "source": scales.source,
                         "k_scale": scales.describe("key"),
                         "v_scale": scales.describe("value"),

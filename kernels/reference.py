@@ -41,6 +41,7 @@ def dynamic_scale(x: torch.Tensor, fmt: StorageFormat, dtype: torch.dtype = torc
 
 SEARCH_ERROR_BITS = 10  # a searched scale's error terms: |code-unit error| <= half the top code step = 2^10
 SEARCH_WEIGHT_MAX = 255  # a channel's error weight: an integer in [0, 255]
+MAX_SEARCH_ELEMENTS = 2**22  # elements of a search's candidates at once (16 MiB of fp32)
 
 
 def searched_scale(
@@ -56,30 +57,31 @@ def searched_scale(
     over half the format's top code step, truncated (`q`); the row's error is `sum_c weight_c q_c^2` (int64,
     `weight` broadcasting against `x`: integers in [0, SEARCH_WEIGHT_MAX], None: 1) times `m^2 4^b`, `m` the top 8
     bits of the candidate's significand and `b` its binade above `s0`'s (the code-unit error times the scale:
-    exact for bf16 scales)."""
+    exact for bf16 scales). `x`: `[..., rows, D]`; all candidates at once, `MAX_SEARCH_ELEMENTS` at a time."""
     if candidates & (candidates - 1) or not 1 <= candidates <= 128:
         raise ValueError(f"candidates={candidates}: expected a power of two from 1 to 128")
     base = dynamic_scale(x, fmt, dtype)
-    finite = torch.isfinite(x)
-    x = x.float().where(finite, 0.0)
+    if candidates == 1:
+        return base
+    base_bits = base.view(torch.int32)[..., None]
+    bits = base_bits + torch.arange(candidates, dtype=torch.int32, device=x.device) * (2**23 // candidates)
+    scales = bits.view(torch.float32)  # [..., rows, candidates]
+    significand = (((bits >> 16) & 0x7F) | 0x80).long()
+    factor = significand * significand << (2 * ((bits >> 23) - (base_bits >> 23))).long()
+    x = x.float().where(torch.isfinite(x), 0.0)
+    weight = torch.ones((), dtype=torch.int32, device=x.device) if weight is None else weight.to(torch.int32)
+    weight = weight.expand(x.shape)
     unit_scale = 2.0**SEARCH_ERROR_BITS / (fmt.clip_bound - fmt.max)  # a power of two
-    base_bits = base.view(torch.int32)
-    best = best_error = None
-    for i in range(candidates):
-        bits = base_bits + i * (2**23 // candidates)
-        scale = bits.view(torch.float32)
-        scaled = x / scale[..., None]
-        error = ((scaled - quantize(x, scale[..., None], fmt)[0].float()) * unit_scale).to(torch.int64)
-        error = error * error if weight is None else error * error * weight
-        significand = ((bits >> 16) & 0x7F) | 0x80
-        binade = ((bits >> 23) - (base_bits >> 23)).to(torch.int64)
-        error = error.sum(-1) * (significand * significand).to(torch.int64) << (2 * binade)
-        if best is None:
-            best, best_error = scale, error
-        else:
-            better = error < best_error
-            best, best_error = scale.where(better, best), error.where(better, best_error)
-    return best
+    error = torch.empty(bits.shape, dtype=torch.int64, device=x.device)
+    chunk = max(MAX_SEARCH_ELEMENTS // (candidates * x[..., :1, :].numel()), 1)
+    for start in range(0, x.shape[-2], chunk):
+        rows = slice(start, start + chunk)
+        row_x, row_scales = x[..., rows, None, :], scales[..., rows, :, None]  # [..., r, 1, D], [..., r, n, 1]
+        scaled = row_x / row_scales  # (in range: no saturation, no count, as `quantize` rounds it)
+        rounded = scaled.to(fmt.dtype).float() if fmt.is_float else scaled.round()
+        term = ((scaled - rounded) * unit_scale).to(torch.int32)
+        error[..., rows, :] = (term * term * weight[..., rows, None, :]).sum(-1, dtype=torch.int64)
+    return scales.gather(-1, (error * factor).argmin(-1, keepdim=True))[..., 0]
 
 
 def quantize(

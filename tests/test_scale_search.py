@@ -162,6 +162,7 @@ def test_a_reset_or_pickled_cache_generates_what_a_fresh_one_does(method):
     assert not layer.scale_search.energy.any() and (layer.scale_search.weight == 1).all()
     again = generated(model, cache, **method)
     assert torch.equal(again[0], fresh[0]) and torch.equal(again[1], fresh[1])
+    assert cache.summary()[0]["granularity"] == "per-token-head, searched (16)"
 
     with torch.no_grad():
         model(input_ids=PROMPTS, attention_mask=PADDING, **cache_kwargs(cache := QuantizedFP8Cache(model, **settings)))
