@@ -3,18 +3,17 @@
 
 The keys' error counts each channel by the queries' mean square on it: the error a key adds to `q.k` is
 `sum_c q_c e_c`, whose mean square over queries is about `sum_c E[q_c^2] e_c^2`. A layer keeps the sum of its
-queries' squares per KV head and channel, over every query its attention has read (after the attention: a
-token is coded against the queries before its own step, on every backend), in the space the keys are coded in
-(times the per-channel key scales, rotated with the codes). The weights are those sums over each head's
-largest, as integers in [0, 255]; before any query they are 1, and the values' are always 1 (their error
-reaches the output as `sum_t p_t e_t`). Measured: docs/recent.md.
+queries' squares per KV head and channel (the energy), over every query its attention has read (after the
+attention: a token is coded against the queries before its own step, on every backend), in the space the keys
+are coded in (times the per-channel key scales, rotated with the codes). The write turns it into integer weights
+(`reference.search_weights`: 1 before any query; the values' always 1, their error reaches the output as
+`sum_t p_t e_t`). Measured: docs/recent.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_fp8kv.kernels.reference import SEARCH_WEIGHT_MAX
 from hf_fp8kv.kernels.rotation import hadamard
 
 CANDIDATES = (2, 4, 8, 16, 32, 64, 128)  # a power of two: evenly spread significands of a bf16 scale's binade
@@ -29,41 +28,33 @@ def check_scale_search(candidates: int) -> int:
 
 class ScaleSearch:
     """One layer's scale search: its candidates (0: off) and, once allocated, the queries' energy per KV head and
-    channel (`energy`, fp32 `[kv_heads, head_dim]`) and the write's integer weights (`weight`, int64
-    `[2, 1, kv_heads, 1, head_dim]`: keys', then values' (1), broadcasting against stacked K/V rows)."""
+    channel (`energy`, fp32 `[kv_heads, head_dim]`)."""
 
     def __init__(self, candidates: int):
         self.candidates = candidates
         self.energy: torch.Tensor | None = None
-        self.weight: torch.Tensor | None = None
 
     def allocate(self, kv_heads: int, head_dim: int, device: torch.device) -> None:
         if self.candidates:
             self.energy = torch.zeros(kv_heads, head_dim, dtype=torch.float32, device=device)
-            self.weight = torch.ones(2, 1, kv_heads, 1, head_dim, dtype=torch.int64, device=device)
 
     def view(self) -> dict:
         """The view's fields: what the write needs."""
-        return dict(scale_search=self.candidates, search_weight=self.weight) if self.candidates else {}
+        return dict(scale_search=self.candidates, search_energy=self.energy) if self.candidates else {}
 
     def observe(self, query: torch.Tensor, key_channel_scale: torch.Tensor | None, rotate: bool) -> None:
-        """Add the queries `[batch, q_heads, q_len, head_dim]` an attention has read to the energy, and update the
-        keys' weights (in place: a compiled graph's buffers stay the same)."""
+        """Add the squares of the queries `[batch, q_heads, q_len, head_dim]` an attention has read to the energy
+        (in place: a compiled graph's buffer stays the same)."""
         if not self.candidates:
             return
-        kv_heads = self.energy.shape[0]
-        query = query.float().unflatten(1, (kv_heads, -1))
+        query = query.float().unflatten(1, (self.energy.shape[0], -1))
         if key_channel_scale is not None:  # q.k = (q * channel scale).(k / channel scale)
             query = query * key_channel_scale[:, None, None, :]
         if rotate:  # q.k = (qH).(kH)
             query = hadamard(query)
         self.energy += query.square().sum((0, 2, 3))
-        largest = self.energy.amax(-1, keepdim=True)
-        weight = (self.energy * (SEARCH_WEIGHT_MAX / largest)).round_().nan_to_num_(nan=0.0)
-        self.weight[0, 0, :, 0].copy_(weight)
 
     def reset(self) -> None:
         """Forget the queries (a reset cache starts over)."""
         if self.candidates and self.energy is not None:
             self.energy.zero_()
-            self.weight.fill_(1)

@@ -35,6 +35,8 @@ def dynamic_scale(x: torch.Tensor, fmt: StorageFormat, dtype: torch.dtype = torc
     holds it: rounded up to the next `dtype` value (never down, so that `x / scale` stays within the format's
     range). Returned in fp32."""
     scale = (x.float().abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=-1) / fmt.row_max).clamp_min(TINY_SCALE)
+    if dtype == torch.bfloat16:  # the bits past bf16's carried up, then dropped (a compiled graph would drop a
+        return ((scale.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32)  # round trip through bf16)
     held = scale.to(dtype)
     return torch.where(held.float() < scale, torch.nextafter(held, torch.full_like(held, math.inf)), held).float()
 
@@ -324,10 +326,22 @@ def _quantize_token(x: torch.Tensor, t: int, view: KVView, stats: torch.Tensor) 
 
 def token_scale(rows: torch.Tensor, view: KVView) -> torch.Tensor:
     """The per-token scales of stacked K/V `rows` (`[2, batch, kv_heads, tokens, head_dim]`, rotated already) as
-    `view` writes them: searched (`view.scale_search`, weighted by `view.search_weight`), else `dynamic_scale`."""
+    `view` writes them: searched (`view.scale_search`, weighted by `search_weights(view.search_energy)`), else
+    `dynamic_scale`."""
     if view.scale_search > 1:
-        return searched_scale(rows, view.fmt, view.scales.dtype, view.scale_search, view.search_weight)
+        weight = search_weights(view.search_energy)
+        return searched_scale(rows, view.fmt, view.scales.dtype, view.scale_search, weight)
     return dynamic_scale(rows, view.fmt, view.scales.dtype)
+
+
+def search_weights(energy: torch.Tensor) -> torch.Tensor:
+    """A search's integer error weights for stacked K/V rows (int32 `[2, 1, kv_heads, 1, head_dim]`) from the
+    queries' energy per KV head and channel (`[kv_heads, head_dim]`, `hf_fp8kv/scale_search.py`): the keys' each
+    channel's energy over its head's largest times SEARCH_WEIGHT_MAX, rounded (1 while a head has none); the
+    values' 1."""
+    largest = energy.amax(-1, keepdim=True)
+    keys = torch.where(largest > 0, (energy * (SEARCH_WEIGHT_MAX / largest)).round(), 1.0)
+    return torch.stack((keys, torch.ones_like(keys)))[:, None, :, None, :].to(torch.int32)
 
 
 def _code_slot(view: KVView, t: int) -> int:

@@ -92,7 +92,7 @@ class KVView:
     key_channel_scale: torch.Tensor | None = None
     rotate: bool = False  # the codes hold each token's K/V times a Hadamard matrix (`rotation.py`)
     scale_search: int = 0  # per-token scales searched among this many candidates (`reference.searched_scale`)
-    search_weight: torch.Tensor | None = None  # its integer error weights, int64 [2 (K, V), 1, kv_heads, 1, head_dim]
+    search_energy: torch.Tensor | None = None  # the queries' energy its weights come from, fp32 [kv_heads, head_dim]
     has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
     value_tiled: bool = False  # value codes head_dim-major in blocks of VALUE_TILE slots (else token-major)
     positions: torch.Tensor | None = None  # device positions: int64 [2] holding `end`, `recent_start`
@@ -131,7 +131,7 @@ class KVView:
     def buffers(self) -> tuple:
         """The tensors the view reads (what launch arguments derive from)."""
         return (self.codes, self.scales, self.recent, self.sinks, self.sink_start, self.sink_count, self.positions,
-                self.key_channel_scale, self.outliers, self.outlier_pos, self.search_weight)  # fmt: skip
+                self.key_channel_scale, self.outliers, self.outlier_pos, self.search_energy)  # fmt: skip
 
     def derived(self, owner: object, build: Callable[["KVView"], Derived], *uses: torch.Tensor | None) -> Derived:
         """`build(self)`: what depends on the buffers alone (launch arguments, views of them), kept in `memo`

@@ -23,8 +23,9 @@ def model_of(model_type: str):
     return tiny_model(model_type, num_hidden_layers=1)
 
 
-def decode(model, forward, prompt: torch.Tensor, steps: int = STEPS, **settings) -> list[int]:
-    """Eager prefill, then `steps` greedy steps through `forward` (`settings`: the cache's, besides WINDOW)."""
+def decode(model, forward, prompt: torch.Tensor, steps: int = STEPS, scales: list | None = None, **settings) -> list[int]:
+    """Eager prefill, then `steps` greedy steps through `forward` (`settings`: the cache's, besides WINDOW);
+    `scales`: given the layers' scale buffers at the end."""
     cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, **{**WINDOW, **settings})
     tokens = []
     with torch.no_grad():
@@ -35,19 +36,26 @@ def decode(model, forward, prompt: torch.Tensor, steps: int = STEPS, **settings)
             tokens.append(int(token))
             out = forward(input_ids=token, **cache_kwargs(cache), position_ids=torch.tensor([[position]]))
             position += 1
+    if scales is not None:
+        scales.extend(layer.scale for layer in cache.layers)
     return tokens
 
 
-@pytest.mark.parametrize("model_type, outliers", [("llama", 0), ("gemma3_text", 0), ("gemma3_text", 3)])
-def test_compiled_forward_by_hand(model_type, outliers):
-    """With outlier tokens too: their selection is device tensor ops the graph holds (no host sync)."""
+@pytest.mark.parametrize("model_type, settings", [("llama", {}), ("gemma3_text", {}),
+                                                   ("gemma3_text", dict(outlier_tokens=3)),
+                                                   ("llama", dict(scale_search=16, backend="torch"))], ids=str)  # fmt: skip
+def test_compiled_forward_by_hand(model_type, settings):
+    """With outlier tokens too: their selection is device tensor ops the graph holds (no host sync); and with
+    searched scales: the search and the queries' sums too. The scales written are the eager ones, bit for bit."""
     torch._dynamo.reset()
     model = model_of(model_type)
     prompt = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7]])
-    eager = decode(model, model.forward, prompt, outlier_tokens=outliers)
+    eager_scales, compiled_scales = [], []
+    eager = decode(model, model.forward, prompt, scales=eager_scales, **settings)
     counters.clear()
-    compiled = decode(model, torch.compile(model.forward, fullgraph=True), prompt, outlier_tokens=outliers)
+    compiled = decode(model, torch.compile(model.forward, fullgraph=True), prompt, scales=compiled_scales, **settings)
     assert compiled == eager
+    assert all(torch.equal(a, b) for a, b in zip(compiled_scales, eager_scales))
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] <= 2  # no recompilation per token
 

@@ -35,7 +35,7 @@ class Stream:
     tiled: bool = False  # value codes tiled (the Triton backend's layout, `KVView.value_tiled`)
     rotate: bool = False  # codes of the rotated keys and values (`KVView.rotate`)
     outliers: int = 0  # outlier slots per row and KV head (`KVView.outliers`; per-token scales, no ring)
-    scale_search: int = 0  # per-token scales searched among this many candidates, keys weighted (`search_weight`)
+    scale_search: int = 0  # per-token scales searched among this many candidates, keys weighted (`search_energy`)
 
     @property
     def length(self) -> int:
@@ -56,15 +56,13 @@ def tokens(stream: Stream, generator: torch.Generator) -> torch.Tensor:
     return torch.stack([keys, values]).to(stream.dtype)
 
 
-def search_weight(stream: Stream) -> torch.Tensor | None:
-    """The keys' search weights of a stream (`KVView.search_weight`): integers in [0, 255], some 0 (a channel no
-    query reads), the values' 1."""
-    if not stream.scale_search:
-        return None
-    weight = torch.ones(2, 1, stream.kv_heads, 1, stream.head_dim, dtype=torch.int64)
-    weight[0] = torch.randint(0, 256, weight[0].shape, generator=torch.Generator().manual_seed(7))
-    weight[0, ..., 1::7] = 0
-    return weight
+def search_energy(stream: Stream) -> torch.Tensor:
+    """The queries' energy of a stream's searches (`KVView.search_energy`): some channels 0 (no query reads them),
+    the last head none yet (weights 1)."""
+    energy = torch.rand(stream.kv_heads, stream.head_dim, generator=torch.Generator().manual_seed(7)) ** 4 * 1e3
+    energy[:, 1::7] = 0
+    energy[-1] = 0
+    return energy
 
 
 def static_scales(stream: Stream, generator: torch.Generator) -> torch.Tensor:
@@ -95,7 +93,7 @@ def empty_view(stream: Stream, generator: torch.Generator, device="cpu") -> KVVi
         end=positions[0] if stream.static else 0, recent_start=positions[1] if stream.static else 0,
         recent=None if recent is None else recent.to(device), ring=stream.ring, positions=positions,
         value_tiled=stream.tiled, columns=stream.static, rotate=stream.rotate, scale_search=stream.scale_search,
-        search_weight=None if stream.scale_search == 0 else search_weight(stream).to(device),
+        search_energy=search_energy(stream).to(device) if stream.scale_search else None,
     )  # fmt: skip
     return view
 
@@ -178,7 +176,8 @@ def expected_kv(stream: Stream, kv: torch.Tensor, view: KVView) -> torch.Tensor:
     x = kv.float()
     coded = hadamard(x) if stream.rotate else x
     if stream.scale_search:  # (the weights broadcast against [2, batch, heads, tokens, D])
-        scale = reference.searched_scale(coded, fmt, stream.scale_dtype, stream.scale_search, search_weight(stream))
+        weight = reference.search_weights(search_energy(stream))
+        scale = reference.searched_scale(coded, fmt, stream.scale_dtype, stream.scale_search, weight)
         scale = scale[..., None]
     elif stream.scales == "dynamic":
         scale = reference.dynamic_scale(coded, fmt, stream.scale_dtype)[..., None]

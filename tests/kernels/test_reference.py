@@ -85,6 +85,14 @@ def test_a_searched_scale_has_the_least_weighted_error_of_its_octave(fmt, scale_
     assert (error(chosen) <= least * 1.01).all()
 
 
+def test_search_weights_are_the_keys_energy_over_their_heads_largest():
+    energy = torch.tensor([[4.0, 1.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0]])  # the second head: no query yet
+    weight = reference.search_weights(energy)
+    assert weight.shape == (2, 1, 2, 1, 4) and weight.dtype == torch.int32
+    assert weight[0, 0, :, 0].tolist() == [[255, 64, 0, 128], [1, 1, 1, 1]]  # 63.75 -> 64, 127.5 -> 128 (to even)
+    assert (weight[1] == 1).all()
+
+
 def test_search_candidates_are_a_power_of_two():
     with pytest.raises(ValueError, match="candidates=3"):
         reference.searched_scale(torch.ones(2, 4), get_format("fp8"), torch.bfloat16, 3)
