@@ -85,6 +85,8 @@ VARIANTS = dict([
      dict(scales="dynamic", recent_tokens=0, sink_tokens=0, scale_search=16)),
     ("recent 128 + sinks 4, scales searched (16)",
      dict(scales="dynamic", recent_tokens=128, sink_tokens=4, scale_search=16)),
+    ("recent 128 + sinks 4 + outliers 16, scales searched (16)",
+     dict(scales="dynamic", recent_tokens=128, sink_tokens=4, outlier_tokens=16, scale_search=16)),
 ])  # fmt: skip
 # Texts unlike the bundled sample (the held-out measurements of docs/recent.md): Python's own source code and the
 # Apache License 2.0 as transformers ships it, wherever they are installed; any other file by its path
