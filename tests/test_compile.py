@@ -23,7 +23,8 @@ def model_of(model_type: str):
     return tiny_model(model_type, num_hidden_layers=1)
 
 
-def decode(model, forward, prompt: torch.Tensor, steps: int = STEPS, scales: list | None = None, **settings) -> list[int]:
+def decode(model, forward, prompt: torch.Tensor, steps: int = STEPS, scales: list | None = None,
+           **settings) -> list[int]:
     """Eager prefill, then `steps` greedy steps through `forward` (`settings`: the cache's, besides WINDOW);
     `scales`: given the layers' scale buffers at the end."""
     cache = QuantizedFP8Cache(model, scales="dynamic", max_cache_len=48, **{**WINDOW, **settings})
@@ -41,9 +42,12 @@ def decode(model, forward, prompt: torch.Tensor, steps: int = STEPS, scales: lis
     return tokens
 
 
+SEARCH = dict(scale_search=16, backend="torch")
+
+
 @pytest.mark.parametrize("model_type, settings", [("llama", {}), ("gemma3_text", {}),
-                                                   ("gemma3_text", dict(outlier_tokens=3)),
-                                                   ("llama", dict(scale_search=16, backend="torch"))], ids=str)  # fmt: skip
+                                                   ("gemma3_text", dict(outlier_tokens=3)), ("llama", SEARCH)],
+                         ids=str)  # fmt: skip
 def test_compiled_forward_by_hand(model_type, settings):
     """With outlier tokens too: their selection is device tensor ops the graph holds (no host sync); and with
     searched scales: the search and the queries' sums too. The scales written are the eager ones, bit for bit."""

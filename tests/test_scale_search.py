@@ -62,7 +62,7 @@ def test_each_token_is_coded_under_the_weights_of_the_queries_before_it(static, 
     largest times 255; and every coded token's K and V scales are the oracle's searched scales under the weights
     of the queries read before the update that coded it (none for the prompt's own: weights 1)."""
     model = tiny_model()
-    extra = dict(rotate=True) if kind == "rotated" else dict(scales=key_channels(model)) if kind == "key channels" else {}
+    extra = {"plain": {}, "rotated": dict(rotate=True), "key channels": dict(scales=key_channels(model))}[kind]
     cache = QuantizedFP8Cache(model, **{**SEARCH, **extra}, max_cache_len=64 if static else None)
     queries, weights = {}, {}  # layer -> the queries its attention read, its keys' weights after each
     attend = QuantizedKV.attend
