@@ -58,11 +58,6 @@ DECODE_WEIGHTS = {
 }
 
 
-def round_up_to_bf16(scale: torch.Tensor) -> torch.Tensor:
-    held = scale.to(torch.bfloat16)
-    return torch.where(held.float() < scale, torch.nextafter(held, torch.full_like(held, torch.inf)), held).float()
-
-
 def searched(x: torch.Tensor, steps: int, weight: torch.Tensor | None = None) -> torch.Tensor:
     """`x` `[batch, kv_heads, positions, head_dim]` as read back from e4m3 codes under each row's searched scale
     (`weight` `[1, kv_heads, 1, head_dim]`: the channels' weights, else 1)."""
@@ -70,7 +65,7 @@ def searched(x: torch.Tensor, steps: int, weight: torch.Tensor | None = None) ->
     amax_scale = reference.dynamic_scale(x, FORMAT, torch.bfloat16)[..., None]
     best = best_error = None
     for i in range(steps):
-        scale = round_up_to_bf16(amax_scale * 2 ** (i / steps))
+        scale = reference.round_up_to_bf16((amax_scale * 2 ** (i / steps)).contiguous())
         read = reference.dequantize(reference.quantize(x, scale, FORMAT)[0], scale, FORMAT)
         error = ((x - read) ** 2 * (1.0 if weight is None else weight)).sum(-1, keepdim=True)
         if best is None:

@@ -56,5 +56,5 @@ class ScaleSearch:
 
     def reset(self) -> None:
         """Forget the queries (a reset cache starts over)."""
-        if self.candidates and self.energy is not None:
+        if self.energy is not None:
             self.energy.zero_()

@@ -35,10 +35,16 @@ def dynamic_scale(x: torch.Tensor, fmt: StorageFormat, dtype: torch.dtype = torc
     holds it: rounded up to the next `dtype` value (never down, so that `x / scale` stays within the format's
     range). Returned in fp32."""
     scale = (x.float().abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=-1) / fmt.row_max).clamp_min(TINY_SCALE)
-    if dtype == torch.bfloat16:  # the bits past bf16's carried up, then dropped (a compiled graph would drop a
-        return ((scale.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32)  # round trip through bf16)
+    if dtype == torch.bfloat16:
+        return round_up_to_bf16(scale)
     held = scale.to(dtype)
     return torch.where(held.float() < scale, torch.nextafter(held, torch.full_like(held, math.inf)), held).float()
+
+
+def round_up_to_bf16(scale: torch.Tensor) -> torch.Tensor:
+    """Positive finite fp32 `scale` rounded up to a bf16 value (in fp32): the bits past bf16's carried up, then
+    dropped (a compiled graph would drop a round trip through bf16)."""
+    return ((scale.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32)
 
 
 SEARCH_ERROR_BITS = 10  # a searched scale's error terms: |code-unit error| <= half the top code step = 2^10
