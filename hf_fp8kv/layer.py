@@ -192,11 +192,6 @@ class FP8Layer(CacheLayerMixin):
         if self.fp8_prefill:  # (a cache built from the model checked its devices already)
             ops.check_fp8_prefill(self.requested_backend, self.device, self.fmt)
         self.backend = ops.backend_for(self.requested_backend, self.device)
-        if self.scale_search.candidates and self.backend.name != "torch":
-            raise ValueError(
-                f"layer {self.layer_idx}: scale_search={self.scale_search.candidates} is built on the torch backend "
-                f"only so far, not on {self.backend.name}: pass backend='torch', or scale_search=0"
-            )
         self.kernels = self.backend.layer_kernels(fp8_prefill=self.fp8_prefill)
         if self.kernels.value_tiled:  # codes held in whole blocks of tiled values, which the attention reads whole
             self.block_size = math.lcm(self.block_size, VALUE_TILE)

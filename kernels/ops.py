@@ -138,10 +138,11 @@ class TorchBackend:
     def write_rows(
         self, states: torch.Tensor, layout: paged.RowLayout, stats: torch.Tensor | None, static_scales,
         pages: torch.Tensor, geometry: paged.PageGeometry, index: torch.Tensor,
+        search_energy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, bool]:  # fmt: skip
         """Page rows of `states`, also stored in `pages` at physical indices `index`, and whether an input was
         non-finite (see `paged.encode_rows`)."""
-        rows, nonfinite = paged.encode_rows(states, layout, stats, static_scales)
+        rows, nonfinite = paged.encode_rows(states, layout, stats, static_scales, search_energy)
         geometry.write(pages, layout, index, rows)
         return rows, nonfinite
 
@@ -197,7 +198,7 @@ class TritonLayerKernels(TorchLayerKernels):
     def write(self, key: torch.Tensor, value: torch.Tensor, view: KVView, stats: torch.Tensor) -> bool:
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             self._ops.write(key, value, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name,
-                            view.per_token, view.ring, view.rotate)  # fmt: skip
+                            view.per_token, view.ring, view.rotate, view.search_energy, view.scale_search)  # fmt: skip
             return True
         self._write_kv(key, value, view, stats, self.plans, advance=view.static)
         return True
@@ -209,7 +210,8 @@ class TritonLayerKernels(TorchLayerKernels):
     def write_and_settle(self, key, value, view: KVView, stats, buffers: tuple, ring: int, first_real, window) -> None:
         if torch.compiler.is_compiling():  # an opaque op in the graph (static views only: compileable caches)
             self._ops.write_settle(key, value, view.codes, view.scales, view.recent, stats, view.positions, *buffers,
-                                   first_real, view.fmt.name, view.ring, view.rotate, ring, window or 0)  # fmt: skip
+                                   first_real, view.fmt.name, view.ring, view.rotate, ring, window or 0,
+                                   view.search_energy, view.scale_search)  # fmt: skip
             return
         outlier_set = outliers.OutlierSet.of_buffers(buffers, view.scales[0], view.offset, ring)
         self._write_and_settle(key, value, view, stats, outlier_set, first_real, window)
@@ -242,13 +244,15 @@ class TritonBackend(TorchBackend):
     def layer_kernels(self, fp8_prefill: bool = False) -> TritonLayerKernels:
         return TritonLayerKernels(fp8_prefill)
 
-    def write_rows(self, states, layout, stats, static_scales, pages, geometry, index) -> tuple[torch.Tensor, bool]:
+    def write_rows(self, states, layout, stats, static_scales, pages, geometry, index,
+                   search_energy=None) -> tuple[torch.Tensor, bool]:  # fmt: skip
         if layout.fmt is None:
             return super().write_rows(states, layout, stats, static_scales, pages, geometry, index)
         from .triton_paged import write_rows
 
         pair = None if static_scales is None else (static_scales[0], static_scales[1])
-        rows = write_rows(states, layout.fmt, stats, pair, pages, geometry, index, layout.rotate)
+        rows = write_rows(states, layout.fmt, stats, pair, pages, geometry, index, layout.rotate, layout.scale_search,
+                          search_energy)  # fmt: skip
         return rows, True  # (non-finite inputs: not known without a sync)
 
     def paged_attend(
@@ -329,9 +333,9 @@ def triton_ops():
     def write_op(
         key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         recent: torch.Tensor | None, stats: torch.Tensor, positions: torch.Tensor, fmt: str, per_token: bool,
-        ring: bool, rotate: bool,
+        ring: bool, rotate: bool, search_energy: torch.Tensor | None, scale_search: int,
     ) -> None:  # fmt: skip
-        view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
+        view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent, search_energy, scale_search)
         for launch in WritePlan(key, value, view, stats, advance=True).launches(key, value, view, stats):
             launch.run(traced=True)
 
@@ -340,11 +344,12 @@ def triton_ops():
         key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         recent: torch.Tensor | None, stats: torch.Tensor, positions: torch.Tensor, outlier_kv: torch.Tensor,
         outlier_pos: torch.Tensor, outlier_score: torch.Tensor, outlier_norms: torch.Tensor, first_real: torch.Tensor,
-        fmt: str, ring: bool, rotate: bool, set_ring: int, window: int,
+        fmt: str, ring: bool, rotate: bool, set_ring: int, window: int, search_energy: torch.Tensor | None,
+        scale_search: int,
     ) -> None:  # fmt: skip
         """A decode step's write that judges the outlier token it gives codes (`triton_outliers.write_and_settle`;
         the outlier buffers as a layer holds them, `hf_fp8kv/outliers.py`; `set_ring` the set's ring)."""
-        view = _static_view(codes, scales, positions, fmt, True, ring, rotate, recent)
+        view = _static_view(codes, scales, positions, fmt, True, ring, rotate, recent, search_energy, scale_search)
         buffers = (outlier_kv, outlier_pos, outlier_score, outlier_norms)
         outlier_set = outliers.OutlierSet.of_buffers(buffers, scales[0], 0, set_ring)
         plan_write_settle(key, value, view, stats, outlier_set, first_real, window or None).run(traced=True)
@@ -376,7 +381,9 @@ def triton_ops():
     return torch.ops.hf_fp8kv
 
 
-def _static_view(codes, scales, positions, fmt: str, per_token: bool, ring: bool, rotate: bool, recent) -> KVView:
+def _static_view(codes, scales, positions, fmt: str, per_token: bool, ring: bool, rotate: bool, recent,
+                 search_energy: torch.Tensor | None = None, scale_search: int = 0) -> KVView:  # fmt: skip
     return KVView(codes=codes, scales=scales, fmt=get_format(fmt), end=positions[0], recent_start=positions[1],
                   per_token=per_token, ring=ring, rotate=rotate, recent=recent, positions=positions,
-                  value_tiled=TritonLayerKernels.value_tiled)  # fmt: skip
+                  value_tiled=TritonLayerKernels.value_tiled, search_energy=search_energy,
+                  scale_search=scale_search)  # fmt: skip

@@ -36,6 +36,7 @@ import torch
 
 from .cpu import attention_in_space, dequantize_stacked, write_stacked
 from .formats import PER_TOKEN_SCALE_DTYPE, StorageFormat
+from .reference import search_weights, searched_scale
 from .rotation import hadamard
 
 ROW_ALIGNMENT = 16  # bytes: rows padded to it load as 16-byte vectors (gpu_static: byte loads, 0.36-0.61 SASS
@@ -59,6 +60,7 @@ class RowLayout:
     dtype: torch.dtype  # the model dtype
     key_channel: torch.Tensor | None = None  # static per-channel key scales [kv_heads, head_dim] (keys divided by)
     rotate: bool = False  # codes of the keys and values times a Hadamard matrix (`rotation.py`)
+    scale_search: int = 0  # per-token scales searched among this many candidates (`reference.searched_scale`)
 
     @property
     def value_bytes(self) -> int:
@@ -178,12 +180,14 @@ class RecentRows:
 
 
 def encode_rows(
-    states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None, static_scales: torch.Tensor | None
+    states: torch.Tensor, layout: RowLayout, stats: torch.Tensor | None, static_scales: torch.Tensor | None,
+    search_energy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """Page rows `[tokens, 2, row bytes]` of `states` (`[2, kv_heads, tokens, head_dim]`, keys divided by the
     per-channel key scales already): codes and scales as `cpu.write_stacked` writes them (the bits the dense cache
-    stores; `static_scales`: `[2, kv_heads]`, None for per-token ones; rotated first with `layout.rotate`), or the
-    model-dtype values of a layer kept in it; and whether an input (rotated) was non-finite."""
+    stores; `static_scales`: `[2, kv_heads]`, None for per-token ones; rotated first with `layout.rotate`;
+    searched with `layout.scale_search`, the keys weighted by the queries' `search_energy` `[kv_heads, head_dim]`),
+    or the model-dtype values of a layer kept in it; and whether an input (rotated) was non-finite."""
     tokens = states.shape[2]
     rows = torch.zeros(tokens, 2, layout.nbytes, dtype=torch.uint8, device=states.device)
     codes = _stored_values(rows, layout)
@@ -196,6 +200,10 @@ def encode_rows(
         scale = static_scales[:, :, None, None]
     if layout.rotate:
         states = hadamard(states)
+    if layout.scale_search > 1:  # the searched scales, then a write under them (as the dense cache's)
+        weight = search_weights(search_energy)[:, 0]
+        scale.copy_(searched_scale(states, layout.fmt, PER_TOKEN_SCALE_DTYPE, layout.scale_search, weight)[..., None])
+        return rows, write_stacked(states, codes, scale, layout.fmt, False, stats)
     return rows, write_stacked(states, codes, scale, layout.fmt, static_scales is None, stats, PER_TOKEN_SCALE_DTYPE)
 
 

@@ -636,8 +636,9 @@ def _reduce_kernel(
 # --- launchers ---------------------------------------------------------------------------------------------------
 def can_write_in_launch(view: KVView, new_tokens: int) -> bool:
     """Whether the attention launch can write an update's new tokens itself (`NewToken`): a decode step's one
-    token, but with outlier tokens (their staging runs between the write and the attention)."""
-    return new_tokens == 1 and view.outliers is None
+    token, but with outlier tokens (their staging runs between the write and the attention) or searched scales
+    (`write_kv`'s launch: the attention kernels stay as gpu_static measured them)."""
+    return new_tokens == 1 and view.outliers is None and view.scale_search <= 1
 
 
 def writes_in_launch(view: KVView, new_tokens: int, target: GpuTarget | None) -> bool:
@@ -1175,11 +1176,13 @@ def _expand_mask(mask: torch.Tensor, batch: int, q_heads: int, q_len: int) -> to
 
 def _check_new_token(query: torch.Tensor, view: KVView, new_token: NewToken) -> None:
     """Refuse, by name, a write in the attention launch that it cannot do: more than one query token, outlier
-    tokens (their staging runs between the write and the attention), anything `write_kv` refuses."""
+    tokens (their staging runs between the write and the attention), searched scales, anything `write_kv`
+    refuses."""
     if query.shape[2] != 1 or not can_write_in_launch(view, new_token.key.shape[2]):
         raise ValueError(
-            f"the attention launch writes one new token of a decode step without outlier tokens, got query "
-            f"{tuple(query.shape)}, new keys {tuple(new_token.key.shape)}, outliers {view.outliers is not None}"
+            f"the attention launch writes one new token of a decode step without outlier tokens or searched scales, "
+            f"got query {tuple(query.shape)}, new keys {tuple(new_token.key.shape)}, outliers "
+            f"{view.outliers is not None}, scale_search={view.scale_search}"
         )
     before = view if view.static else dataclasses.replace(view, end=view.end - 1, recent_start=new_token.recent_start)
     check_write(new_token.key, new_token.value, before, new_token.stats, view.static)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from . import view
 from .formats import FORMATS, TINY_SCALE, StorageFormat
+from .reference import SEARCH_ERROR_BITS, SEARCH_WEIGHT_MAX
 from .rotation import hadamard_norm, hadamard_stages
 from .targets import GpuTarget, device_target
 from .triton_launch import interpreting, next_power_of_2
@@ -30,6 +31,8 @@ P_SCALE_LOG2 = tl.constexpr(math.log2(P_SCALE.value))
 # probability reach 2^134 and overflow)
 MIN_PV_SCALE = tl.constexpr(2.0**-64)
 VALUE_TILE = tl.constexpr(view.VALUE_TILE)
+SEARCH_ERROR_SCALE = tl.constexpr(2.0**SEARCH_ERROR_BITS)  # `reference.searched_scale`'s, over CLIP - MAX
+SEARCH_WEIGHT_TOP = tl.constexpr(float(SEARCH_WEIGHT_MAX))
 
 
 @functools.cache
@@ -101,6 +104,63 @@ def round_up_to_bf16(x):
     """Positive finite fp32 `x` rounded up to a bf16 value (kept in fp32): the bits past bf16's carried, then
     dropped (a per-token scale held in 2 bytes, `formats.PER_TOKEN_SCALE_DTYPE`)."""
     return ((x.to(tl.int32, bitcast=True) + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def token_scales(x, weight, BF16: tl.constexpr, SEARCH: tl.constexpr, CLIP: tl.constexpr, IS_FLOAT: tl.constexpr,
+                 MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                 SUB_MAGIC: tl.constexpr):  # fmt: skip
+    """The per-token scales `[T]` (fp32) of rows `x` `[T, D]` (fp32): `reference.dynamic_scale`'s (BF16: rounded up
+    to a bf16 value), searched among SEARCH candidates (> 1) under the channels' integer `weight` (`[1, D]`, or 1)
+    as `reference.searched_scale` does, to the same bits."""
+    magnitude = tl.abs(x)
+    finite = magnitude < float("inf")  # (NaN: False)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.where(finite, magnitude, 0.0), axis=1), ROW_MAX), MIN_TOKEN_SCALE)
+    if BF16:
+        scale = round_up_to_bf16(scale)
+    if SEARCH > 1:
+        x = tl.where(finite, x, 0.0)
+        base_bits = scale.to(tl.int32, bitcast=True)
+        least = tl.full(scale.shape, 1 << 62, tl.int64)  # above any error: the first candidate's replaces it
+        for i in tl.static_range(SEARCH):
+            bits = base_bits + i * ((1 << 23) // SEARCH)
+            candidate = bits.to(tl.float32, bitcast=True)
+            y = tl.abs(tl.math.div_rn(x, candidate[:, None]))  # (in range: no saturation)
+            error_units = y - code_value(y, IS_FLOAT, ROUND_SHIFT, MIN_NORMAL, SUB_MAGIC)
+            step = (error_units * (SEARCH_ERROR_SCALE / (CLIP - MAX))).to(tl.int32)  # (truncated)
+            error = tl.sum((step * step * weight).to(tl.int64), axis=1)
+            significand = (((bits >> 16) & 0x7F) | 0x80).to(tl.int64)
+            error *= significand * significand * tl.where((bits >> 23) > (base_bits >> 23), 4, 1)
+            better = error < least
+            least = tl.where(better, error, least)
+            scale = tl.where(better, candidate, scale)
+    return scale
+
+
+@triton.jit
+def code_value(magnitude, IS_FLOAT: tl.constexpr, ROUND_SHIFT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+               SUB_MAGIC: tl.constexpr):  # fmt: skip
+    """The value of the code nearest fp32 `magnitude` (>= 0, within the format's range), ties to even: `encode`'s
+    rounding, kept in fp32."""
+    if IS_FLOAT:
+        bits = magnitude.to(tl.int32, bitcast=True)
+        odd = (bits >> ROUND_SHIFT) & 1
+        normal = ((bits + ((1 << (ROUND_SHIFT - 1)) - 1) + odd) & -(1 << ROUND_SHIFT)).to(tl.float32, bitcast=True)
+        return tl.where(magnitude < MIN_NORMAL, (magnitude + SUB_MAGIC) - SUB_MAGIC, normal)
+    return (magnitude + 8388608.0) - 8388608.0  # int8: adding 2^23 rounds to an integer, half to even
+
+
+@triton.jit
+def search_weights(energy_ptr, d, d_ok):
+    """`reference.search_weights`' key weights of one KV head (int32 `[1, D]`) from its queries' energy at
+    `energy_ptr` (fp32 `[head_dim]`) for channels `d` `[D]`: each channel's over the largest times
+    SEARCH_WEIGHT_MAX, rounded (1 while the head has none)."""
+    energy = tl.load(energy_ptr + d[None, :], mask=d_ok[None, :], other=0.0)
+    largest = tl.max(energy, axis=1)[:, None]
+    # (the min keeps the product's rounding from fusing into the add: the same value, as the product is <= 255.x)
+    weight = tl.minimum(energy * tl.math.div_rn(SEARCH_WEIGHT_TOP, tl.where(largest > 0, largest, 1.0)),
+                        SEARCH_WEIGHT_TOP)  # fmt: skip
+    return tl.where(largest > 0, ((weight + 8388608.0) - 8388608.0).to(tl.int32), 1)
 
 
 @triton.jit

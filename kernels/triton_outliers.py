@@ -126,7 +126,7 @@ def _settle_kernel(
 @triton.jit(do_not_specialize=["end", "recent_start", "offset", "window"])  # (they move: one compile)
 def _write_settle_kernel(
     new_k_ptr, new_v_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, stats_ptr,
-    positions_ptr, first_real_ptr, kv_ptr, kept_ptr, score_ptr, norms_ptr,
+    positions_ptr, first_real_ptr, kv_ptr, kept_ptr, score_ptr, norms_ptr, energy_ptr,
     nk_sb, nk_sh, nk_sd, nv_sb, nv_sh, nv_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
@@ -139,7 +139,7 @@ def _write_settle_kernel(
     CLIP: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, IS_FLOAT: tl.constexpr,
     MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
     MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
-    SIGNED_ZERO: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
     """Program (batch * kv_head,): a decode step's write (`write_decode_token`: the token entering the codes, the
     one the new token replaces in its recent slot, else the new token itself, quantized; the new token in that
@@ -181,7 +181,7 @@ def _write_settle_kernel(
         k_scale_ptr, v_scale_ptr + b * s_sb + h * s_sh, recent_k_ptr, recent_v_ptr, stats_ptr, c_st, c_sd, s_st,
         r_st, r_sd, d, d_ok, new_pos, entering_pos, entering, slots, offset, capacity, recent_slots, VALUE_TILED,
         HAS_RECENT, RING, True, CLIP, ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET,
-        MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO,
+        MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO, energy_ptr + h * head_dim, SEARCH,
     )  # fmt: skip
     j = tl.arange(0, BLOCK_N)
     j_ok = j < count
@@ -278,7 +278,8 @@ def plan_write_settle(
     return Launch(_write_settle_kernel, (batch * heads,), (
         key, value, codes[0], codes[1], scales[0], scales[1], *planes(view.recent, codes), stats,
         view.positions if view.static else stats, first_real, kv, kept, scores, norms,
-        *key.stride()[:2], key.stride(3), *value.stride()[:2], value.stride(3), *codes.stride()[1:],
+        view.search_energy if view.scale_search > 1 else stats, *key.stride()[:2], key.stride(3),
+        *value.stride()[:2], value.stride(3), *codes.stride()[1:],
         *scales[0].stride(), *plane_strides(view.recent), *kv.stride()[:2], kv.stride(2), kv.stride(3),
         *kept.stride()[:2], *scores.stride()[:2], *norms.stride(), heads, kept.shape[-1], head_dim, end, recent_start,
         view.offset, view.slots, view.codes.shape[3], recent_slots, ring, window or 0,
@@ -286,5 +287,5 @@ def plan_write_settle(
         BLOCK_N=next_power_of_2(kept.shape[-1]), BLOCK_D=next_power_of_2(head_dim),
         SCALE_BITS=8 * scales.element_size(), STATIC=view.static, RING=view.ring, HAS_RECENT=recent_slots > 0,
         VALUE_TILED=view.value_tiled, EVICT=window is not None, CLIP=view.fmt.clip_bound,
-        **rotation(view.rotate, head_dim), **encoding(view.fmt), num_warps=1,
+        **rotation(view.rotate, head_dim), **encoding(view.fmt), SEARCH=view.scale_search, num_warps=1,
     ))  # fmt: skip

@@ -27,9 +27,9 @@ from .formats import StorageFormat
 from .paged import ROW_ALIGNMENT, PageGeometry, RecentRows, row_size
 from .triton_attention import reduce_blocks, reduce_launch, split_count
 from .triton_common import (
-    LOG2E, MIN_TOKEN_SCALE, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes,
-    decode_settings, encode, encoding, hadamard, query_target, register_room, rotated_query, rotation,
-    round_up_to_bf16, tile_tokens, zero_columns,
+    LOG2E, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings, encode,
+    encoding, hadamard, query_target, register_room, rotated_query, rotation, search_weights, tile_tokens,
+    token_scales, zero_columns,
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2
@@ -234,19 +234,20 @@ def _page_tile(
 
 @triton.jit
 def _write_rows_kernel(
-    states_ptr, rows_ptr, stats_ptr, k_scale_ptr, v_scale_ptr, pages_ptr, write_ptr, s_sp, s_sh, s_st, tokens,
-    layer_offset, bytes_per_block,
+    states_ptr, rows_ptr, stats_ptr, k_scale_ptr, v_scale_ptr, pages_ptr, write_ptr, energy_ptr, s_sp, s_sh, s_st,
+    tokens, layer_offset, bytes_per_block,
     ROW_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PER_TOKEN: tl.constexpr, CLIP: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr, BLOCK_STRIDE: tl.constexpr, ROTATE_STAGES: tl.constexpr,
-    ROTATE_NORM: tl.constexpr,
+    ROTATE_NORM: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
     """One KV head of one plane (keys / values) of `BLOCK_T` tokens: codes (and per-token-head scale bytes)
     into the rows and into the pages at the physical indices `write_ptr` (`paged.PageGeometry`'s bytes: key rows,
     transposed value planes); clipped and non-finite counts added to `stats_ptr` (int64 `[2, 2]`). Rotated first
-    with ROTATE_STAGES (`triton_common.hadamard`)."""
+    with ROTATE_STAGES (`triton_common.hadamard`); per-token scales searched among SEARCH candidates, the keys'
+    weighted by the queries' energy at `energy_ptr` (fp32 `[kv_heads, HEAD_DIM]`, `triton_common.token_scales`)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     plane = tl.program_id(2)
@@ -268,9 +269,11 @@ def _write_rows_kernel(
     if PER_TOKEN:
         scale_at = plane_at + tl.where(is_key, slot * ROW_BYTES + VALUE_BYTES + 4 * head,
                                        VALUE_BYTES * PAGE_SIZE + 4 * (head * PAGE_SIZE + slot))  # fmt: skip
-        magnitude = tl.abs(x)
-        amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN and inf ignored
-        scale = round_up_to_bf16(tl.maximum(tl.math.div_rn(amax, ROW_MAX), MIN_TOKEN_SCALE))  # the dense cache's values
+        weight = 1
+        if SEARCH > 1:
+            weight = tl.where(is_key, search_weights(energy_ptr + head * HEAD_DIM, d, d < HEAD_DIM), 1)
+        scale = token_scales(x, weight, True, SEARCH, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, MIN_NORMAL,
+                             SUB_MAGIC)  # (bf16 values: the dense cache's)  # fmt: skip
         bits = scale.to(tl.int32, bitcast=True)
         for byte in tl.static_range(4):
             scale_byte = ((bits >> (8 * byte)) & 0xFF).to(tl.uint8)
@@ -299,25 +302,35 @@ def write_rows(
     geometry: PageGeometry,
     index: torch.Tensor,
     rotate: bool = False,
+    scale_search: int = 0,
+    search_energy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Page rows `[tokens, 2, row_bytes]` (uint8) of `states` (`[2, kv_heads, tokens, head_dim]`, keys then
     values): codes of every KV head, then (per-token-head scales, `static_scales` None) one fp32 scale per head;
     bit-identical to `paged.encode_rows`; also stored in `pages` at the int64 physical indices `index`, as
     `geometry.write` stores them. Adds clipped and non-finite counts to `stats` (int64 `[2, 2]`, on the states'
-    device). `rotate`: codes of the states times a Hadamard matrix (`paged.RowLayout.rotate`)."""
-    rows, launch = plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index, rotate)
+    device). `rotate`: codes of the states times a Hadamard matrix (`paged.RowLayout.rotate`); `scale_search`:
+    per-token scales searched among that many candidates, the keys' weighted by `search_energy` (fp32 `[kv_heads,
+    head_dim]`, `paged.RowLayout.scale_search`)."""
+    rows, launch = plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index, rotate, scale_search,
+                                   search_energy)  # fmt: skip
     if launch is not None:
         launch_all([launch], states.device)
     return rows
 
 
-def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index,
-                    rotate: bool = False) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
+def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index, rotate: bool = False,
+                    scale_search: int = 0, search_energy=None) -> tuple[torch.Tensor, Launch | None]:  # fmt: skip
     """The rows of `write_rows` and the launch that fills them and the pages (None: no token)."""
     _, kv_heads, tokens, head_dim = states.shape
     if states.stride(-1) != 1:
         raise ValueError("states must be contiguous in its last dim (head_dim)")
     per_token = static_scales is None
+    if scale_search > 1 and (not per_token or search_energy is None or search_energy.shape != (kv_heads, head_dim)
+                             or search_energy.dtype != torch.float32 or not search_energy.is_contiguous()):
+        found = None if search_energy is None else (search_energy.dtype, tuple(search_energy.shape))
+        raise ValueError(f"scale_search={scale_search} needs per-token scales and search_energy as contiguous fp32 "
+                         f"[{kv_heads}, {head_dim}], got per_token={per_token}, {found}")  # fmt: skip
     value_bytes = kv_heads * head_dim
     row_bytes = row_size(value_bytes, kv_heads if per_token else 0)
     rows = torch.zeros(tokens, 2, row_bytes, dtype=torch.uint8, device=states.device)
@@ -325,11 +338,11 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index,
         return rows, None
     k_scale, v_scale = static_scales if static_scales is not None else (stats, stats)
     launch = Launch(_write_rows_kernel, (cdiv(tokens, BLOCK_T), kv_heads, 2), (
-        states, rows, stats, k_scale, v_scale, pages, index, states.stride(0), states.stride(1),
-        states.stride(2), tokens, geometry.layer_offset, geometry.bytes_per_block,
+        states, rows, stats, k_scale, v_scale, pages, index, search_energy if scale_search > 1 else stats,
+        states.stride(0), states.stride(1), states.stride(2), tokens, geometry.layer_offset, geometry.bytes_per_block,
     ), dict(
         ROW_BYTES=row_bytes, VALUE_BYTES=value_bytes, PAGE_SIZE=geometry.page_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=BLOCK_T, PER_TOKEN=per_token, CLIP=fmt.clip_bound,
-        BLOCK_STRIDE=geometry.block_stride, **encoding(fmt), **rotation(rotate, head_dim),
+        BLOCK_STRIDE=geometry.block_stride, **encoding(fmt), **rotation(rotate, head_dim), SEARCH=scale_search,
     ))  # fmt: skip
     return rows, launch
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import MIN_TOKEN_SCALE, code_offsets, encode, encoding, hadamard, rotation, round_up_to_bf16
+from .triton_common import code_offsets, encode, encoding, hadamard, rotation, search_weights, token_scales
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, coded_end, scale_dtypes
 
@@ -32,18 +32,16 @@ def _quantize_rows(x, rows_ok, valid, slot, codes_ptr, scale_ptr, stats_ptr, c_s
                    ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, IS_FLOAT: tl.constexpr, MAX: tl.constexpr,
                    ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
                    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
-                   NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr):  # fmt: skip
+                   NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr, weight=1, SEARCH: tl.constexpr = 0):  # fmt: skip
     """Quantize rows `x` `[T, D]` (fp32) into codes at `slot` `[T]`; `rows_ok` `[T]`, `valid` `[T, D]`;
     `stats_ptr` at this program's (keys or values) counters: clipped, then non-finite; `tiled`: the codes are
-    tiled values (VALUE_TILED buffers' value plane, of `capacity` slots); rotated first with ROTATE_STAGES."""
+    tiled values (VALUE_TILED buffers' value plane, of `capacity` slots); rotated first with ROTATE_STAGES;
+    per-token scales searched among SEARCH candidates under the channels' `weight` (`token_scales`)."""
     if ROTATE_STAGES > 0:
         x = hadamard(x, ROTATE_STAGES, ROTATE_NORM)
     if PER_TOKEN:
-        magnitude = tl.abs(x)
-        amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
-        scale = tl.maximum(tl.math.div_rn(amax, ROW_MAX), MIN_TOKEN_SCALE)
-        if scale_ptr.dtype.element_ty == tl.bfloat16:
-            scale = round_up_to_bf16(scale)
+        scale = token_scales(x, weight, scale_ptr.dtype.element_ty == tl.bfloat16, SEARCH, CLIP, IS_FLOAT, MAX,
+                             ROW_MAX, ROUND_SHIFT, MIN_NORMAL, SUB_MAGIC)  # fmt: skip
         tl.store(scale_ptr + slot * s_st, scale, mask=rows_ok)
         y = tl.math.div_rn(x, scale[:, None])
     else:
@@ -67,12 +65,13 @@ def write_decode_token(
     CLIP: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, IS_FLOAT: tl.constexpr,
     MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr, NORMAL_OFFSET: tl.constexpr,
     MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
-    SIGNED_ZERO: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr, energy_ptr=None, SEARCH: tl.constexpr = 0,
 ):  # fmt: skip
     """A decode step's write of one (batch, KV head) row, for the program that then reads it (`_attention_kernel`
     with WRITE): the token `entering` the codes at `entering_pos` is quantized (with a recent buffer, the one the
     new token replaces in its slot; else the new token itself), then the new token `new_pos` takes its recent
-    slot. The pointers are at the row's buffers; the codes may be typed fp8 (stored as their bytes)."""
+    slot. The pointers are at the row's buffers; the codes may be typed fp8 (stored as their bytes). SEARCH: the
+    per-token scales searched, the keys' weighted by the queries' energy at `energy_ptr` (`search_weights`)."""
     row = tl.arange(0, 1)
     ok = tl.zeros([1], tl.int32) + entering.to(tl.int32) != 0  # (a [1] mask: the interpreter refuses a scalar's)
     valid = ok[:, None] & d_ok[None, :]
@@ -85,14 +84,16 @@ def write_decode_token(
     k_codes_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint8))
     v_codes_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint8))
     x = tl.load(k_src + row[:, None] * 0 + d[None, :] * k_sd, mask=valid, other=0.0).to(tl.float32)
+    weight = search_weights(energy_ptr, d, d_ok) if SEARCH > 1 else 1
     _quantize_rows(x, ok, valid, slot, k_codes_ptr, k_scale_ptr, stats_ptr, c_st, c_sd, s_st, d, False, capacity,
                    VALUE_TILED, PER_TOKEN, CLIP, ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
-                   NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                   NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO, weight,
+                   SEARCH)  # fmt: skip
     tl.debug_barrier()  # (the keys' values dead before the values' are read: registers)
     x = tl.load(v_src + row[:, None] * 0 + d[None, :] * v_sd, mask=valid, other=0.0).to(tl.float32)
     _quantize_rows(x, ok, valid, slot, v_codes_ptr, v_scale_ptr, stats_ptr + 2, c_st, c_sd, s_st, d, True, capacity,
                    VALUE_TILED, PER_TOKEN, CLIP, ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT,
-                   NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                   NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO, 1, SEARCH)  # fmt: skip
     if HAS_RECENT:
         tl.debug_barrier()  # every thread has read the leaving token before the new one takes its slot
         k = tl.load(new_k_ptr + d * nk_sd, mask=d_ok, other=0.0)
@@ -105,7 +106,7 @@ def write_decode_token(
 @triton.jit(do_not_specialize=["end", "recent_start"])  # they move every step: one compile
 def _write_kernel(
     key_ptr, value_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr,
-    stats_ptr, positions_ptr,
+    stats_ptr, positions_ptr, energy_ptr,
     k_sb, k_sh, k_st, k_sd,
     v_sb, v_sh, v_st, v_sd,
     c_sb, c_sh, c_st, c_sd,
@@ -118,10 +119,12 @@ def _write_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
     NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
-    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
+    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
     """Program (token block, batch * head, 0 = keys / 1 = values). ADVANCE: the device positions move past the new
-    tokens when every program has read them (the last program to take the ticket at `positions_ptr + 2`)."""
+    tokens when every program has read them (the last program to take the ticket at `positions_ptr + 2`). SEARCH:
+    per-token scales searched, the keys' weighted by the queries' energy (fp32 `[heads, head_dim]` at
+    `energy_ptr`)."""
     b = (tl.program_id(1) // heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     h = (tl.program_id(1) % heads).to(tl.int64)
     which = tl.program_id(2)
@@ -143,6 +146,7 @@ def _write_kernel(
     i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
+    weight = tl.where(which == 0, search_weights(energy_ptr + h * head_dim, d, d_ok), 1) if SEARCH > 1 else 1
     new_recent_start = tl.maximum(recent_start, end + new_tokens - recent_slots)
     lowest = 0 if RING else offset  # a token before the first slot left a sliding window: nobody reads its codes
     if MODE == 1:  # the recent buffer's tokens that leave it: [recent_start, new_recent_start) of those it holds
@@ -155,7 +159,7 @@ def _write_kernel(
         _quantize_rows(x, ok, ok[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr, stats_ptr, c_st, c_sd, s_st,
                        d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP, ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX,
                        ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE,
-                       SIGNED_ZERO)  # fmt: skip
+                       SIGNED_ZERO, weight, SEARCH)  # fmt: skip
     else:
         t = end + i
         row_ok = i < new_tokens
@@ -170,7 +174,8 @@ def _write_kernel(
                 _quantize_rows(x_old, leaving, leaving[:, None] & d_ok[None, :], slot_old, codes_ptr, scale_ptr,
                                stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP,
                                ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET,
-                               MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                               MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO, weight,
+                               SEARCH)  # fmt: skip
         x_raw = tl.load(src + b * sb + h * sh + i.to(tl.int64)[:, None] * st + d[None, :] * sd,
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         direct = row_ok & (t < new_recent_start)
@@ -178,7 +183,7 @@ def _write_kernel(
         _quantize_rows(x_raw.to(tl.float32), direct, direct[:, None] & d_ok[None, :], slot, codes_ptr, scale_ptr,
                        stats_ptr, c_st, c_sd, s_st, d, which == 1, capacity, VALUE_TILED, PER_TOKEN, CLIP,
                        ROTATE_STAGES, ROTATE_NORM, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, NORMAL_OFFSET, MIN_NORMAL,
-                       SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO)  # fmt: skip
+                       SUB_MAGIC, SUB_MAGIC_BITS, NAN_CODE, SIGNED_ZERO, weight, SEARCH)  # fmt: skip
         if HAS_RECENT:
             kept = row_ok & (t >= new_recent_start)
             tl.store(recent_ptr + r_slot[:, None] * r_st + d[None, :] * r_sd,
@@ -239,7 +244,7 @@ class WritePlan:
             EVICT=0 < new_tokens <= self.recent_slots, HAS_RECENT=self.recent_slots > 0, STATIC=view.static, RING=view.ring,
             VALUE_TILED=view.value_tiled,
             PER_TOKEN=view.per_token, CLIP=view.fmt.clip_bound, BLOCK_D=block_d, **encoding(view.fmt),
-            **rotation(view.rotate, head_dim),
+            **rotation(view.rotate, head_dim), SEARCH=view.scale_search,
         )  # fmt: skip
         modes = [(LEAVING, self.recent_slots)] if new_tokens > self.recent_slots > 0 else []
         modes.append((NEW, new_tokens))
@@ -258,7 +263,8 @@ class WritePlan:
         tensors, strides, slots = view.derived(self, self._stored)
         end, recent_start = (0, 0) if view.static else (view.end, view.recent_start)
         args = (
-            key, value, *tensors, stats, view.positions if view.positions is not None else stats, *key.stride(),
+            key, value, *tensors, stats, view.positions if view.positions is not None else stats,
+            view.search_energy if view.scale_search > 1 else stats, *key.stride(),
             *value.stride(), *strides, *self.sizes, end, recent_start, view.offset, *slots, self.recent_slots,
         )  # fmt: skip
         return [Launch(_write_kernel, grid, args, constexprs) for grid, constexprs in self.kinds]
@@ -300,6 +306,8 @@ def check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: tor
             f"scales must be fp32 (per-token: or bf16) {expected}, got {view.scales.dtype} {tuple(view.scales.shape)}"
         )
     view.check_layout()
+    if view.scale_search > 1:
+        check_search(view)
     if advance and (view.positions is None or view.positions.dtype != torch.int64 or view.positions.shape != (3,)):
         positions = None if view.positions is None else (view.positions.dtype, tuple(view.positions.shape))
         raise ValueError(f"a write that moves the positions needs int64 [3] device positions, got {positions}")
@@ -308,3 +316,18 @@ def check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: tor
     devices = {t.device for t in (key, value, view.codes, view.scales, stats)}
     if len(devices) > 1:
         raise ValueError(f"write tensors are on several devices: {sorted(map(str, devices))}")
+
+
+def check_search(view: KVView) -> None:
+    """Refuse, by name, a searched write without per-token scales or without the queries' energy it weighs by."""
+    heads, head_dim = view.codes.shape[2], view.codes.shape[4]
+    energy = view.search_energy
+    if not view.per_token:
+        raise ValueError(f"scale_search={view.scale_search} searches per-token scales; this view has static ones")
+    fits = energy is not None and energy.dtype == torch.float32 and energy.shape == (heads, head_dim)
+    if not fits or not energy.is_contiguous():
+        found = None if energy is None else (energy.dtype, tuple(energy.shape), energy.stride())
+        raise ValueError(
+            f"scale_search={view.scale_search} needs search_energy as contiguous fp32 [{heads}, {head_dim}], "
+            f"got {found}"
+        )

@@ -54,16 +54,20 @@ def feed(model, cache, keys: dict | None = None) -> None:
 CODED = PROMPTS.shape[1] + STEPS - 4  # tokens with codes at the end (all but the newest 4)
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-@pytest.mark.parametrize("kind", ["plain", "rotated", "key channels"])
-def test_each_token_is_coded_under_the_weights_of_the_queries_before_it(static, kind, monkeypatch):
+@pytest.mark.parametrize("kind, static, backend", [
+    *[(kind, static, "torch") for kind in ("plain", "rotated", "key channels") for static in (False, True)],
+    ("key channels", False, "triton"), ("rotated", True, "triton"),  # (the Triton kernels under the interpreter)
+], ids=str)  # fmt: skip
+def test_each_token_is_coded_under_the_weights_of_the_queries_before_it(static, kind, backend, monkeypatch):
     """A left-padded prefill then decode steps: each layer's query energy is the sum of the squared queries it
     read (per KV head and channel, in the space the keys are coded in), its weights that energy over each head's
     largest times 255; and every coded token's K and V scales are the oracle's searched scales under the weights
-    of the queries read before the update that coded it (none for the prompt's own: weights 1)."""
+    of the queries read before the update that coded it (none for the prompt's own: weights 1). On both backends
+    (Triton: its write kernels, under the interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_model()
     extra = {"plain": {}, "rotated": dict(rotate=True), "key channels": dict(scales=key_channels(model))}[kind]
-    cache = QuantizedFP8Cache(model, **{**SEARCH, **extra}, max_cache_len=64 if static else None)
+    cache = QuantizedFP8Cache(model, **{**SEARCH, **extra, "backend": backend}, max_cache_len=64 if static else None)
     queries, weights = {}, {}  # layer -> the queries its attention read, its keys' weights after each
     attend = QuantizedKV.attend
 
@@ -173,14 +177,10 @@ def test_a_reset_or_pickled_cache_generates_what_a_fresh_one_does(method):
         assert torch.equal(model(**step, **cache_kwargs(copy)).logits, model(**step, **cache_kwargs(cache)).logits)
 
 
-def test_scale_search_needs_per_token_scales_and_the_torch_backend(monkeypatch):
+def test_scale_search_needs_per_token_scales():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"scale_search=16 needs per-token scales \(scales='dynamic'\)"):
         QuantizedFP8Cache(model, scales=0.5, scale_search=16)
     for bad in (3, -1, 256, True, 1.5):
         with pytest.raises(ValueError, match="scale_search"):
             QuantizedFP8Cache(model, scales="dynamic", scale_search=bad)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cache = QuantizedFP8Cache(model, **{**SEARCH, "backend": "triton"})
-    with pytest.raises(ValueError, match="layer 0: scale_search=16 is built on the torch backend only"):
-        model(input_ids=PROMPTS, **cache_kwargs(cache))

@@ -179,6 +179,9 @@ FUSED_CASES = [
     (Stream(static=16, ring=True, recent=3, updates=[10] + [1] * 10, tiled=True), dict(count=3, window=16)),
     (Stream(recent=4, updates=[30] + [1] * 8, rotate=True, dtype=torch.float16), dict(count=3, window=12)),
     (Stream(recent=4, updates=[30] + [1] * 6, fmt="fp8_e4m3fnuz"), dict(count=5)),
+    # searched scales: the write's search as `write_kv`'s (held to the oracle in test_triton_write.py)
+    (Stream(recent=4, updates=[30] + [1] * 6, scale_search=16, dtype=torch.bfloat16), dict(count=3)),
+    (Stream(static=48, updates=[20] + [1] * 6, scale_search=8, rotate=True, tiled=True), dict(count=3)),
 ]
 
 
@@ -233,7 +236,8 @@ def test_a_decode_steps_write_and_judging_in_one_launch_are_write_then_settle(st
             ops.triton_ops().write_settle(
                 new[0], new[1], fused_view.codes, fused_view.scales, fused_view.recent, fused_stats,
                 fused_view.positions, fused.kv, fused.positions[None], fused.scores[None], fused.norms, first_real,
-                fused_view.fmt.name, fused_view.ring, fused_view.rotate, ring, window or 0,
+                fused_view.fmt.name, fused_view.ring, fused_view.rotate, ring, window or 0, fused_view.search_energy,
+                fused_view.scale_search,
             )  # fmt: skip
         else:
             triton_outliers.write_and_settle(new[0], new[1], fused_view, fused_stats, fused, first_real, window)
@@ -265,7 +269,7 @@ def test_registered_write_settle_traces_for_torch_compile():
         torch.zeros(2, *shape, stream.head_dim, dtype=stream.dtype, device="cuda"),
         torch.full((1, *shape), -1, device="cuda"), torch.full((1, *shape), -math.inf, device="cuda"),
         torch.zeros(2, *shape[:2], device="cuda"), torch.zeros(stream.batch, dtype=torch.int64, device="cuda"),
-        view.fmt.name, view.ring, view.rotate, 0, 0,
+        view.fmt.name, view.ring, view.rotate, 0, 0, None, 0,
     )  # fmt: skip
     torch.library.opcheck(
         ops.triton_ops().write_settle.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic")

@@ -829,6 +829,9 @@ def test_a_write_the_attention_launch_cannot_do_is_refused_by_name():
     with pytest.raises(ValueError, match="without outlier tokens"):
         attention(query, view, scaling=1.0, new_token=NewToken(new[0], new[1], stats, int(view.recent_start)))
     view.outliers = view.outlier_pos = None
+    searched = dataclasses.replace(view, scale_search=16, search_energy=torch.ones(2, stream.head_dim, device=DEVICE))
+    with pytest.raises(ValueError, match="scale_search=16"):
+        attention(query, searched, scaling=1.0, new_token=NewToken(new[0], new[1], stats, int(view.recent_start)))
     with pytest.raises(ValueError, match="one new token"):
         attention(query.expand(-1, -1, 2, -1), view, scaling=1.0, new_token=NewToken(new[0], new[1], stats, 0))
     with pytest.raises(ValueError, match="stats must be an int64"):
@@ -837,7 +840,8 @@ def test_a_write_the_attention_launch_cannot_do_is_refused_by_name():
 
 def test_the_launch_writes_a_decode_step_only_where_it_was_measured_clean():
     """`writes_in_launch`: the interpreter and the targets gpu_static measured without a spill; never over rotated
-    codes or with outlier tokens (a write launch of its own, as before), never for several tokens."""
+    codes, with outlier tokens or searched scales (a write launch of its own, as before), never for several
+    tokens."""
     from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
     from hf_fp8kv.kernels.triton_attention import writes_in_launch
 
@@ -847,6 +851,7 @@ def test_the_launch_writes_a_decode_step_only_where_it_was_measured_clean():
     assert writing == {"sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
     assert not writes_in_launch(dataclasses.replace(view, rotate=True), 1, None)
     assert not writes_in_launch(dataclasses.replace(view, outliers=view.recent), 1, EXAMPLE_GPUS["sm_90"])
+    assert not writes_in_launch(dataclasses.replace(view, scale_search=16), 1, EXAMPLE_GPUS["sm_90"])
 
 
 @pytest.mark.parametrize("rotate", [False, True])

@@ -267,12 +267,15 @@ EDGES = [0.0, -0.0, 1e-30, -1e-30, 447.0, 449.0, 1e30, -1e30, math.inf, -math.in
 
 
 @pytest.mark.parametrize("rotate", [False, True])
-@pytest.mark.parametrize("name, dynamic", [(name, dynamic) for name, fmt in FORMATS.items()
-                                           for dynamic in (True, False) if dynamic or not fmt.per_token_only])
-def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic, rotate):
+@pytest.mark.parametrize("name, dynamic, search", [
+    (name, dynamic, search) for name, fmt in FORMATS.items() for dynamic in (True, False) for search in (0, 16)
+    if (dynamic or not fmt.per_token_only) and (dynamic or not search)
+])  # fmt: skip
+def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic, search, rotate):
     """The Triton row writer against `paged.encode_rows` (the bits the CPU path stores): the same bytes, the same
     clipped and non-finite counts, edge values included; the pages it writes are `PageGeometry.write`'s bytes.
-    Rotated: the edges' inf - inf make NaN, whose sign IEEE leaves to the hardware, so NaN codes compare as one."""
+    Rotated: the edges' inf - inf make NaN, whose sign IEEE leaves to the hardware, so NaN codes compare as one.
+    `search`: per-token scales searched, the keys weighted by a layer's query energy (a head without any)."""
     fmt = FORMATS[name]
     generator = torch.Generator().manual_seed(3)
     kv_heads, tokens, head_dim = 3, 21, 24
@@ -281,8 +284,12 @@ def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic, rotate):
     states[1, 2, 7] = 0.0  # an all-zero row: the tiny scale
     static = None if dynamic else (torch.tensor([0.5, 0.02, 1.0]), torch.tensor([0.1, 0.3, 0.05]))
     want_stats = torch.zeros(2, 2, dtype=torch.int64)
-    layout = paged.RowLayout(fmt, dynamic, kv_heads, head_dim, torch.float32, rotate=rotate)
-    want, _ = paged.encode_rows(states, layout, want_stats, None if dynamic else torch.stack(static))
+    layout = paged.RowLayout(fmt, dynamic, kv_heads, head_dim, torch.float32, rotate=rotate, scale_search=search)
+    energy = torch.rand(kv_heads, head_dim, generator=generator) ** 4 * torch.tensor([[1.0], [1e3], [0.0]])
+    want, _ = paged.encode_rows(states, layout, want_stats, None if dynamic else torch.stack(static), energy)
+    if search:  # (it searched: other scales than the amax ones)
+        unsearched, _ = paged.encode_rows(states, replace(layout, scale_search=0), want_stats.clone(), None)
+        assert not torch.equal(want, unsearched)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
     # 16-token pages of 2 layers in blocks of 3 (the second layer's), the tokens scattered over them
     geometry = paged.PageGeometry(2 * 16 * layout.nbytes, 4 * 16 * layout.nbytes + 16, 64, 16)
@@ -292,7 +299,7 @@ def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic, rotate):
     pages = want_pages.to(DEVICE)
     geometry.write(want_pages, layout, index, want)
     rows = write_rows(states.to(DEVICE), fmt, stats, tuple(s.to(DEVICE) for s in static) if static else None,
-                      pages, geometry, index.to(DEVICE), rotate)  # fmt: skip
+                      pages, geometry, index.to(DEVICE), rotate, search, energy.to(DEVICE))  # fmt: skip
     rows, pages = rows.cpu(), pages.cpu()
     if rotate:
         rows, want = one_nan_code(rows, layout), one_nan_code(want, layout)

@@ -13,7 +13,7 @@ import triton.language as tl
 from hf_fp8kv.kernels import cpu, reference
 from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.reference import quantize
-from hf_fp8kv.kernels.triton_common import to_e4m3
+from hf_fp8kv.kernels.triton_common import to_e4m3, token_scales
 from hf_fp8kv.kernels.triton_write import encode, encoding, write_kv
 from hf_fp8kv.kernels.view import KVView, token_major
 from streams import Stream, empty_view, fill, tokens
@@ -63,6 +63,56 @@ def test_encode_is_the_reference_cast_on_hard_values(fmt):
     assert not mismatch.any(), f"{int(mismatch.sum())} codes differ, e.g. x={x[mismatch][:4].tolist()}"
 
 
+@triton.jit
+def _token_scales_test_kernel(
+    x_ptr, weight_ptr, out_ptr, D: tl.constexpr, BLOCK_T: tl.constexpr, BF16: tl.constexpr, SEARCH: tl.constexpr,
+    CLIP: tl.constexpr, IS_FLOAT: tl.constexpr, MAX: tl.constexpr, ROW_MAX: tl.constexpr, ROUND_SHIFT: tl.constexpr,
+    NORMAL_OFFSET: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
+    NAN_CODE: tl.constexpr, SIGNED_ZERO: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + t[:, None] * D + d[None, :])
+    weight = tl.load(weight_ptr + d)[None, :]
+    scale = token_scales(x, weight, BF16, SEARCH, CLIP, IS_FLOAT, MAX, ROW_MAX, ROUND_SHIFT, MIN_NORMAL, SUB_MAGIC)
+    tl.store(out_ptr + t, scale)
+
+
+def hard_rows(fmt, rows: int = 256, dim: int = 64) -> torch.Tensor:
+    """Rows a search can get wrong: random ones over 12 decades, rows of a candidate scale's exact codes (a
+    candidate without error, ties), rows reaching into the codes' subnormals, a zero row, non-finite values."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, dim, generator=generator) * 10.0 ** torch.randint(-6, 6, (rows, 1), generator=generator)
+    codes = torch.randint(0, 256, (rows // 4, dim), dtype=torch.uint8, generator=generator).view(fmt.dtype).float()
+    codes = codes.nan_to_num(0.0, 0.0, 0.0).clamp(-fmt.row_max, fmt.row_max)
+    x[: rows // 4] = codes * (1.0 + torch.randint(0, 16, (rows // 4, 1), generator=generator) / 16)
+    x[rows // 4 : rows // 2] *= 2.0 ** -torch.randint(0, 24, (rows // 4, dim), generator=generator)  # subnormals
+    x[-1] = 0.0
+    x[-2, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    return x
+
+
+@pytest.mark.parametrize("candidates", [2, 16, 128])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_token_scales_are_the_oracles_search_bit_for_bit(fmt, scale_dtype, candidates):
+    """`triton_common.token_scales`, the write kernels' per-token scale, is `reference.searched_scale` to the bit
+    on hard rows, under integer channel weights (zeros among them) and under none."""
+    x = hard_rows(fmt)
+    for weight in (torch.randint(0, 256, (x.shape[1],), generator=torch.Generator().manual_seed(6)),
+                   torch.ones(x.shape[1], dtype=torch.int64)):  # fmt: skip
+        weight = weight.to(torch.int32).masked_fill(torch.arange(x.shape[1]) % 5 == 0, 0)
+        got = torch.empty(x.shape[0], device=DEVICE)
+        _token_scales_test_kernel[(x.shape[0] // 64,)](
+            x.to(DEVICE), weight.to(DEVICE), got, D=x.shape[1], BLOCK_T=64, BF16=scale_dtype == torch.bfloat16,
+            SEARCH=candidates, CLIP=fmt.clip_bound, **encoding(fmt),
+        )  # fmt: skip
+        expected = reference.searched_scale(x, fmt, scale_dtype, candidates, weight)
+        differ = got.cpu() != expected
+        assert not differ.any(), f"{int(differ.sum())} rows differ, e.g. {differ.nonzero()[:4, 0].tolist()}"
+        assert candidates < 16 or (expected != reference.dynamic_scale(x, fmt, scale_dtype)).any()  # (it searched)
+
+
 def with_edges(kv: torch.Tensor) -> torch.Tensor:
     """Keys and values with the edge values (NaN, inf, beyond max, ties) written into the first token's row."""
     kv = kv.clone()
@@ -90,6 +140,16 @@ WRITE_STREAMS = [
     Stream(rotate=True, dtype=torch.bfloat16, recent=4, updates=[66, 1, 1, 2, 9, 1], tiled=True),
     Stream(rotate=True, static=24, recent=4, updates=[7, 1, 1, 6, 1], head_dim=128),
     Stream(rotate=True, static=8, ring=True, recent=2, updates=[5, 1, 1, 1, 1, 1, 1, 1], fmt="fp8_e4m3fnuz"),
+    # searched per-token scales (the keys weighted by `search_energy`): every format, both scale dtypes, every kind
+    # of write, 2 to 128 candidates
+    Stream(scale_search=16, updates=[9, 1, 4]),
+    Stream(scale_search=128, head_dim=64, updates=[9, 1]),
+    Stream(scale_search=16, fmt="fp8_e5m2", scale_dtype=torch.float32, recent=4, updates=[6, 1, 9]),
+    Stream(scale_search=8, fmt="fp8_e4m3fnuz", rotate=True, dtype=torch.bfloat16, recent=4,
+           updates=[66, 1, 1, 2, 9, 1], tiled=True),  # fmt: skip
+    Stream(scale_search=4, fmt="int8_per_token_head", dtype=torch.float16, static=24, recent=4,
+           updates=[7, 1, 1, 6, 1]),  # fmt: skip
+    Stream(scale_search=2, static=8, ring=True, recent=2, updates=[5, 1, 1, 1, 1, 1, 1, 1]),
 ]
 
 
@@ -160,24 +220,33 @@ def test_bad_buffers_are_named():
     view.per_token = False
     with pytest.raises(ValueError, match="stats must be an int64"):
         write_kv(key, key, view, stats.int())
+    with pytest.raises(ValueError, match="scale_search=16 searches per-token scales"):
+        write_kv(key, key, dataclasses.replace(view, scale_search=16), stats)
+    searched, _, _ = fill(Stream(updates=[4]), reference.write, torch.Generator().manual_seed(0), DEVICE)
+    searched.scale_search = 16
+    for energy in (None, torch.ones(2, 40, device=DEVICE), torch.ones(80, 2, device=DEVICE).t()):
+        with pytest.raises(ValueError, match=r"scale_search=16 needs search_energy as contiguous fp32 \[2, 80\]"):
+            write_kv(key[:, :, :1], key[:, :, :1], dataclasses.replace(searched, search_energy=energy), stats)
 
 
-def _static_stream_view():
-    stream = Stream(static=24, recent=4, updates=[7, 1], tiled=True, rotate=True)  # the Triton layers' layout
+def _static_stream_view(scale_search: int = 0):
+    stream = Stream(static=24, recent=4, updates=[7, 1], tiled=True, rotate=True,  # the Triton layers' layout
+                    scale_search=scale_search)  # fmt: skip
     return stream, *fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
 
 
-def test_registered_op_is_the_launcher_on_a_static_view():
+@pytest.mark.parametrize("scale_search", [0, 16])
+def test_registered_op_is_the_launcher_on_a_static_view(scale_search):
     """`torch.ops.hf_fp8kv.write`, what a compiled graph calls, writes what the launcher writes."""
     from hf_fp8kv.kernels import ops
 
     buffers = []
     for use_op in (False, True):
-        stream, view, _, stats = _static_stream_view()
+        stream, view, _, stats = _static_stream_view(scale_search)
         key = torch.randn(2, 2, 1, 80, generator=torch.Generator().manual_seed(1)).to(DEVICE)
         if use_op:
             ops.triton_ops().write(key, -key, view.codes, view.scales, view.recent, stats, view.positions,
-                                   view.fmt.name, True, False, True)  # fmt: skip
+                                   view.fmt.name, True, False, True, view.search_energy, scale_search)  # fmt: skip
         else:
             write_kv(key, -key, view, stats, advance=True)
         buffers.append((view.codes.view(torch.uint8)[:, :, :, :8], view.scales[..., :8], view.recent, stats,
@@ -220,10 +289,10 @@ def test_a_static_write_moves_the_positions_as_the_layers_do(stream):
 def test_registered_op_traces_for_torch_compile():
     from hf_fp8kv.kernels import ops
 
-    _, view, _, stats = _static_stream_view()
+    _, view, _, stats = _static_stream_view(16)
     key = torch.randn(2, 2, 1, 80, device=DEVICE)
     args = (key, -key, view.codes, view.scales, view.recent, stats, view.positions, view.fmt.name, True, False,
-            True)
+            True, view.search_energy, 16)
     torch.library.opcheck(ops.triton_ops().write.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
