@@ -116,6 +116,7 @@ class Case:
     sliding: int = 0  # paged: a sliding layer's window (its ring of slots); 0: a full-attention layer
     rotate: bool = False  # rotated codes (`QuantizedFP8Cache(rotate=True)`)
     outliers: int = 0  # outlier tokens per KV head (`outlier_tokens`; paged: per request), beside the held ones
+    scale_search: int = 0  # per-token scales searched among this many candidates (`scale_search`)
 
     @property
     def name(self) -> str:
@@ -123,6 +124,7 @@ class Case:
         scales = "per-token" if self.per_token else "static"
         scales += "" if self.fmt == "fp8_e4m3" else f" {self.fmt.removeprefix('fp8_').removesuffix('_per_token_head')}"
         scales += " rotated" if self.rotate else ""
+        scales += f" searched {self.scale_search}" if self.scale_search else ""
         if self.kind == "write":
             held = f" recent {self.recent}" if self.recent else ""
             held += f" static-cache {self.static_cache}" if self.static_cache else ""
@@ -244,7 +246,13 @@ def every_case(quick: bool = False) -> list[Case]:
     outliers += [dataclasses.replace(case, outliers=16) for case in default_paged]
     sliding_window = Case("paged", batch=64, per_token=True, context=4095, waves=False, sliding=4096, recent=128)
     outliers += [sliding_window, dataclasses.replace(sliding_window, outliers=16)]
-    return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers
+    # per-token scales searched among 16 (issue 35): every write kind (the attention kernels do not change: a
+    # searched decode step's write is a launch of its own), and the paged row writer
+    searched = [dataclasses.replace(case, scale_search=16) for case in (
+        *(case for case in write if case.per_token), *(case for case in outliers if case.kind == "write"),
+        default_paged[0],
+    )]  # fmt: skip
+    return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers + searched
 
 
 def plan(
@@ -274,7 +282,8 @@ def plan(
     # layout the Triton backend's layers allocate
     view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
                   positions=positions, has_nan=False, value_tiled=ops.TritonLayerKernels.value_tiled,
-                  rotate=case.rotate)  # fmt: skip
+                  rotate=case.rotate, scale_search=case.scale_search,
+                  search_energy=torch.empty(case.kv_heads, case.head_dim, device=device))  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:
@@ -370,7 +379,9 @@ def plan_paged(
     states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
     write_index = torch.empty(tokens, dtype=torch.int64, device=device)
-    _, write = triton_paged.plan_write_rows(states, fmt, stats, static, pages, geometry, write_index, case.rotate)
+    energy = torch.empty(case.kv_heads, case.head_dim, device=device)
+    _, write = triton_paged.plan_write_rows(states, fmt, stats, static, pages, geometry, write_index, case.rotate,
+                                            case.scale_search, energy)  # fmt: skip
     return [*attend, write]
 
 

@@ -122,7 +122,7 @@ def token_scales(x, weight, BF16: tl.constexpr, SEARCH: tl.constexpr, CLIP: tl.c
         x = tl.where(finite, x, 0.0)
         base_bits = scale.to(tl.int32, bitcast=True)
         least = tl.full(scale.shape, 1 << 62, tl.int64)  # above any error: the first candidate's replaces it
-        for i in tl.static_range(SEARCH):
+        for i in range(SEARCH):
             bits = base_bits + i * ((1 << 23) // SEARCH)
             candidate = bits.to(tl.float32, bitcast=True)
             y = tl.abs(tl.math.div_rn(x, candidate[:, None]))  # (in range: no saturation)
