@@ -70,6 +70,7 @@ from hf_fp8kv.kernels.formats import StorageFormat
 from hf_fp8kv.kernels.ops import backend_for
 from hf_fp8kv.kernels.paged import PageGeometry, RecentRows, RowLayout
 from hf_fp8kv.paged_recent import LayerRows, RequestSlots
+from hf_fp8kv.scale_search import ScaleSearch
 from hf_fp8kv.scales import ScalesArg
 from hf_fp8kv.settings import check_count, resolve_settings
 
@@ -190,15 +191,18 @@ def enable(
     max_requests: int | None = None,
     rotate: bool = False,
     outlier_tokens: int | None = None,
+    scale_search: int | None = None,
 ) -> PagedSettings:
     """Make `model.generate_batch(...)` and `model.init_continuous_batching(...)` store K/V pages in FP8.
 
     The arguments are `QuantizedFP8Cache`'s (`kv_cache_dtype`, `scales`, `skip_layers`, `backend`,
-    `recent_tokens`, `sink_tokens`, `rotate`, `outlier_tokens`; None: its default): each request keeps its newest
-    and first tokens in the model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is pure FP8, as vLLM
-    serves it; `rotate`: the pages' codes hold the keys and values times a Hadamard matrix (rotated codes);
-    `outlier_tokens`: per layer and KV head, that many coded tokens of each request kept exact too
-    (`kernels/outliers.py`'s rule, as `QuantizedFP8Cache`'s; per-token scales and recent tokens).
+    `recent_tokens`, `sink_tokens`, `rotate`, `outlier_tokens`, `scale_search`; None: its default): each request
+    keeps its newest and first tokens in the model's dtype beside its pages; `recent_tokens=0, sink_tokens=0` is
+    pure FP8, as vLLM serves it; `rotate`: the pages' codes hold the keys and values times a Hadamard matrix
+    (rotated codes); `outlier_tokens`: per layer and KV head, that many coded tokens of each request kept exact too
+    (`kernels/outliers.py`'s rule, as `QuantizedFP8Cache`'s; per-token scales and recent tokens); `scale_search`:
+    each coded token's per-token scale searched among that many, the keys weighted by the queries every request
+    of the layer has sent so far (one sum per layer, `hf_fp8kv/scale_search.py`).
     `max_requests`: requests in flight at once, each holding its recent and sink tokens (default: as many as an
     eighth of the KV memory holds; others wait, as for pages). Calling `enable` again replaces the settings;
     `disable(model)` restores transformers' own pages. Returns the resolved settings.
@@ -207,6 +211,7 @@ def enable(
     recent_tokens = dense_default("recent_tokens") if recent_tokens is None else recent_tokens
     sink_tokens = dense_default("sink_tokens") if sink_tokens is None else sink_tokens
     outlier_tokens = dense_default("outlier_tokens") if outlier_tokens is None else outlier_tokens
+    scale_search = dense_default("scale_search") if scale_search is None else scale_search
     if max_requests is not None:
         max_requests = check_count("max_requests", max_requests, minimum=1)
     disable(model)  # enabling again starts from transformers' own state
@@ -220,16 +225,17 @@ def enable(
     groups = group_layers_by_attn_type(config)  # raises on layer types transformers' allocators do not have
     resolved = resolve_settings(model.config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers,
                                 backend=backend, recent_tokens=recent_tokens, sink_tokens=sink_tokens,
-                                rotate=rotate, outlier_tokens=outlier_tokens)  # fmt: skip
+                                rotate=rotate, outlier_tokens=outlier_tokens, scale_search=scale_search)  # fmt: skip
     if resolved.outlier_tokens and not resolved.recent_tokens:
         raise ValueError(
             f"outlier_tokens={outlier_tokens} on FP8 pages needs recent_tokens > 0: a request's outlier tokens are "
             "chosen as its tokens leave the recent ones, which pure FP8 pages do not hold"
         )
+    per_token = {i: resolved.stored(i) and resolved.scales[i].per_token for i in range(config.num_hidden_layers)}
     layouts = {
-        i: RowLayout(resolved.fmt if resolved.stored(i) else None, resolved.stored(i) and resolved.scales[i].per_token,
-                     resolved.kv_heads, resolved.head_dim, model.dtype, getattr(resolved.scales.get(i), "key_channel", None),
-                     resolved.rotate)
+        i: RowLayout(resolved.fmt if resolved.stored(i) else None, per_token[i], resolved.kv_heads, resolved.head_dim,
+                     model.dtype, getattr(resolved.scales.get(i), "key_channel", None), resolved.rotate,
+                     resolved.scale_search if per_token[i] else 0)
         for i in range(config.num_hidden_layers)
     }  # fmt: skip
     fixed = {i: torch.stack((scheme.key, scheme.value)) for i, scheme in resolved.scales.items() if not scheme.per_token}
@@ -611,6 +617,12 @@ class FP8PagesMixin:
         # per layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed over every write
         self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i in quantized}
         self.fixed_scales = {i: self.settings.fixed_scales[i].to(device) for i in quantized if i in self.settings.fixed_scales}
+        # per layer with searched scales: the queries' energy every request adds to (`hf_fp8kv/scale_search.py`)
+        self.searches: dict[int, ScaleSearch] = {}
+        for i, layout in zip(self.layer_indices, self.layouts):
+            if layout.scale_search:
+                self.searches[i] = ScaleSearch(layout.scale_search)
+                self.searches[i].allocate(layout.kv_heads, layout.head_dim, device)
         # per layer: each slot's recent, sink and outlier tokens, [slots * held rows, 2 (K, V), kv_heads, head_dim]
         self.slot_rows: dict[int, LayerRows] = {}
         for i, layout in zip(self.layer_indices, self.layouts):
@@ -649,9 +661,10 @@ class FP8PagesMixin:
         if layout.key_channel is not None:  # (in the model's dtype, as the dense layers store them)
             keys = (states[0] / layout.key_channel.to(states.device)[:, None, :]).to(states.dtype)
             states = torch.stack((keys, states[1]))
+        search = self.searches.get(layer_idx)
         rows, nonfinite = self.backend.write_rows(
             states, layout, self.stats.get(layer_idx), self.fixed_scales.get(layer_idx), self.cache_tensor,
-            self.geometry[layer_idx], index,
+            self.geometry[layer_idx], index, None if search is None else search.energy,
         )  # fmt: skip
         self.has_nan[layer_idx] |= nonfinite
         return rows
@@ -860,6 +873,11 @@ class PagedKV(FP8KeyStates):
             static_scales=allocator.fixed_scales.get(self.layer_idx), has_nan=allocator.has_nan[self.layer_idx],
             max_q_len=self.max_length_q, max_k_len=self.max_length_k, recent=self.recent, new_in_pages=full,
         )  # fmt: skip
+        search = allocator.searches.get(self.layer_idx)
+        if search is not None:  # (after the attention, as on the dense cache: see scale_search.py)
+            layout = allocator.settings.layouts[self.layer_idx]
+            key_channel = None if layout.key_channel is None else layout.key_channel.to(query.device)
+            search.observe(query, key_channel, layout.rotate)
         return out.transpose(0, 1)[None]
 
     def dequantized(self):

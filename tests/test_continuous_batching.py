@@ -560,6 +560,27 @@ def test_outlier_tokens_give_generates_logits(backend, kind, rotate):
     assert (plain - ref).abs().max() > 1e-3
 
 
+SEARCHED = dict(scales="dynamic", scale_search=16)
+
+
+@pytest.mark.parametrize("backend, held", [("torch", PURE_FP8), ("torch", HELD), ("triton", HELD),
+                                           ("torch", dict(HELD, rotate=True, outlier_tokens=2))], ids=str)  # fmt: skip
+def test_searched_scales_give_generates_logits(backend, held):
+    """Per-token scales searched among 16 on the pages (pure FP8, the window, rotated with outlier tokens; a
+    13-token prompt and its new tokens): one request's logits are generate's with QuantizedFP8Cache of the same
+    settings, step by step (the layer's query sums are that request's alone; the torch path bit for bit, the
+    Triton kernels to fp32 rounding), and not those without the search."""
+    model = tiny_model("llama").to(DEVICE)
+    ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(9)).tolist()
+    settings = dict(held, **SEARCHED, backend=backend)
+    batch, ref = batch_and_generate_logits(model, ids, settings)
+    if backend == "torch":
+        assert torch.equal(batch, ref.to(batch.device))
+    else:
+        torch.testing.assert_close(batch, ref.to(batch.device), rtol=0, atol=1e-5)
+    assert (generate_logits(model, ids, dict(settings, scale_search=0)) - ref).abs().max() > 1e-4
+
+
 def kept_outliers(monkeypatch) -> dict[str, list]:
     """Record, as each request releases its slot, its outlier positions: request id -> per layer with outlier
     tokens, per KV head, the set of positions kept."""
@@ -789,6 +810,10 @@ def test_bad_input_errors(monkeypatch):
         cb.enable(model, scales=0.05, outlier_tokens=4)
     with pytest.raises(ValueError, match="outlier_tokens=4 on FP8 pages needs recent_tokens"):
         cb.enable(model, scales="dynamic", recent_tokens=0, sink_tokens=2, outlier_tokens=4)
+    with pytest.raises(ValueError, match=r"scale_search=16 needs per-token scales \(scales='dynamic'\)"):
+        cb.enable(model, scales=0.05, scale_search=16)
+    with pytest.raises(ValueError, match="scale_search=3"):
+        cb.enable(model, scales="dynamic", scale_search=3)
     with pytest.raises(ValueError, match="max_requests=0"):
         cb.enable(model, scales="dynamic", max_requests=0)
     with pytest.raises(ValueError, match="skip_layers"):

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import click
 
+from hf_fp8kv.scale_search import CANDIDATES
 from hf_fp8kv.serving.server import DEFAULT_PAGE_SIZE, MAX_KV_MEMORY_MIB, FP8Options, FP8Serve, dense_default
 
 NAME = "hf-fp8kv serve"
@@ -73,6 +74,10 @@ def serve_command() -> click.Command:
         click.Option(["--outlier-tokens"], type=click.IntRange(min=0), default=dense_default("outlier_tokens"),
                      show_default=True, help="Per layer and KV head, coded tokens of each request kept in the model "
                      "dtype too, by Outlier Tokens Tracing's rule (per-token --scales dynamic)."),
+        click.Option(["--scale-search"], type=click.Choice(["0", *map(str, CANDIDATES)]),
+                     default=str(dense_default("scale_search")), show_default=True,
+                     help="Each coded token's per-token scale searched among this many in the octave above its amax "
+                          "scale, the keys weighted by the queries seen (per-token --scales dynamic; 0: off)."),
         click.Option(["--rotate"], is_flag=True, default=False,
                      help="Rotated codes: keys and values times a Hadamard matrix before FP8 (per-token --scales dynamic)."),
         click.Option(["--max-requests"], type=click.IntRange(min=1), default=None,
@@ -88,7 +93,7 @@ def serve_command() -> click.Command:
 
 
 def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, outlier_tokens,
-         rotate, max_requests, kv_memory_mib, force_model, continuous_batching, non_blocking,
+         scale_search, rotate, max_requests, kv_memory_mib, force_model, continuous_batching, non_blocking,
          **serve_kwargs) -> FP8Serve:  # fmt: skip
     """Build the options, default the model to the bundled SmolLM2, and run transformers' server on FP8 pages."""
     if not continuous_batching:
@@ -98,7 +103,7 @@ def _run(serve_class, *, kv_cache_dtype, scales, skip_layers, backend, recent_to
 
         force_model = str(smollm2_dir())
     options = FP8Options(kv_cache_dtype, scales, skip_layers, backend, recent_tokens, sink_tokens, rotate,
-                         max_requests, kv_memory_mib, outlier_tokens)  # fmt: skip
+                         max_requests, kv_memory_mib, outlier_tokens, int(scale_search))  # fmt: skip
     return FP8Serve(options, force_model=force_model, continuous_batching=True, blocking=not non_blocking,
                     **serve_kwargs)  # fmt: skip
 

@@ -46,6 +46,7 @@ class FP8Options:
     max_requests: int | None = None
     kv_memory_mib: float | None = None  # pages and recent/sink tokens; None: transformers' sizing (CPU: 256)
     outlier_tokens: int | None = None  # None: QuantizedFP8Cache's default
+    scale_search: int | None = None  # None: QuantizedFP8Cache's default
 
     def __post_init__(self) -> None:
         """The KV memory refused by name (the other options are checked by `continuous_batching.enable`)."""
@@ -119,7 +120,7 @@ class FP8Serve(Serve):
             skip_layers=self.options.skip_layers, backend=self.options.backend,
             recent_tokens=self.options.recent_tokens, sink_tokens=self.options.sink_tokens,
             rotate=self.options.rotate, max_requests=self.options.max_requests,
-            outlier_tokens=self.options.outlier_tokens,
+            outlier_tokens=self.options.outlier_tokens, scale_search=self.options.scale_search,
         )  # fmt: skip
         self._set_page_budget(model, settings)
         for endpoint, handler in self.handlers().items():
@@ -209,6 +210,7 @@ def describe(cache, settings: continuous_batching.PagedSettings) -> str:
     layout = next(iter(settings.layouts.values()))
     scales = "per-token-head scales" if layout.per_token else "per-head scales"
     scales += ", rotated codes" if layout.rotate else ""
+    scales += f", searched among {layout.scale_search}" if layout.scale_search else ""
     held = "pure FP8"
     if cache.request_slots is not None:
         outliers = f" + outliers {settings.outlier_tokens} per KV head" if settings.outlier_tokens else ""

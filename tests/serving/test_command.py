@@ -26,8 +26,8 @@ def test_help_lists_transformers_options_and_ours(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     for option in ("--cb-num-blocks", "--cb-block-size", "--port", "--dtype", "--kv-cache-dtype", "--scales",
-                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--outlier-tokens", "--rotate", "--max-requests",
-                   "--kv-memory-mib"):  # fmt: skip
+                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--outlier-tokens", "--scale-search", "--rotate",
+                   "--max-requests", "--kv-memory-mib"):  # fmt: skip
         assert option in out, option
 
 
@@ -41,7 +41,7 @@ def test_defaults_serve_the_bundled_model_with_the_recommended_pages(started):
     options = call["options"]
     assert (options.kv_cache_dtype, options.scales, options.skip_layers) == ("fp8", "dynamic", "")
     assert (options.recent_tokens, options.sink_tokens, options.max_requests) == (128, 4, None)  # the cache's
-    assert options.rotate is False and options.outlier_tokens == 0  # the cache's
+    assert options.rotate is False and options.outlier_tokens == 0 and options.scale_search == 0  # the cache's
 
 
 def test_the_cache_flags_reach_the_server(started):
@@ -67,6 +67,16 @@ def test_the_outlier_tokens_flag_reaches_the_server(started):
         cli.main(["serve", "--outlier-tokens", "16"])
     (call,) = started
     assert call["options"].outlier_tokens == 16
+
+
+def test_the_scale_search_flag_reaches_the_server(started, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--scale-search", "16"])
+    (call,) = started
+    assert call["options"].scale_search == 16
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--scale-search", "3"])
+    assert exit_.value.code == 2 and "--scale-search" in capsys.readouterr().err
 
 
 def test_turning_continuous_batching_off_is_a_usage_error(started, capsys):
