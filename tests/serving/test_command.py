@@ -26,8 +26,8 @@ def test_help_lists_transformers_options_and_ours(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     for option in ("--cb-num-blocks", "--cb-block-size", "--port", "--dtype", "--kv-cache-dtype", "--scales",
-                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--outlier-tokens", "--scale-search", "--rotate",
-                   "--max-requests", "--kv-memory-mib"):  # fmt: skip
+                   "--skip-layers", "--recent-tokens", "--sink-tokens", "--outlier-tokens", "--scale-search",
+                   "--rotate", "--max-requests", "--kv-memory-mib"):  # fmt: skip
         assert option in out, option
 
 
