@@ -250,11 +250,14 @@ class WritePlan:
         modes.append((NEW, new_tokens))
         self.sizes = (heads, new_tokens, head_dim)
         self.kinds = []  # (grid, constexprs) of each launch
+        # half tiles for a search: the searched 500-token write spilled 56 B on sm_80 at 128 registers with whole
+        # ones; with half, 80 registers, 3 blocks per SM (sm_90: 115 -> 69), no spill (scale_search_cost.py)
+        tile = MAX_TILE // 2 if view.scale_search > 1 else MAX_TILE
         for mode, tokens in modes if new_tokens else ():
-            block_t = min(next_power_of_2(tokens), max(1, MAX_TILE // block_d))
+            block_t = min(next_power_of_2(tokens), max(1, tile // block_d))
             # 8 warps for a whole tile: with 4, the 500-token write over a recent buffer held 192 registers on sm_90
             # and spilled 24-32 B at 255 on sm_80 / sm_86 / sm_89; with 8, 106-158 (gpu_static)
-            warps = 8 if block_t * block_d >= MAX_TILE else 4
+            warps = 8 if block_t * block_d >= tile else 4
             self.kinds.append(((cdiv(tokens, block_t), batch * heads, 2),
                                dict(MODE=mode, BLOCK_T=block_t, num_warps=warps, ADVANCE=advance and mode == NEW,
                                     **common)))  # fmt: skip
