@@ -3,7 +3,8 @@ reports with per-token scales (a decode step's token, a 500-token prompt, beside
 cache's, write-and-settle, the paged row writer), compiled without and with N candidates. Figures per kernel:
 registers, spill, blocks per SM, SASS instructions in the binary, and about those one program runs (the binary's,
 plus the candidate loops' bodies once more for each further candidate: the loops the searched binary has and the
-plain one has not). AMD targets give registers and spill only (no SASS).
+plain one has not). Then the kernel that adds a step's squared queries to a searched layer's sums. AMD targets give
+registers and spill only (no SASS).
 
     python benchmarks/scale_search_cost.py --arch sm_90,sm_80 --candidates 16
 """
@@ -13,7 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
+
 from gpu_static import EXAMPLE_GPUS, Case, cases, compile_launch, loops, parse_sass, plan
+from hf_fp8kv.kernels.triton_search import ROWS, plan_query_energy
 from hf_fp8kv.table import format_table
 
 
@@ -73,6 +77,26 @@ def main() -> None:
                 rows.append(row)
     print(f"write kernels, per-token scales, plain and searched among {args.candidates} (`scale_search`)")
     print(format_table(rows))
+    print("\nthe queries' sums of a searched layer's step (`triton_search`: one program per KV head)")
+    print(format_table([energy_figures(arch, batch, q_len, rotate) for arch in archs
+                        for batch, q_len in ((1, 1), (64, 1), (1, 64)) for rotate in (False, True)]))  # fmt: skip
+
+
+def energy_figures(arch: str, batch: int, q_len: int, rotate: bool) -> dict:
+    """The query-energy kernel of a step of `batch` x `q_len` queries (8 KV heads x 8, head_dim 128, bf16)."""
+    gpu = EXAMPLE_GPUS[arch]
+    query = torch.empty(batch, q_len, 64, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    launch = plan_query_energy(torch.empty(8, 128, device="meta"), query, None, rotate)
+    compiled = compile_launch(launch, gpu)
+    row = {"arch": arch, "step": f"b{batch} q{q_len}" + (" rotated" if rotate else ""), "regs": compiled.registers,
+           "spill B": compiled.spill_stores}  # fmt: skip
+    if not gpu.is_amd:
+        instrs = parse_sass(compiled.sass)
+        body = sum(len(loop) for loop in loops(instrs))
+        iterations = -(-batch * q_len * 8 // ROWS)
+        row["SASS"] = len(instrs)
+        row["run per program"] = len(instrs) + (iterations - 1) * body
+    return row
 
 
 if __name__ == "__main__":

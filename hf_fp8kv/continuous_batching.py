@@ -876,8 +876,8 @@ class PagedKV(FP8KeyStates):
         search = allocator.searches.get(self.layer_idx)
         if search is not None:  # (after the attention, as on the dense cache: see scale_search.py)
             layout = allocator.settings.layouts[self.layer_idx]
-            key_channel = None if layout.key_channel is None else layout.key_channel.to(query.device)
-            search.observe(query, key_channel, layout.rotate)
+            key_channel = None if layout.key_channel is None else layout.key_channel.to(query.device, torch.float32)
+            search.observe(query, key_channel, layout.rotate, allocator.backend)
         return out.transpose(0, 1)[None]
 
     def dequantized(self):

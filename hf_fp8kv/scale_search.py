@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from hf_fp8kv.kernels.rotation import hadamard
-
 CANDIDATES = (2, 4, 8, 16, 32, 64, 128)  # a power of two: evenly spread significands of a bf16 scale's binade
 
 
@@ -42,17 +40,11 @@ class ScaleSearch:
         """The view's fields: what the write needs."""
         return dict(scale_search=self.candidates, search_energy=self.energy) if self.candidates else {}
 
-    def observe(self, query: torch.Tensor, key_channel_scale: torch.Tensor | None, rotate: bool) -> None:
-        """Add the squares of the queries `[batch, q_heads, q_len, head_dim]` an attention has read to the energy
-        (in place: a compiled graph's buffer stays the same)."""
-        if not self.candidates:
-            return
-        query = query.float().unflatten(1, (self.energy.shape[0], -1))
-        if key_channel_scale is not None:  # q.k = (q * channel scale).(k / channel scale)
-            query = query * key_channel_scale[:, None, None, :]
-        if rotate:  # q.k = (qH).(kH)
-            query = hadamard(query)
-        self.energy += query.square().sum((0, 2, 3))
+    def observe(self, query: torch.Tensor, key_channel_scale: torch.Tensor | None, rotate: bool, backend) -> None:
+        """Add the squares of the queries `[batch, q_heads, q_len, head_dim]` an attention has read to the energy,
+        in the space the keys are coded in (`reference.query_energy`), by `backend` (`kernels/ops.py`)."""
+        if self.candidates:
+            backend.add_query_energy(self.energy, query, key_channel_scale, rotate)
 
     def reset(self) -> None:
         """Forget the queries (a reset cache starts over)."""

@@ -23,12 +23,14 @@ import warnings
 
 import torch
 
-from . import cpu, outliers, paged
+from . import cpu, outliers, paged, reference
 from .formats import StorageFormat, get_format
 from .targets import GpuTarget, device_target
 from .view import KVView, NewToken
 
 BACKENDS = ("auto", "triton", "torch")
+QUERY_ENERGY_KERNEL_ROWS = 4096  # steps with up to this many query rows per KV head add their queries' squares
+# in one Triton launch (decode steps: launch-bound); longer ones by torch's reduction, which spreads over the GPU
 SETTLE_KERNEL_TOKENS = 64  # updates up to this many tokens leaving the recent ones have their outliers chosen by
 # the Triton kernel (decode steps, assisted decoding's candidates), longer ones by the torch version
 
@@ -146,6 +148,12 @@ class TorchBackend:
         geometry.write(pages, layout, index, rows)
         return rows, nonfinite
 
+    def add_query_energy(self, energy: torch.Tensor, query: torch.Tensor, key_channel_scale: torch.Tensor | None,
+                         rotate: bool) -> None:  # fmt: skip
+        """`energy += reference.query_energy(query, ...)`, in place (a compiled graph's buffer stays the same): a
+        searched layer's sums of its queries' squares (`hf_fp8kv/scale_search.py`)."""
+        energy += reference.query_energy(query, energy.shape[0], key_channel_scale, rotate)
+
     def paged_attend(
         self, query: torch.Tensor, *pages_args, max_q_len: int | None = None, max_k_len: int | None = None,
         new_in_pages: bool = False, **kwargs,
@@ -254,6 +262,15 @@ class TritonBackend(TorchBackend):
         rows = write_rows(states, layout.fmt, stats, pair, pages, geometry, index, layout.rotate, layout.scale_search,
                           search_energy)  # fmt: skip
         return rows, True  # (non-finite inputs: not known without a sync)
+
+    def add_query_energy(self, energy, query, key_channel_scale, rotate) -> None:
+        rows = query.shape[0] * query.shape[1] // energy.shape[0] * query.shape[2]
+        if torch.compiler.is_compiling() or rows > QUERY_ENERGY_KERNEL_ROWS:  # (a compiled graph fuses the ops)
+            super().add_query_energy(energy, query, key_channel_scale, rotate)
+            return
+        from .triton_search import add_query_energy
+
+        add_query_energy(energy, query, key_channel_scale, rotate)
 
     def paged_attend(
         self, query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, layout: paged.RowLayout,

@@ -350,6 +350,20 @@ def search_weights(energy: torch.Tensor) -> torch.Tensor:
     return torch.stack((keys, torch.ones_like(keys)))[:, None, :, None, :].to(torch.int32)
 
 
+def query_energy(query: torch.Tensor, kv_heads: int, key_channel_scale: torch.Tensor | None = None,
+                 rotate: bool = False) -> torch.Tensor:  # fmt: skip
+    """The squares of `query` (`[batch, q_heads, q_len, head_dim]`) summed per KV head and channel, in the space the
+    keys are coded in: times the per-channel key scales (`[kv_heads, head_dim]`; `q.k = (q c).(k / c)`), rotated
+    with the codes (`q.k = (qH).(kH)`). fp32 `[kv_heads, head_dim]`: a searched write's weights come from their
+    running sum (`search_weights`)."""
+    query = query.float().unflatten(1, (kv_heads, -1))
+    if key_channel_scale is not None:
+        query = query * key_channel_scale[:, None, None, :]
+    if rotate:
+        query = hadamard(query)
+    return query.square().sum((0, 2, 3))
+
+
 def _code_slot(view: KVView, t: int) -> int:
     return t % view.slots if view.ring else t - view.offset
 

@@ -1,0 +1,70 @@
+"""Triton kernel of a searched write's weights' source: the squares of a step's queries added to a layer's sums
+per KV head and channel (`reference.query_energy`), one launch where the torch ops were 4-8 (a decode step's
+`ScaleSearch.observe`). One program per KV head walks its rows in a fixed order: the sums do not depend on the
+launch (no atomics)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import hadamard, rotation
+from .triton_launch import Launch, launch_all, next_power_of_2
+
+ROWS = 16  # query rows per iteration
+
+
+@triton.jit
+def _query_energy_kernel(
+    q_ptr, energy_ptr, channel_ptr, q_sb, q_sh, q_sl, q_sd, rows, group, q_len, head_dim,
+    HAS_CHANNEL: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (kv_head,): the squares of its `rows` (batch x `group` query heads x `q_len`) summed per channel,
+    times the channel scales at `channel_ptr` (HAS_CHANNEL), rotated (ROTATE_STAGES), added to `energy_ptr`'s row."""
+    kv_head = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    per_batch = group * q_len
+    total = tl.zeros([BLOCK_D], tl.float32)
+    for first in range(0, rows, BLOCK_R):
+        r = first + tl.arange(0, BLOCK_R)
+        head = kv_head * group + (r % per_batch) // q_len
+        at = (r // per_batch).to(tl.int64) * q_sb + head.to(tl.int64) * q_sh + (r % q_len).to(tl.int64) * q_sl
+        q = tl.load(q_ptr + at[:, None] + d[None, :] * q_sd, mask=(r < rows)[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        if HAS_CHANNEL:
+            q = q * tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)[None, :]
+        if ROTATE_STAGES > 0:
+            q = hadamard(q, ROTATE_STAGES, ROTATE_NORM)
+        total += tl.sum(q * q, axis=0)
+    row = energy_ptr + kv_head * head_dim + d
+    tl.store(row, tl.load(row, mask=d_ok) + total, mask=d_ok)
+
+
+def add_query_energy(
+    energy: torch.Tensor, query: torch.Tensor, key_channel_scale: torch.Tensor | None = None, rotate: bool = False
+) -> None:
+    """`energy += reference.query_energy(query, ...)` in one launch (to fp32 rounding: another order of sums);
+    `energy` fp32 `[kv_heads, head_dim]`, contiguous."""
+    launch_all([plan_query_energy(energy, query, key_channel_scale, rotate)], query.device)
+
+
+def plan_query_energy(
+    energy: torch.Tensor, query: torch.Tensor, key_channel_scale: torch.Tensor | None = None, rotate: bool = False
+) -> Launch:
+    """The launch of `add_query_energy`."""
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = energy.shape[0]
+    if energy.dtype != torch.float32 or energy.shape != (kv_heads, head_dim) or not energy.is_contiguous():
+        raise ValueError(f"energy must be contiguous fp32 [kv_heads, {head_dim}], got {energy.dtype} "
+                         f"{tuple(energy.shape)}")  # fmt: skip
+    if q_heads % kv_heads:
+        raise ValueError(f"query has {q_heads} heads, not a multiple of the energy's {kv_heads} KV heads")
+    channel = key_channel_scale if key_channel_scale is not None else energy
+    return Launch(_query_energy_kernel, (kv_heads,), (
+        query, energy, channel, *query.stride(), batch * q_heads // kv_heads * q_len, q_heads // kv_heads, q_len,
+        head_dim,
+    ), dict(HAS_CHANNEL=key_channel_scale is not None, **rotation(rotate, head_dim), BLOCK_R=ROWS,
+            BLOCK_D=next_power_of_2(head_dim), num_warps=2))  # fmt: skip
