@@ -246,10 +246,11 @@ def every_case(quick: bool = False) -> list[Case]:
     outliers += [dataclasses.replace(case, outliers=16) for case in default_paged]
     sliding_window = Case("paged", batch=64, per_token=True, context=4095, waves=False, sliding=4096, recent=128)
     outliers += [sliding_window, dataclasses.replace(sliding_window, outliers=16)]
-    # per-token scales searched among 16 (issue 35): every write kind (the attention kernels do not change: a
-    # searched decode step's write is a launch of its own), and the paged row writer
+    # per-token scales searched among 16 (issue 35): every write kind, the decode steps whose write the attention
+    # launch does (the owner program searches the entering token's scales), and the paged row writer
     searched = [dataclasses.replace(case, scale_search=16) for case in (
         *(case for case in write if case.per_token), *(case for case in outliers if case.kind == "write"),
+        *window[:4], window[6], *(Case("decode", head_dim=d, per_token=True) for d in (64, 128, 256)),
         default_paged[0],
     )]  # fmt: skip
     return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers + searched

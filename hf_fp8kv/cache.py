@@ -78,8 +78,8 @@ class QuantizedFP8Cache(Cache):
             Needs per-token scales (`scales="dynamic"`); default 0. Measurements: docs/recent.md.
         scale_search: each coded token's per-token scale chosen among this many (2-128, a power of two) in one
             octave above its amax scale, the one with the least error (the keys' weighted by the queries' mean
-            square per channel, `hf_fp8kv/scale_search.py`); 0 (default): the amax scale. Needs per-token scales;
-            the torch backend so far. Measurements: docs/recent.md.
+            square per channel, `hf_fp8kv/scale_search.py`); 0 (default): the amax scale. Needs per-token scales.
+            Measurements, and why it is not the default: docs/recent.md.
     """
 
     def __init__(

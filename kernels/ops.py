@@ -235,7 +235,7 @@ class TritonLayerKernels(TorchLayerKernels):
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
                 view.positions, mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, tickets,
                 *new, view.fmt.name, view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0,
-                splits, self.fp8_prefill,
+                splits, self.fp8_prefill, view.search_energy, view.scale_search,
             )  # fmt: skip
         if view.static:
             splits_key = (query.shape[:2], view.layout())
@@ -379,11 +379,12 @@ def triton_ops():
         channel: torch.Tensor | None, outliers: torch.Tensor | None, outlier_pos: torch.Tensor | None,
         tickets: torch.Tensor | None, new_key: torch.Tensor | None, new_value: torch.Tensor | None,
         stats: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, rotate: bool, scaling: float, window: int,
-        softcap: float, num_splits: int, fp8_prefill: bool,
+        softcap: float, num_splits: int, fp8_prefill: bool, search_energy: torch.Tensor | None, scale_search: int,
     ) -> torch.Tensor:  # fmt: skip
         """`new_key` / `new_value` (with the write's `stats`): the decode step's token, written by this launch
-        (the view's device positions are the ones before it, and move past it)."""
-        view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent)
+        (the view's device positions are the ones before it, and move past it; its scales searched with
+        `scale_search`)."""
+        view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent, search_energy, scale_search)
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         view.outliers, view.outlier_pos = outliers, outlier_pos
         settings = (scaling, window or None, softcap or None, num_splits)

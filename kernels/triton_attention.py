@@ -81,7 +81,7 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, outlier_k_ptr, outlier_v_ptr, outlier_pos_ptr, mask_ptr,
     sink_logits_ptr, channel_ptr, out_ptr, part_acc_ptr, part_stats_ptr, ticket_ptr, q_scratch_ptr, new_k_ptr,
-    new_v_ptr, stats_ptr,
+    new_v_ptr, stats_ptr, energy_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
@@ -107,6 +107,7 @@ def _attention_kernel(
     ENC_IS_FLOAT: tl.constexpr, ENC_MAX: tl.constexpr, ENC_ROW_MAX: tl.constexpr, ENC_ROUND_SHIFT: tl.constexpr,
     ENC_NORMAL_OFFSET: tl.constexpr, ENC_MIN_NORMAL: tl.constexpr, ENC_SUB_MAGIC: tl.constexpr,
     ENC_SUB_MAGIC_BITS: tl.constexpr, ENC_NAN_CODE: tl.constexpr, ENC_SIGNED_ZERO: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the
     last split of the row block merges them, in groups of `merge_group` splits and then the groups where there are
@@ -114,7 +115,8 @@ def _attention_kernel(
     `new_v_ptr`) is written by this launch (`write_decode_token`, the ENC_ constexprs `encoding`'s): `end` and
     `recent_start` are the positions after it, `prior_recent_start` before it (static: the device positions are
     the ones before it, moved here and stored by the last program); one program per row writes it and attends the
-    token entering the codes itself."""
+    token entering the codes itself; SEARCH: its per-token scales searched, the keys' weighted by the queries'
+    sums at `energy_ptr` (fp32 `[kv_heads, head_dim]`)."""
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
@@ -172,6 +174,7 @@ def _attention_kernel(
                 entering_pos, entering, slots, offset, capacity, recent_slots, VALUE_TILED, HAS_RECENT, RING,
                 PER_TOKEN_K, CLIP, ROTATE_STAGES, ROTATE_NORM, ENC_IS_FLOAT, ENC_MAX, ENC_ROW_MAX, ENC_ROUND_SHIFT,
                 ENC_NORMAL_OFFSET, ENC_MIN_NORMAL, ENC_SUB_MAGIC, ENC_SUB_MAGIC_BITS, ENC_NAN_CODE, ENC_SIGNED_ZERO,
+                energy_ptr + kv_head * head_dim, SEARCH,
             )  # fmt: skip
 
     # the query, scaled once: softmax scale and log2(e) (score_scale), per-head K scale, per-channel K scale
@@ -636,9 +639,8 @@ def _reduce_kernel(
 # --- launchers ---------------------------------------------------------------------------------------------------
 def can_write_in_launch(view: KVView, new_tokens: int) -> bool:
     """Whether the attention launch can write an update's new tokens itself (`NewToken`): a decode step's one
-    token, but with outlier tokens (their staging runs between the write and the attention) or searched scales
-    (`write_kv`'s launch: the attention kernels stay as gpu_static measured them)."""
-    return new_tokens == 1 and view.outliers is None and view.scale_search <= 1
+    token, but with outlier tokens (their staging runs between the write and the attention)."""
+    return new_tokens == 1 and view.outliers is None
 
 
 def writes_in_launch(view: KVView, new_tokens: int, target: GpuTarget | None) -> bool:
@@ -907,6 +909,7 @@ class AttentionPlan:
             **rotation(view.rotate, head_dim),
             HAS_OUTLIERS=view.outliers is not None, WRITE=new_token is not None, CLIP=fmt.clip_bound,
             **{f"ENC_{name}": value for name, value in encoding(fmt).items()},
+            SEARCH=view.scale_search if new_token is not None else 0,
         )  # fmt: skip
         # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel from
         # 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2 warps) from
@@ -1069,7 +1072,7 @@ class AttentionPlan:
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
             self._query_scratch(query, splits) if view.rotate else query, new_k, new_v, stats,
-            *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
+            view.search_energy if new_token is not None and view.scale_search > 1 else query, *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
             *new_strides, *self.sizes, splits, held, merge_group(splits) if merged else splits, *slots, view.offset,
             *fp_slots, start, end, recent_start, mask_start, new_token.recent_start if new_token is not None else 0,
             *self.scalars,
@@ -1176,13 +1179,11 @@ def _expand_mask(mask: torch.Tensor, batch: int, q_heads: int, q_len: int) -> to
 
 def _check_new_token(query: torch.Tensor, view: KVView, new_token: NewToken) -> None:
     """Refuse, by name, a write in the attention launch that it cannot do: more than one query token, outlier
-    tokens (their staging runs between the write and the attention), searched scales, anything `write_kv`
-    refuses."""
+    tokens (their staging runs between the write and the attention), anything `write_kv` refuses."""
     if query.shape[2] != 1 or not can_write_in_launch(view, new_token.key.shape[2]):
         raise ValueError(
-            f"the attention launch writes one new token of a decode step without outlier tokens or searched scales, "
-            f"got query {tuple(query.shape)}, new keys {tuple(new_token.key.shape)}, outliers "
-            f"{view.outliers is not None}, scale_search={view.scale_search}"
+            f"the attention launch writes one new token of a decode step without outlier tokens, got query "
+            f"{tuple(query.shape)}, new keys {tuple(new_token.key.shape)}, outliers {view.outliers is not None}"
         )
     before = view if view.static else dataclasses.replace(view, end=view.end - 1, recent_start=new_token.recent_start)
     check_write(new_token.key, new_token.value, before, new_token.stats, view.static)

@@ -415,8 +415,8 @@ def _op_args(view, query, mask, num_splits, tickets=None, new_token=None, scalin
     new = (None, None, None) if new_token is None else new_token[:3]
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
             mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, tickets, *new, view.fmt.name,
-            view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0, num_splits,
-            False)  # fmt: skip
+            view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0, num_splits, False,
+            view.search_energy, view.scale_search)  # fmt: skip
 
 
 @pytest.mark.parametrize("outliers", [0, 3])
@@ -744,6 +744,11 @@ WRITING_CASES = [  # decode steps whose last token the attention launch writes
     Case(Stream(static=80, recent=4, sinks=2, updates=[30, 1, 1], tiled=True), splits=2, mask="padding"),
     Case(Stream(static=80, updates=[30, 1], tiled=True, dtype=torch.bfloat16), dtype=torch.bfloat16, splits=3),
     Case(Stream(rotate=True, recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, options=dict(window=40)),
+    # searched scales: the owner program searches the entering token's (the launch's own when gpu_static finds it
+    # costs no spill, `writes_in_launch`)
+    Case(Stream(scale_search=16, recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, mask="padding"),
+    Case(Stream(scale_search=16, static=80, updates=[30, 1], tiled=True, dtype=torch.bfloat16), dtype=torch.bfloat16),
+    Case(Stream(scale_search=8, fmt="int8_per_token_head", head_dim=96, updates=[20, 1]), group=8, splits=2),
 ]
 
 
@@ -829,8 +834,8 @@ def test_a_write_the_attention_launch_cannot_do_is_refused_by_name():
     with pytest.raises(ValueError, match="without outlier tokens"):
         attention(query, view, scaling=1.0, new_token=NewToken(new[0], new[1], stats, int(view.recent_start)))
     view.outliers = view.outlier_pos = None
-    searched = dataclasses.replace(view, scale_search=16, search_energy=torch.ones(2, stream.head_dim, device=DEVICE))
-    with pytest.raises(ValueError, match="scale_search=16"):
+    searched = dataclasses.replace(view, scale_search=16, search_energy=torch.ones(3, stream.head_dim, device=DEVICE))
+    with pytest.raises(ValueError, match=r"scale_search=16 needs search_energy as contiguous fp32 \[2, 80\]"):
         attention(query, searched, scaling=1.0, new_token=NewToken(new[0], new[1], stats, int(view.recent_start)))
     with pytest.raises(ValueError, match="one new token"):
         attention(query.expand(-1, -1, 2, -1), view, scaling=1.0, new_token=NewToken(new[0], new[1], stats, 0))
@@ -840,8 +845,7 @@ def test_a_write_the_attention_launch_cannot_do_is_refused_by_name():
 
 def test_the_launch_writes_a_decode_step_only_where_it_was_measured_clean():
     """`writes_in_launch`: the interpreter and the targets gpu_static measured without a spill; never over rotated
-    codes, with outlier tokens or searched scales (a write launch of its own, as before), never for several
-    tokens."""
+    codes or with outlier tokens (a write launch of its own, as before), never for several tokens."""
     from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
     from hf_fp8kv.kernels.triton_attention import writes_in_launch
 
@@ -851,7 +855,6 @@ def test_the_launch_writes_a_decode_step_only_where_it_was_measured_clean():
     assert writing == {"sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
     assert not writes_in_launch(dataclasses.replace(view, rotate=True), 1, None)
     assert not writes_in_launch(dataclasses.replace(view, outliers=view.recent), 1, EXAMPLE_GPUS["sm_90"])
-    assert not writes_in_launch(dataclasses.replace(view, scale_search=16), 1, EXAMPLE_GPUS["sm_90"])
 
 
 @pytest.mark.parametrize("rotate", [False, True])

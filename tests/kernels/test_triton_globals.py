@@ -8,7 +8,7 @@ import inspect
 import pytest
 import triton.language as tl
 
-MODULES = ["triton_common", "triton_attention", "triton_write", "triton_paged"]
+MODULES = ["triton_common", "triton_attention", "triton_write", "triton_paged", "triton_outliers", "triton_search"]
 
 
 @pytest.mark.parametrize("module", MODULES)
