@@ -250,7 +250,7 @@ def every_case(quick: bool = False) -> list[Case]:
     # launch does (the owner program searches the entering token's scales), and the paged row writer
     searched = [dataclasses.replace(case, scale_search=16) for case in (
         *(case for case in write if case.per_token), *(case for case in outliers if case.kind == "write"),
-        *window[:4], window[6], *(Case("decode", head_dim=d, per_token=True) for d in (64, 128, 256)),
+        *window[:4], window[8], *(Case("decode", head_dim=d, per_token=True) for d in (64, 128, 256)),
         default_paged[0],
     )]  # fmt: skip
     return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers + searched

@@ -85,6 +85,11 @@ WRITING_TARGETS = {"sm_86": {}, "sm_89": FUSED_CAPS, "sm_90": FUSED_CAPS, "sm_10
 # registers with 24 B spilled, 4 blocks per SM; capped, 162 and none, 3 blocks (sm_80's: as uncapped; sm_90's
 # merge cap of 128 spilled 32 B there)
 OUTLIER_TARGETS = {"sm_80": MERGING_TARGETS["sm_80"], "sm_100": FUSED_CAPS}
+# the caps of a decode kernel that searches the step's token's scales in its launch (`scale_search`) and merges its
+# splits there: sm_100's head_dim 128 ones went from 123-127 registers (4 blocks per SM) to 140-147 (3) under
+# FUSED_CAPS; at 128, 122-128, none spilled, 4 blocks. Unmerged (a mask, one split) they spilled 8 B at 128: those
+# keep FUSED_CAPS, 3 blocks as without the search (gpu_static)
+SEARCHING_TARGETS = {"sm_100": {4: 128}}
 
 
 @dataclass(frozen=True)
@@ -158,12 +163,16 @@ class GpuTarget:
         launch does."""
         return self.arch in WRITING_TARGETS
 
-    def decode_register_cap(self, warps: int, writes: bool, merges: bool, outliers: bool) -> int | None:
+    def decode_register_cap(
+        self, warps: int, writes: bool, merges: bool, outliers: bool, searches: bool = False
+    ) -> int | None:
         """`maxnreg` for a decode kernel of `warps` warps that writes the step's token in its launch
-        (`WRITING_TARGETS`), else merges its splits there (`MERGING_TARGETS`), else reads outlier tokens
-        (`OUTLIER_TARGETS`); None: ptxas' own choice."""
+        (`WRITING_TARGETS`; searching its scales and merging its splits too: `SEARCHING_TARGETS` first), else
+        merges its splits there (`MERGING_TARGETS`), else reads outlier tokens (`OUTLIER_TARGETS`); None: ptxas'
+        own choice."""
+        searching = SEARCHING_TARGETS.get(self.arch, {}).get(warps) if writes and searches and merges else None
         caps = WRITING_TARGETS if writes else MERGING_TARGETS if merges else OUTLIER_TARGETS if outliers else {}
-        return caps.get(self.arch, {}).get(warps)
+        return searching or caps.get(self.arch, {}).get(warps)
 
     @property
     def limits(self) -> Limits | None:

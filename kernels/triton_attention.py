@@ -920,7 +920,7 @@ class AttentionPlan:
         for merged in (False, True):
             cap = target and target.decode_register_cap(
                 options["num_warps"], new_token is not None, merged and self.row_blocks == 1,
-                view.outliers is not None and q_len == 1,
+                view.outliers is not None and q_len == 1, view.scale_search > 1,
             )  # fmt: skip
             if cap and "maxnreg" not in options:
                 caps[merged] = {"maxnreg": cap}

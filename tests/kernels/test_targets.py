@@ -86,6 +86,17 @@ def test_register_caps_only_where_a_decode_kernel_merges_or_writes_in_its_launch
         assert masked.launch_options[True, False, False].get("maxnreg") == {"sm_90": None, "sm_100": 168}[arch]
 
 
+def test_a_searched_write_in_a_merging_launch_takes_sm_100s_own_cap():
+    """A decode launch that writes the step's token with searched scales (`SEARCHING_TARGETS`): 128 registers on
+    sm_100 where it merges its splits (4 blocks per SM, no spill), FUSED_CAPS' 168 where it does not (one split,
+    or a mask); the writing cap elsewhere."""
+    sm_100, sm_90 = EXAMPLE_GPUS["sm_100"], EXAMPLE_GPUS["sm_90"]
+    assert sm_100.decode_register_cap(4, True, True, False, searches=True) == 128
+    assert sm_100.decode_register_cap(4, True, False, False, searches=True) == 168
+    assert sm_100.decode_register_cap(4, True, True, False) == 168
+    assert sm_90.decode_register_cap(4, True, True, False, True) == sm_90.decode_register_cap(4, True, True, False)
+
+
 def test_occupancy():
     h200, mi300 = EXAMPLE_GPUS["sm_90"], EXAMPLE_GPUS["gfx942"]
     assert h200.blocks_per_sm(98, 8, 22528) == 2  # 104 x 32 registers per warp: 4 warps per sub-partition
