@@ -250,9 +250,10 @@ class WritePlan:
         modes.append((NEW, new_tokens))
         self.sizes = (heads, new_tokens, head_dim)
         self.kinds = []  # (grid, constexprs) of each launch
-        # half tiles for a search: the searched 500-token write spilled 56 B on sm_80 at 128 registers with whole
-        # ones; with half, 80 registers, 3 blocks per SM (sm_90: 115 -> 69), no spill (scale_search_cost.py)
-        tile = MAX_TILE // 2 if view.scale_search > 1 else MAX_TILE
+        # quarter tiles for a search: the searched 500-token write spilled 56 B on sm_80 at 128 registers with whole
+        # ones, 4 B on sm_120 at 64 with half ones; with quarter ones 44-53 registers, no spill on any target
+        # (scale_search_cost.py)
+        tile = MAX_TILE // 4 if view.scale_search > 1 else MAX_TILE
         for mode, tokens in modes if new_tokens else ():
             block_t = min(next_power_of_2(tokens), max(1, tile // block_d))
             # 8 warps for a whole tile: with 4, the 500-token write over a recent buffer held 192 registers on sm_90
