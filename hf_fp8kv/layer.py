@@ -60,8 +60,8 @@ class QuantizedKV(FP8KeyStates):
         if self.pending is not None and layer.pending is self:  # this launch writes the update's token
             kwargs["new_token"], self.pending, layer.pending = self.pending, None, None
         out = layer.kernels.attend(query, self.view, scaling=scaling, mask=mask, **kwargs)
-        layer.scale_search.observe(query, layer.key_channel_scale, layer.rotate, layer.backend)  # (after: see
-        # scale_search.py)
+        # (the queries' sums after the attention that read them: see scale_search.py)
+        layer.scale_search.observe(query, layer.key_channel_scale, layer.rotate, layer.backend)
         return out
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
