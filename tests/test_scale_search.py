@@ -137,13 +137,16 @@ def generated(model, cache, rows: slice = slice(None), **kwargs) -> tuple[torch.
     return out.sequences, torch.stack(out.logits).float()
 
 
-def test_sliding_layers_on_the_dynamic_and_static_caches():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sliding_layers_on_the_dynamic_and_static_caches(backend, monkeypatch):
     """A hybrid model (a sliding layer whose window the prompt outgrows): both caches code the same tokens under
-    the same weights, so their logits agree; both layers read queries."""
+    the same weights, so their logits agree; both layers read queries. On both backends (Triton: the
+    interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_model("gemma3_text", sliding_window=12, layer_types=["sliding_attention", "full_attention"])
     results = []
     for static in (False, True):
-        cache = QuantizedFP8Cache(model, **SEARCH, max_cache_len=40 if static else None)
+        cache = QuantizedFP8Cache(model, **{**SEARCH, "backend": backend}, max_cache_len=40 if static else None)
         results.append(generated(model, cache))
         assert all((layer.scale_search.energy > 0).all() for layer in cache.layers)
     assert torch.equal(results[0][0], results[1][0])
