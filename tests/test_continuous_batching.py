@@ -535,6 +535,15 @@ def test_forked_requests_copy_the_recent_and_sink_tokens():
 OUTLIERS = dict(scales="dynamic", recent_tokens=4, sink_tokens=2, outlier_tokens=2)
 
 
+def llama_or_hybrid(kind: str):
+    """A tiny Llama, or ("sliding") a hybrid Qwen2 whose first layer slides over 8 tokens, on the test device."""
+    model = tiny_model("llama") if kind == "llama" else tiny_model(
+        "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+        max_window_layers=0,
+    )  # fmt: skip
+    return model.to(DEVICE)
+
+
 @pytest.mark.parametrize("backend, kind, rotate", [("torch", "llama", False), ("triton", "llama", False),
                                                    ("torch", "llama", True), ("torch", "sliding", False),
                                                    ("triton", "sliding", False)])  # fmt: skip
@@ -544,11 +553,7 @@ def test_outlier_tokens_give_generates_logits(backend, kind, rotate):
     behind): the batch's logits are generate's with QuantizedFP8Cache of the same settings, step by step (the
     torch path's bit for bit; rotated codes, the Triton kernel: up to fp32 rounding), and not those without
     outlier tokens."""
-    model = tiny_model("llama") if kind == "llama" else tiny_model(
-        "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
-        max_window_layers=0,
-    )  # fmt: skip
-    model = model.to(DEVICE)
+    model = llama_or_hybrid(kind)
     ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(5)).tolist()
     settings = dict(OUTLIERS, backend=backend, rotate=rotate)
     batch, ref = batch_and_generate_logits(model, ids, settings)
@@ -572,11 +577,7 @@ def test_searched_scales_give_generates_logits(backend, held, kind):
     model's sliding layer of window 8; a 13-token prompt and its new tokens): one request's logits are generate's
     with QuantizedFP8Cache of the same settings, step by step (the layer's query sums are that request's alone;
     the torch path bit for bit, the Triton kernels to fp32 rounding), and not those without the search."""
-    model = tiny_model("llama") if kind == "llama" else tiny_model(
-        "qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
-        max_window_layers=0,
-    )  # fmt: skip
-    model = model.to(DEVICE)
+    model = llama_or_hybrid(kind)
     ids = torch.randint(3, 128, (13,), generator=torch.Generator().manual_seed(9)).tolist()
     settings = dict(held, **SEARCHED, backend=backend)
     batch, ref = batch_and_generate_logits(model, ids, settings)
