@@ -163,6 +163,15 @@ def search_weights(energy_ptr, d, d_ok):
     return tl.where(largest > 0, ((weight + 8388608.0) - 8388608.0).to(tl.int32), 1)
 
 
+def check_search_energy(energy: torch.Tensor | None, kv_heads: int, head_dim: int, owner: str) -> None:
+    """Refuse, naming `owner`, query sums a searched write or the sums' kernel cannot address: they must be
+    contiguous fp32 `[kv_heads, head_dim]` (the kernels step `head_dim` from one KV head's row to the next)."""
+    fits = energy is not None and energy.dtype == torch.float32 and energy.shape == (kv_heads, head_dim)
+    if not fits or not energy.is_contiguous():
+        found = None if energy is None else (energy.dtype, tuple(energy.shape), energy.stride())
+        raise ValueError(f"{owner} needs search_energy as contiguous fp32 [{kv_heads}, {head_dim}], got {found}")
+
+
 @triton.jit
 def load_token_scales(ptr, slot, stride, ok, WORDS: tl.constexpr):
     """Per-token scales of `slot`s (a row of a `[slots]` buffer at `ptr`, `stride` apart) as fp32, 0 where not `ok`.

@@ -27,9 +27,9 @@ from .formats import StorageFormat
 from .paged import ROW_ALIGNMENT, PageGeometry, RecentRows, row_size
 from .triton_attention import reduce_blocks, reduce_launch, split_count
 from .triton_common import (
-    LOG2E, attend_full_precision, attend_tile, block_sizes, clamp_fp16, decode_codes, decode_settings, encode,
-    encoding, hadamard, query_target, register_room, rotated_query, rotation, search_weights, tile_tokens,
-    token_scales, zero_columns,
+    LOG2E, attend_full_precision, attend_tile, block_sizes, check_search_energy, clamp_fp16, decode_codes,
+    decode_settings, encode, encoding, hadamard, query_target, register_room, rotated_query, rotation,
+    search_weights, tile_tokens, token_scales, zero_columns,
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2
@@ -326,11 +326,10 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index, r
     if states.stride(-1) != 1:
         raise ValueError("states must be contiguous in its last dim (head_dim)")
     per_token = static_scales is None
-    if scale_search > 1 and (not per_token or search_energy is None or search_energy.shape != (kv_heads, head_dim)
-                             or search_energy.dtype != torch.float32 or not search_energy.is_contiguous()):
-        found = None if search_energy is None else (search_energy.dtype, tuple(search_energy.shape))
-        raise ValueError(f"scale_search={scale_search} needs per-token scales and search_energy as contiguous fp32 "
-                         f"[{kv_heads}, {head_dim}], got per_token={per_token}, {found}")  # fmt: skip
+    if scale_search > 1:
+        if not per_token:
+            raise ValueError(f"scale_search={scale_search} searches per-token scales; these rows have static ones")
+        check_search_energy(search_energy, kv_heads, head_dim, f"scale_search={scale_search}")
     value_bytes = kv_heads * head_dim
     row_bytes = row_size(value_bytes, kv_heads if per_token else 0)
     rows = torch.zeros(tokens, 2, row_bytes, dtype=torch.uint8, device=states.device)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import hadamard, rotation
+from .triton_common import check_search_energy, hadamard, rotation
 from .triton_launch import Launch, launch_all, next_power_of_2
 
 ROWS = 16  # query rows per iteration
@@ -57,9 +57,7 @@ def plan_query_energy(
     """The launch of `add_query_energy`."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = energy.shape[0]
-    if energy.dtype != torch.float32 or energy.shape != (kv_heads, head_dim) or not energy.is_contiguous():
-        raise ValueError(f"energy must be contiguous fp32 [kv_heads, {head_dim}], got {energy.dtype} "
-                         f"{tuple(energy.shape)}")  # fmt: skip
+    check_search_energy(energy, kv_heads, head_dim, "add_query_energy")
     if q_heads % kv_heads:
         raise ValueError(f"query has {q_heads} heads, not a multiple of the energy's {kv_heads} KV heads")
     channel = key_channel_scale if key_channel_scale is not None else energy

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import code_offsets, encode, encoding, hadamard, rotation, search_weights, token_scales
+from .triton_common import (
+    check_search_energy, code_offsets, encode, encoding, hadamard, rotation, search_weights, token_scales,
+)
 from .triton_launch import Launch, cdiv, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, coded_end, scale_dtypes
 
@@ -324,14 +326,7 @@ def check_write(key: torch.Tensor, value: torch.Tensor, view: KVView, stats: tor
 
 def check_search(view: KVView) -> None:
     """Refuse, by name, a searched write without per-token scales or without the queries' energy it weighs by."""
-    heads, head_dim = view.codes.shape[2], view.codes.shape[4]
-    energy = view.search_energy
     if not view.per_token:
         raise ValueError(f"scale_search={view.scale_search} searches per-token scales; this view has static ones")
-    fits = energy is not None and energy.dtype == torch.float32 and energy.shape == (heads, head_dim)
-    if not fits or not energy.is_contiguous():
-        found = None if energy is None else (energy.dtype, tuple(energy.shape), energy.stride())
-        raise ValueError(
-            f"scale_search={view.scale_search} needs search_energy as contiguous fp32 [{heads}, {head_dim}], "
-            f"got {found}"
-        )
+    heads, head_dim = view.codes.shape[2], view.codes.shape[4]
+    check_search_energy(view.search_energy, heads, head_dim, f"scale_search={view.scale_search}")

@@ -310,6 +310,20 @@ def test_encoded_rows_are_the_torch_codecs_bits(name, dynamic, search, rotate):
     assert torch.equal(stats.cpu(), want_stats) and want_stats[0, 1] == (8 if rotate else 3)
 
 
+def test_a_searched_row_write_without_its_sums_or_per_token_scales_is_refused():
+    states = torch.randn(2, 3, 4, 24, device=DEVICE)
+    geometry = paged.PageGeometry(0, 4 * 16 * 96, 16, 16)
+    pages = torch.zeros(4 * geometry.bytes_per_block, dtype=torch.uint8, device=DEVICE)
+    index, stats = torch.arange(4, device=DEVICE), torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    fmt = FORMATS["fp8_e4m3"]
+    static = (torch.ones(3, device=DEVICE), torch.ones(3, device=DEVICE))
+    with pytest.raises(ValueError, match="scale_search=16 searches per-token scales; these rows have static ones"):
+        write_rows(states, fmt, stats, static, pages, geometry, index, False, 16, torch.ones(3, 24, device=DEVICE))
+    for energy in (None, torch.ones(3, 12, device=DEVICE), torch.ones(24, 3, device=DEVICE).t()):
+        with pytest.raises(ValueError, match=r"scale_search=16 needs search_energy as contiguous fp32 \[3, 24\]"):
+            write_rows(states, fmt, stats, None, pages, geometry, index, False, 16, energy)
+
+
 def one_nan_code(rows: torch.Tensor, layout: paged.RowLayout) -> torch.Tensor:
     """Page rows with every NaN code of theirs (not of their scales) made the format's one NaN code."""
     codes = rows[..., : layout.value_bytes]

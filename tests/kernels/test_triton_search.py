@@ -32,7 +32,7 @@ def test_query_energy_is_the_oracles_sum(head_dim, q_len, dtype, channel, rotate
 
 def test_bad_energy_is_named():
     query = torch.randn(1, 6, 1, 64, device=DEVICE)
-    with pytest.raises(ValueError, match=r"energy must be contiguous fp32 \[kv_heads, 64\]"):
+    with pytest.raises(ValueError, match=r"add_query_energy needs search_energy as contiguous fp32 \[2, 64\]"):
         add_query_energy(torch.zeros(2, 64, dtype=torch.float64, device=DEVICE), query)
     with pytest.raises(ValueError, match="query has 6 heads, not a multiple of the energy's 4 KV heads"):
         add_query_energy(torch.zeros(4, 64, device=DEVICE), query)
