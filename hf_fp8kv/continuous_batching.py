@@ -617,6 +617,9 @@ class FP8PagesMixin:
         # per layer: int64 [2 (K, V), 2 (clipped, non-finite)], summed over every write
         self.stats = {i: torch.zeros(2, 2, dtype=torch.int64, device=device) for i in quantized}
         self.fixed_scales = {i: self.settings.fixed_scales[i].to(device) for i in quantized if i in self.settings.fixed_scales}
+        # per layer with per-channel key scales: them on this device, fp32 (as a dense layer holds them), once
+        self.key_channels = {i: layout.key_channel.to(device, torch.float32).contiguous()
+                             for i, layout in zip(self.layer_indices, self.layouts) if layout.key_channel is not None}
         # per layer with searched scales: the queries' energy every request adds to (`hf_fp8kv/scale_search.py`)
         self.searches: dict[int, ScaleSearch] = {}
         for i, layout in zip(self.layer_indices, self.layouts):
@@ -658,8 +661,9 @@ class FP8PagesMixin:
         """Encode `states` (`[2, kv_heads, tokens, head_dim]`, in the model's dtype) into the page rows at physical
         indices `index`; returns the rows."""
         layout = self.settings.layouts[layer_idx]
-        if layout.key_channel is not None:  # (in the model's dtype, as the dense layers store them)
-            keys = (states[0] / layout.key_channel.to(states.device)[:, None, :]).to(states.dtype)
+        channel = self.key_channels.get(layer_idx)
+        if channel is not None:  # (in the model's dtype, as the dense layers store them)
+            keys = (states[0] / channel[:, None, :]).to(states.dtype)
             states = torch.stack((keys, states[1]))
         search = self.searches.get(layer_idx)
         rows, nonfinite = self.backend.write_rows(
@@ -875,9 +879,8 @@ class PagedKV(FP8KeyStates):
         )  # fmt: skip
         search = allocator.searches.get(self.layer_idx)
         if search is not None:  # (after the attention, as on the dense cache: see scale_search.py)
-            layout = allocator.settings.layouts[self.layer_idx]
-            key_channel = None if layout.key_channel is None else layout.key_channel.to(query.device, torch.float32)
-            search.observe(query, key_channel, layout.rotate, allocator.backend)
+            search.observe(query, allocator.key_channels.get(self.layer_idx),
+                           allocator.settings.layouts[self.layer_idx].rotate, allocator.backend)
         return out.transpose(0, 1)[None]
 
     def dequantized(self):
