@@ -281,10 +281,10 @@ def plan(
     positions = torch.tensor([end, recent_start, 0], device=device) if case.static_cache else None
     # no NaN written (what a layer tracks: NaN codes add a select, and masked columns' values zeroed); the value
     # layout the Triton backend's layers allocate
+    energy = torch.empty(case.kv_heads, case.head_dim, device=device) if case.scale_search else None
     view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
                   positions=positions, has_nan=False, value_tiled=ops.TritonLayerKernels.value_tiled,
-                  rotate=case.rotate, scale_search=case.scale_search,
-                  search_energy=torch.empty(case.kv_heads, case.head_dim, device=device))  # fmt: skip
+                  rotate=case.rotate, scale_search=case.scale_search, search_energy=energy)  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:

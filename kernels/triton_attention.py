@@ -1072,7 +1072,8 @@ class AttentionPlan:
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
             self._query_scratch(query, splits) if view.rotate else query, new_k, new_v, stats,
-            view.search_energy if new_token is not None and view.scale_search > 1 else query, *query.stride(), *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
+            view.search_energy if new_token is not None and view.scale_search > 1 else query, *query.stride(),
+            *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
             *new_strides, *self.sizes, splits, held, merge_group(splits) if merged else splits, *slots, view.offset,
             *fp_slots, start, end, recent_start, mask_start, new_token.recent_start if new_token is not None else 0,
             *self.scalars,
