@@ -282,9 +282,11 @@ def plan(
     # no NaN written (what a layer tracks: NaN codes add a select, and masked columns' values zeroed); the value
     # layout the Triton backend's layers allocate
     energy = torch.empty(case.kv_heads, case.head_dim, device=device) if case.scale_search else None
+    tickets = torch.zeros(case.kv_heads, dtype=torch.int32, device=device) if case.scale_search else None
     view = KVView(codes=codes, scales=scales, fmt=fmt, per_token=case.per_token, end=end, recent_start=recent_start,
                   positions=positions, has_nan=False, value_tiled=ops.TritonLayerKernels.value_tiled,
-                  rotate=case.rotate, scale_search=case.scale_search, search_energy=energy)  # fmt: skip
+                  rotate=case.rotate, scale_search=case.scale_search, search_energy=energy,
+                  search_tickets=tickets)  # fmt: skip
     if case.recent:
         view.recent = torch.empty(2, case.batch, case.kv_heads, case.recent, case.head_dim, dtype=dtype, device=device)
     if case.sinks:
@@ -800,12 +802,14 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     one after another). The launches: the attention's (which writes the new token itself, a static cache's
     compiled graph's included; with outlier tokens or rotated codes, and on targets that do not compile it, a write
     launch of its own, which with outlier tokens judges the token it gives codes too), its reduce where the kernel
-    does not merge its splits."""
+    does not merge its splits, with searched scales the queries' sums where the attention launch does not add them
+    (`triton_attention.sums_in_launch`)."""
     slots = gpu.sms * row["blocks_per_sm"]
     attention = plan(case, gpu, device="meta", slots=slots)
     (launch,) = [x for x in attention if x.kernel is triton_attention._attention_kernel]
     write = [] if launch.kwargs["WRITE"] else plan(dataclasses.replace(case, kind="write", q_len=1), gpu, device="meta")
-    launches = len(write) + len(attention)
+    sums = case.scale_search and not launch.kwargs["SUMS"]  # the queries' sums in a launch of their own
+    launches = len(write) + len(attention) + sums
     clock, bandwidth = CLOCKS[gpu.arch], gpu.bandwidth
     fp_bytes = (case.recent + case.sinks) * 2 * case.head_dim * getattr(torch, case.dtype).itemsize
     codes_bytes = tile_bytes(case, case.context - case.recent)

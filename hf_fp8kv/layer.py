@@ -61,7 +61,8 @@ class QuantizedKV(FP8KeyStates):
             kwargs["new_token"], self.pending, layer.pending = self.pending, None, None
         out = layer.kernels.attend(query, self.view, scaling=scaling, mask=mask, **kwargs)
         # (the queries' sums after the attention that read them: see scale_search.py)
-        layer.scale_search.observe(query, layer.key_channel_scale, layer.rotate, layer.backend)
+        if not layer.kernels.sums_in_attention(self.view, query.shape[2]):
+            layer.scale_search.observe(query, layer.key_channel_scale, layer.rotate, layer.backend)
         return out
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:

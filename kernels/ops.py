@@ -122,6 +122,11 @@ class TorchLayerKernels:
         """Whether an update's write is left to the attention that reads it (`attend(new_token=...)`)."""
         return False
 
+    def sums_in_attention(self, view: KVView, q_len: int) -> bool:
+        """Whether `attend` adds its queries to a searched view's sums itself (`ScaleSearch`; else the layer
+        does, after it)."""
+        return False
+
     def __init__(self) -> None:
         self.memo: dict = {}  # views of the buffers, for the views built over them (`KVView.derived`)
 
@@ -176,7 +181,7 @@ class TritonLayerKernels(TorchLayerKernels):
     settles_in_write = True  # one launch where three were (the staging copy, the write, the selection)
 
     def __init__(self, fp8_prefill: bool = False) -> None:
-        from .triton_attention import attention, writes_in_launch
+        from .triton_attention import attention, sums_in_launch, writes_in_launch
         from .triton_common import query_target
         from .triton_outliers import settle, write_and_settle
         from .triton_write import write_kv
@@ -189,6 +194,7 @@ class TritonLayerKernels(TorchLayerKernels):
         self._write_kv, self._attention, self._settle_outliers = write_kv, attention, settle
         self._write_and_settle = write_and_settle
         self._writes_in_launch, self._target = writes_in_launch, query_target
+        self.sums_in_attention = sums_in_launch  # a decode step's: one launch where two were
         # registered before any graph is traced (a compiled step that registered them met `torch.library.triton_op`,
         # which dynamo refuses to trace: reached through `functools.cache`, the registration runs again)
         self._ops = triton_ops()
@@ -235,7 +241,7 @@ class TritonLayerKernels(TorchLayerKernels):
                 query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count,
                 view.positions, mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, tickets,
                 *new, view.fmt.name, view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0,
-                splits, self.fp8_prefill, view.search_energy, view.scale_search,
+                splits, self.fp8_prefill, view.search_energy, view.search_tickets, view.scale_search,
             )  # fmt: skip
         if view.static:
             splits_key = (query.shape[:2], view.layout())
@@ -371,7 +377,9 @@ def triton_ops():
         outlier_set = outliers.OutlierSet.of_buffers(buffers, scales[0], 0, set_ring)
         plan_write_settle(key, value, view, stats, outlier_set, first_real, window or None).run(traced=True)
 
-    @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets", *written})
+    searched = {"search_energy", "search_tickets"}  # (a decode step's queries added: `sums_in_launch`)
+
+    @torch.library.triton_op("hf_fp8kv::attend", mutates_args={"tickets", *searched, *written})
     def attend_op(
         query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, recent: torch.Tensor | None,
         sinks: torch.Tensor | None, sink_start: torch.Tensor | None, sink_count: torch.Tensor | None,
@@ -379,12 +387,14 @@ def triton_ops():
         channel: torch.Tensor | None, outliers: torch.Tensor | None, outlier_pos: torch.Tensor | None,
         tickets: torch.Tensor | None, new_key: torch.Tensor | None, new_value: torch.Tensor | None,
         stats: torch.Tensor | None, fmt: str, per_token: bool, ring: bool, rotate: bool, scaling: float, window: int,
-        softcap: float, num_splits: int, fp8_prefill: bool, search_energy: torch.Tensor | None, scale_search: int,
+        softcap: float, num_splits: int, fp8_prefill: bool, search_energy: torch.Tensor | None,
+        search_tickets: torch.Tensor | None, scale_search: int,
     ) -> torch.Tensor:  # fmt: skip
         """`new_key` / `new_value` (with the write's `stats`): the decode step's token, written by this launch
         (the view's device positions are the ones before it, and move past it; its scales searched with
-        `scale_search`)."""
+        `scale_search`); `search_tickets`: the step's queries added to `search_energy` by it too."""
         view = _static_view(codes, scales, positions, fmt, per_token, ring, rotate, recent, search_energy, scale_search)
+        view.search_tickets = search_tickets
         view.sinks, view.sink_start, view.sink_count, view.key_channel_scale = sinks, sink_start, sink_count, channel
         view.outliers, view.outlier_pos = outliers, outlier_pos
         settings = (scaling, window or None, softcap or None, num_splits)

@@ -90,6 +90,11 @@ OUTLIER_TARGETS = {"sm_80": MERGING_TARGETS["sm_80"], "sm_100": FUSED_CAPS}
 # FUSED_CAPS; at 128, 122-128, none spilled, 4 blocks. Unmerged (a mask, one split) they spilled 8 B at 128: those
 # keep FUSED_CAPS, 3 blocks as without the search (gpu_static)
 SEARCHING_TARGETS = {"sm_100": {4: 128}}
+# query rows per iteration where a searched decode step's attention launch adds its queries to the layer's sums
+# (`triton_attention.sums_in_launch`): 8, but sm_100's int8 default-window decode spilled 8 B with 8 at its cap of
+# 128 (16 B with 16, 12 B with 2), none with 4; 4 on sm_80 spilled 4 B in the default window and took the masked
+# one from 4 blocks per SM to 3 (gpu_static)
+SUM_ROWS = {"sm_100": 4}
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,11 @@ class GpuTarget:
         """Whether the split decode kernel can merge its splits itself (`MERGING_TARGETS`; each call chooses), else a
         reduce launch does."""
         return self.arch in MERGING_TARGETS
+
+    @property
+    def sum_rows(self) -> int:
+        """Query rows per iteration of a decode launch's query sums (`SUM_ROWS`)."""
+        return SUM_ROWS.get(self.arch, 8)
 
     @property
     def writes_in_attention(self) -> bool:

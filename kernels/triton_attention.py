@@ -38,11 +38,13 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision,
-    attend_tile, block_sizes, code_offsets, decode_codes, decode_settings, encoding, hadamard, load_token_scales,
-    program_scratch, query_target, rotated_query, rotation, tile_tokens, to_e4m3, visibility, zero_columns,
+    E4M3_MAX, LOG2E, MIN_ROWS, P_SCALE, VALUE_TILE, as_dot, as_e4m3, attend_full_precision, attend_tile,
+    block_sizes, check_search_energy, code_offsets, decode_codes, decode_settings, encoding, hadamard,
+    load_token_scales, program_scratch, query_target, rotated_query, rotation, tile_tokens, to_e4m3, visibility,
+    zero_columns,
 )
 from .targets import EXAMPLE_GPUS, GpuTarget
+from .triton_search import head_query_energy
 from .triton_write import check_write, move_positions, write_decode_token
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, NewToken, scale_dtypes
@@ -81,7 +83,7 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, recent_k_ptr, recent_v_ptr, sink_k_ptr, sink_v_ptr,
     sink_start_ptr, sink_count_ptr, positions_ptr, outlier_k_ptr, outlier_v_ptr, outlier_pos_ptr, mask_ptr,
     sink_logits_ptr, channel_ptr, out_ptr, part_acc_ptr, part_stats_ptr, ticket_ptr, q_scratch_ptr, new_k_ptr,
-    new_v_ptr, stats_ptr, energy_ptr,
+    new_v_ptr, stats_ptr, energy_ptr, search_ticket_ptr,
     q_sb, q_sh, q_sl, q_sd,
     c_sb, c_sh, c_st, c_sd,
     s_sb, s_sh, s_st,
@@ -107,7 +109,7 @@ def _attention_kernel(
     ENC_IS_FLOAT: tl.constexpr, ENC_MAX: tl.constexpr, ENC_ROW_MAX: tl.constexpr, ENC_ROUND_SHIFT: tl.constexpr,
     ENC_NORMAL_OFFSET: tl.constexpr, ENC_MIN_NORMAL: tl.constexpr, ENC_SUB_MAGIC: tl.constexpr,
     ENC_SUB_MAGIC_BITS: tl.constexpr, ENC_NAN_CODE: tl.constexpr, ENC_SIGNED_ZERO: tl.constexpr,
-    SEARCH: tl.constexpr,
+    SEARCH: tl.constexpr, SUMS: tl.constexpr, SUM_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the
     last split of the row block merges them, in groups of `merge_group` splits and then the groups where there are
@@ -116,7 +118,8 @@ def _attention_kernel(
     `recent_start` are the positions after it, `prior_recent_start` before it (static: the device positions are
     the ones before it, moved here and stored by the last program); one program per row writes it and attends the
     token entering the codes itself; SEARCH: its per-token scales searched, the keys' weighted by the queries'
-    sums at `energy_ptr` (fp32 `[kv_heads, head_dim]`)."""
+    sums at `energy_ptr` (fp32 `[kv_heads, head_dim]`). SUMS: a decode step's queries added to those sums by this
+    launch, once every program that reads them has (`sums_in_launch`), SUM_ROWS rows at a time."""
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
@@ -176,6 +179,24 @@ def _attention_kernel(
                 ENC_NORMAL_OFFSET, ENC_MIN_NORMAL, ENC_SUB_MAGIC, ENC_SUB_MAGIC_BITS, ENC_NAN_CODE, ENC_SIGNED_ZERO,
                 energy_ptr + kv_head * head_dim, SEARCH,
             )  # fmt: skip
+    if SUMS:  # each row's owner (the writer, else the last split) takes a ticket, its write having read the sums;
+        # the last of the KV head's rows adds every row's query in a fixed order (no atomic adds: the same bits
+        # from launch to launch) and puts the counter back to 0 for the next launch (CUDA graph replays included).
+        # Here, not after the loop: there it took sm_90's default-window decode loop from 0.122 to 0.131
+        # instructions per KV byte and sm_80's masked one from 4 blocks per SM to 2 (gpu_static)
+        sums_owner = num_splits - 1
+        if WRITE:
+            sums_owner = owner
+        if (split == sums_owner) & (pid_m == 0):
+            tl.debug_barrier()  # every thread's reads of the sums done
+            batch = tl.num_programs(1) // kv_heads
+            if tl.atomic_add(search_ticket_ptr + kv_head, 1, sem="acq_rel") == batch - 1:
+                tl.store(search_ticket_ptr + kv_head, 0)
+                energy_row = energy_ptr + kv_head * head_dim + d
+                total = head_query_energy(q_ptr - b * q_sb, channel_ptr + kv_head * head_dim, q_sb, q_sh, q_sl, q_sd,
+                                          kv_head, batch * GROUP, GROUP, 1, d, d_ok, HAS_CHANNEL_SCALE, 0, 1.0,
+                                          SUM_ROWS)  # fmt: skip
+                tl.store(energy_row, tl.load(energy_row, mask=d_ok) + total, mask=d_ok)
 
     # the query, scaled once: softmax scale and log2(e) (score_scale), per-head K scale, per-channel K scale
     q_scale = score_scale
@@ -649,6 +670,22 @@ def writes_in_launch(view: KVView, new_tokens: int, target: GpuTarget | None) ->
     return can_write_in_launch(view, new_tokens) and not view.rotate and (target is None or target.writes_in_attention)
 
 
+def sums_in_launch(view: KVView, q_len: int) -> bool:
+    """Whether the attention launch adds the step's queries to a searched view's sums (`ScaleSearch`) itself, where
+    a launch of their own did (`triton_search.add_query_energy`): a decode step's (a prompt's queries keep their
+    own launch), given the view's counters, but over rotated codes (their query is rotated on the way)."""
+    return q_len == 1 and view.scale_search > 1 and view.search_tickets is not None and not view.rotate
+
+
+def _check_sums(view: KVView, kv_heads: int, head_dim: int) -> None:
+    owner = f"scale_search={view.scale_search} (the attention launch's query sums)"
+    check_search_energy(view.search_energy, kv_heads, head_dim, owner)
+    tickets = view.search_tickets
+    if tickets.dtype != torch.int32 or tickets.shape != (kv_heads,) or not tickets.is_contiguous():
+        raise ValueError(f"{owner} needs search_tickets as contiguous int32 [{kv_heads}] (zeros), got "
+                         f"{(tickets.dtype, tuple(tickets.shape), tickets.stride())}")  # fmt: skip
+
+
 def attention(
     query: torch.Tensor,
     view: KVView,
@@ -866,6 +903,8 @@ class AttentionPlan:
         batch, q_heads, q_len, head_dim = query.shape
         fmt = view.fmt
         self.kv_heads = view.codes.shape[2]
+        if sums_in_launch(view, q_len):
+            _check_sums(view, self.kv_heads, head_dim)
         group = q_heads // self.kv_heads
         target = target or query_target(query)
         held = view.recent is not None or view.sinks is not None or view.outliers is not None
@@ -909,7 +948,8 @@ class AttentionPlan:
             **rotation(view.rotate, head_dim),
             HAS_OUTLIERS=view.outliers is not None, WRITE=new_token is not None, CLIP=fmt.clip_bound,
             **{f"ENC_{name}": value for name, value in encoding(fmt).items()},
-            SEARCH=view.scale_search if new_token is not None else 0,
+            SEARCH=view.scale_search if new_token is not None else 0, SUMS=sums_in_launch(view, q_len),
+            SUM_ROWS=target.sum_rows if target is not None else 8,
         )  # fmt: skip
         # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel from
         # 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2 warps) from
@@ -1072,7 +1112,7 @@ class AttentionPlan:
         launches = [Launch(_attention_kernel, (self.row_blocks, self.out_shape[0] * self.kv_heads, splits), (
             query, *tensors, _or(mask, query), _or(sink_logits, query), channel, out, part_acc, part_stats, tickets,
             self._query_scratch(query, splits) if view.rotate else query, new_k, new_v, stats,
-            view.search_energy if new_token is not None and view.scale_search > 1 else query, *query.stride(),
+            _or(view.search_energy, query), _or(view.search_tickets, query), *query.stride(),
             *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
             *new_strides, *self.sizes, splits, held, merge_group(splits) if merged else splits, *slots, view.offset,
             *fp_slots, start, end, recent_start, mask_start, new_token.recent_start if new_token is not None else 0,

@@ -1,7 +1,8 @@
 """Triton kernel of a searched write's weights' source: the squares of a step's queries added to a layer's sums
-per KV head and channel (`reference.query_energy`), one launch where the torch ops were 4-8 (a decode step's
-`ScaleSearch.observe`). One program per KV head walks its rows in a fixed order: the sums do not depend on the
-launch (no atomics)."""
+per KV head and channel (`reference.query_energy`), one launch where the torch ops were 4-8 (`ScaleSearch.observe`:
+a prompt's queries, pages, rotated codes; a dense cache's decode step has its attention launch add them,
+`head_query_energy` in `triton_attention.sums_in_launch`). One program per KV head walks its rows in a fixed
+order: the sums do not depend on the launch (no atomics)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,14 @@ ROWS = 16  # query rows per iteration
 
 
 @triton.jit
-def _query_energy_kernel(
-    q_ptr, energy_ptr, channel_ptr, q_sb, q_sh, q_sl, q_sd, rows, group, q_len, head_dim,
-    HAS_CHANNEL: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Program (kv_head,): the squares of its `rows` (batch x `group` query heads x `q_len`) summed per channel,
-    times the channel scales at `channel_ptr` (HAS_CHANNEL), rotated (ROTATE_STAGES), added to `energy_ptr`'s row."""
-    kv_head = tl.program_id(0)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
+def head_query_energy(q_ptr, channel_ptr, q_sb, q_sh, q_sl, q_sd, kv_head, rows, group, q_len, d, d_ok,
+                      HAS_CHANNEL: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
+                      BLOCK_R: tl.constexpr):  # fmt: skip
+    """The squares of KV head `kv_head`'s `rows` query rows (batch x `group` query heads x `q_len`, in that order)
+    summed per channel `d` (fp32 `[D]`), times the channel scales at `channel_ptr` (HAS_CHANNEL: the head's row),
+    rotated (ROTATE_STAGES), `BLOCK_R` rows at a time in a fixed order."""
     per_batch = group * q_len
-    total = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros(d.shape, tl.float32)
     for first in range(0, rows, BLOCK_R):
         r = first + tl.arange(0, BLOCK_R)
         head = kv_head * group + (r % per_batch) // q_len
@@ -35,10 +32,25 @@ def _query_energy_kernel(
         q = tl.load(q_ptr + at[:, None] + d[None, :] * q_sd, mask=(r < rows)[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
         if HAS_CHANNEL:
-            q = q * tl.load(channel_ptr + kv_head * head_dim + d, mask=d_ok, other=0.0)[None, :]
+            q = q * tl.load(channel_ptr + d, mask=d_ok, other=0.0)[None, :]
         if ROTATE_STAGES > 0:
             q = hadamard(q, ROTATE_STAGES, ROTATE_NORM)
         total += tl.sum(q * q, axis=0)
+    return total
+
+
+@triton.jit
+def _query_energy_kernel(
+    q_ptr, energy_ptr, channel_ptr, q_sb, q_sh, q_sl, q_sd, rows, group, q_len, head_dim,
+    HAS_CHANNEL: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (kv_head,): `head_query_energy` of its `rows` added to `energy_ptr`'s row."""
+    kv_head = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    total = head_query_energy(q_ptr, channel_ptr + kv_head * head_dim, q_sb, q_sh, q_sl, q_sd, kv_head, rows, group,
+                              q_len, d, d_ok, HAS_CHANNEL, ROTATE_STAGES, ROTATE_NORM, BLOCK_R)  # fmt: skip
     row = energy_ptr + kv_head * head_dim + d
     tl.store(row, tl.load(row, mask=d_ok) + total, mask=d_ok)
 

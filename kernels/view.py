@@ -93,6 +93,9 @@ class KVView:
     rotate: bool = False  # the codes hold each token's K/V times a Hadamard matrix (`rotation.py`)
     scale_search: int = 0  # per-token scales searched among this many candidates (`reference.searched_scale`)
     search_energy: torch.Tensor | None = None  # the queries' energy its weights come from, fp32 [kv_heads, head_dim]
+    # int32 [kv_heads] zeros: where given, a decode step's attention launch adds its queries to `search_energy`
+    # itself, the last of each KV head's programs to have written (`triton_attention.sums_in_launch`)
+    search_tickets: torch.Tensor | None = None
     has_nan: bool = True  # NaN codes may exist (the bit decode then needs its NaN select)
     value_tiled: bool = False  # value codes head_dim-major in blocks of VALUE_TILE slots (else token-major)
     positions: torch.Tensor | None = None  # device positions: int64 [2] holding `end`, `recent_start`
@@ -119,6 +122,7 @@ class KVView:
             self.fmt.name, shape[:3], shape[4], self.per_token, static, self.ring,
             None if self.recent is None else self.recent.shape[3], None if self.sinks is None else self.sinks.shape[3],
             self.key_channel_scale is not None, self.has_nan, self.rotate, self.scale_search,
+            self.search_tickets is not None,
             None if self.outliers is None else self.outliers.shape[3],
             self.value_tiled and (shape[3] - static) % VALUE_TILE == 0,  # (tiled values in whole blocks)
         )  # fmt: skip
@@ -131,7 +135,8 @@ class KVView:
     def buffers(self) -> tuple:
         """The tensors the view reads (what launch arguments derive from)."""
         return (self.codes, self.scales, self.recent, self.sinks, self.sink_start, self.sink_count, self.positions,
-                self.key_channel_scale, self.outliers, self.outlier_pos, self.search_energy)  # fmt: skip
+                self.key_channel_scale, self.outliers, self.outlier_pos, self.search_energy,
+                self.search_tickets)  # fmt: skip
 
     def derived(self, owner: object, build: Callable[["KVView"], Derived], *uses: torch.Tensor | None) -> Derived:
         """`build(self)`: what depends on the buffers alone (launch arguments, views of them), kept in `memo`

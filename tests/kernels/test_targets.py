@@ -95,6 +95,8 @@ def test_a_searched_write_in_a_merging_launch_takes_sm_100s_own_cap():
     assert sm_100.decode_register_cap(4, True, False, False, searches=True) == 168
     assert sm_100.decode_register_cap(4, True, True, False) == 168
     assert sm_90.decode_register_cap(4, True, True, False, True) == sm_90.decode_register_cap(4, True, True, False)
+    # the query sums the launch adds: 4 rows at a time on sm_100 (8 spilled there), 8 elsewhere (`SUM_ROWS`)
+    assert (sm_100.sum_rows, sm_90.sum_rows, EXAMPLE_GPUS["sm_80"].sum_rows) == (4, 8, 8)
 
 
 def test_occupancy():

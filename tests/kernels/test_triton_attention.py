@@ -416,7 +416,7 @@ def _op_args(view, query, mask, num_splits, tickets=None, new_token=None, scalin
     return (query, view.codes, view.scales, view.recent, view.sinks, view.sink_start, view.sink_count, view.positions,
             mask, sink_logits, view.key_channel_scale, view.outliers, view.outlier_pos, tickets, *new, view.fmt.name,
             view.per_token, view.ring, view.rotate, scaling, window or 0, softcap or 0.0, num_splits, False,
-            view.search_energy, view.scale_search)  # fmt: skip
+            view.search_energy, view.search_tickets, view.scale_search)  # fmt: skip
 
 
 @pytest.mark.parametrize("outliers", [0, 3])
@@ -823,6 +823,100 @@ def test_a_decode_step_written_by_its_attention_launch_is_write_then_attend(case
         assert tickets is None or not tickets.any()
     del kwargs["num_splits"]
     assert_close(got, reference.attend(query.float(), apart, **kwargs), case.dtype)
+
+
+SUMMING_CASES = [  # searched decode steps whose attention launch adds the step's queries to the sums
+    Case(Stream(scale_search=16, recent=8, sinks=2, updates=[100, 1], tiled=True), splits=3, mask="padding"),
+    Case(Stream(scale_search=16, batch=3, updates=[40, 1]), group=4, options=dict(channel=True)),
+    Case(Stream(scale_search=8, fmt="int8_per_token_head", head_dim=96, updates=[20, 1]), group=8, splits=2),
+    Case(Stream(scale_search=16, static=80, updates=[30, 1], tiled=True, dtype=torch.bfloat16), dtype=torch.bfloat16,
+         splits=2),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("writes", [True, False], ids=["write in the launch", "written before"])
+@pytest.mark.parametrize("case", SUMMING_CASES, ids=str)
+def test_a_searched_decode_step_adds_its_queries_to_the_sums_in_its_launch(case, writes):
+    """Given the view's counters (`KVView.search_tickets`), a searched decode step's attention launch adds its
+    queries' squares to the layer's sums (`reference.query_energy`, to fp32 rounding), after every write of the
+    launch has read them: the codes, scales and output are the launch's without the counters (the sums added after
+    it, as a launch of their own did), the counters are back at 0, and a second step adds again. Where the token
+    was written before the launch (`write_kv`: outlier tokens, rotated codes, targets that do not write in the
+    attention) too; through the registered op a compiled graph calls as well."""
+    from hf_fp8kv.kernels import ops
+
+    stream = case.stream
+    generator = torch.Generator().manual_seed(0)
+    held = {}
+
+    def write_but_the_last(key, value, view, stats):
+        if not held and int(view.end) + key.shape[2] == stream.length:
+            held.update(key=key, value=value, before=(int(view.end), int(view.recent_start)), stats=stats.clone())
+            return
+        reference.write(key, value, view, stats)
+
+    view, _, _ = fill(stream, write_but_the_last, generator, DEVICE)
+    end, recent_start = held["before"]
+    if view.static:
+        view.positions[:2] = torch.tensor([end, recent_start])
+    if case.options.get("channel"):
+        view.key_channel_scale = (torch.rand(stream.kv_heads, stream.head_dim, generator=generator) + 0.5).to(DEVICE)
+    query = torch.randn(stream.batch, stream.kv_heads * case.group, 1, stream.head_dim, generator=generator) * 30
+    query = query.to(DEVICE, case.dtype)
+    mask = make_mask(case, view, generator)
+    kwargs = dict(scaling=stream.head_dim**-0.5, mask=None if mask is None else mask.to(DEVICE),
+                  num_splits=case.splits)  # fmt: skip
+
+    def step(summing: bool, query: torch.Tensor, op: bool = False):
+        copy, stats = _copy(view), held["stats"].clone()
+        copy.search_energy = view.search_energy.clone()
+        copy.search_tickets = torch.zeros(stream.kv_heads, dtype=torch.int32, device=DEVICE) if summing else None
+        new_token = NewToken(held["key"], held["value"], stats, recent_start)
+        if not writes:
+            before = copy if view.static else dataclasses.replace(copy, end=end, recent_start=recent_start)
+            write_kv(held["key"], held["value"], before, stats, advance=view.static)
+            if view.static:  # (the write moved the device positions past the token)
+                copy.end, copy.recent_start = copy.positions[0], copy.positions[1]
+            new_token = None
+        if op:
+            out = ops.triton_ops().attend(*_op_args(copy, query, kwargs["mask"], case.splits or 1, None, new_token,
+                                                    scaling=kwargs["scaling"]))  # fmt: skip
+        else:
+            out = attention(query, copy, new_token=new_token, **kwargs)
+        return out, copy, stats
+
+    expected, apart, apart_stats = step(False, query)
+    channel = view.key_channel_scale
+    expected_energy = view.search_energy + reference.query_energy(query, stream.kv_heads, channel)
+    for op in (False, True) if view.static and view.value_tiled else (False,):
+        got, summed, summed_stats = step(True, query, op)
+        for name in ("codes", "scales", "recent", "positions"):
+            if getattr(view, name) is not None:
+                a, b = getattr(apart, name), getattr(summed, name)
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        assert torch.equal(apart_stats, summed_stats) and torch.equal(got, expected)
+        assert not summed.search_tickets.any()
+        torch.testing.assert_close(summed.search_energy, expected_energy, rtol=1e-5, atol=0)
+        assert not torch.equal(summed.search_energy, view.search_energy)
+    # a second step over the same counters adds again (each launch leaves them at 0)
+    second = torch.randn(query.shape, generator=generator).to(DEVICE, case.dtype)
+    attention(second, summed, **kwargs)
+    expected_energy += reference.query_energy(second, stream.kv_heads, channel)
+    torch.testing.assert_close(summed.search_energy, expected_energy, rtol=1e-5, atol=0)
+    assert not summed.search_tickets.any()
+
+
+def test_query_sums_the_attention_launch_cannot_address_are_refused_by_name():
+    stream = Stream(scale_search=16, updates=[20, 1])
+    view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), DEVICE)
+    query = torch.randn(stream.batch, stream.kv_heads, 1, stream.head_dim, device=DEVICE)
+    view.search_tickets = torch.zeros(stream.kv_heads, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"query sums\) needs search_tickets as contiguous int32 \[2\]"):
+        attention(query, view, scaling=1.0)
+    view.search_tickets = torch.zeros(stream.kv_heads, dtype=torch.int32, device=DEVICE)
+    view.search_energy = view.search_energy[:, :40]
+    with pytest.raises(ValueError, match=r"query sums\) needs search_energy as contiguous fp32 \[2, 80\]"):
+        attention(query, view, scaling=1.0)
 
 
 def test_a_write_the_attention_launch_cannot_do_is_refused_by_name():
