@@ -30,10 +30,11 @@ class ScaleSearch:
     channel (`energy`, fp32 `[kv_heads, head_dim]`) and the counters with which a decode step's attention launch
     adds to it (`tickets`, int32 `[kv_heads]`, left at 0 by each launch: `KVView.search_tickets`)."""
 
+    tickets: torch.Tensor | None = None  # (a search pickled before the counters: its sums take a launch of their own)
+
     def __init__(self, candidates: int):
         self.candidates = candidates
         self.energy: torch.Tensor | None = None
-        self.tickets: torch.Tensor | None = None
 
     def allocate(self, kv_heads: int, head_dim: int, device: torch.device) -> None:
         if self.candidates:
