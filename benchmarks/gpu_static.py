@@ -372,17 +372,20 @@ def plan_paged(
                                   positions if case.outliers else None)  # fmt: skip
     geometry = paged.PageGeometry(3 * 2 * case.page_size * row_bytes, bytes_per_block, LAYERS * 2 * case.page_size,
                                   case.page_size)  # fmt: skip
+    energy = torch.empty(case.kv_heads, case.head_dim, device=device)
+    # a searched layer's query sums, added by the attention launch where it can (as the pages' steps run)
+    summed = case.scale_search and triton_paged.sums_in_paged_launch(tokens * case.group, case.rotate)
     _, attend = triton_paged.plan_paged_attention(
         query, pages, new_rows, read_index, *lengths, fmt=fmt, kv_heads=case.kv_heads,
         layer_offset=geometry.layer_offset, bytes_per_block=bytes_per_block, block_stride=geometry.block_stride,
         page_size=case.page_size, scaling=case.head_dim**-0.5, window=case.sliding or None, static_scales=static,
         max_q_len=case.q_len, recent=recent, new_in_pages=not case.sliding, rotate=case.rotate,
         max_k_len=case.context + case.q_len, num_splits=num_splits, resident_slots=slots or gpu.sms * 2, target=gpu,
+        search_energy=energy if summed else None,
     )  # fmt: skip
     states = torch.empty(2, case.kv_heads, tokens, case.head_dim, dtype=dtype, device=device)
     stats = torch.zeros(2, 2, dtype=torch.int64, device=device)
     write_index = torch.empty(tokens, dtype=torch.int64, device=device)
-    energy = torch.empty(case.kv_heads, case.head_dim, device=device)
     _, write = triton_paged.plan_write_rows(states, fmt, stats, static, pages, geometry, write_index, case.rotate,
                                             case.scale_search, energy)  # fmt: skip
     return [*attend, write]

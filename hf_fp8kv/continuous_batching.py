@@ -870,17 +870,20 @@ class PagedKV(FP8KeyStates):
         else:
             k_first, past = cu_q[:-1], torch.zeros_like(q_lens)
             read_index = self.write_index if full else read_index
+        layout, search = allocator.settings.layouts[self.layer_idx], allocator.searches.get(self.layer_idx)
+        # the queries' sums of a searched layer: added by the attention launch where it can, else after it (as on
+        # the dense cache: see scale_search.py)
+        rows = query.shape[1] // layout.kv_heads * query.shape[2]
+        summed = search is not None and allocator.backend.paged_sums_in_attention(layout, rows, softcap, sink_logits)
         out = allocator.backend.paged_attend(
             query[0].transpose(0, 1), allocator.cache_tensor, self.new_rows, read_index, cu_q, k_first, past,
-            layout=allocator.settings.layouts[self.layer_idx], geometry=allocator.geometry[self.layer_idx],
-            scaling=scaling, window=allocator.window, softcap=softcap, sink_logits=sink_logits,
-            static_scales=allocator.fixed_scales.get(self.layer_idx), has_nan=allocator.has_nan[self.layer_idx],
-            max_q_len=self.max_length_q, max_k_len=self.max_length_k, recent=self.recent, new_in_pages=full,
+            layout=layout, geometry=allocator.geometry[self.layer_idx], scaling=scaling, window=allocator.window,
+            softcap=softcap, sink_logits=sink_logits, static_scales=allocator.fixed_scales.get(self.layer_idx),
+            has_nan=allocator.has_nan[self.layer_idx], max_q_len=self.max_length_q, max_k_len=self.max_length_k,
+            recent=self.recent, new_in_pages=full, **({"search_energy": search.energy} if summed else {}),
         )  # fmt: skip
-        search = allocator.searches.get(self.layer_idx)
-        if search is not None:  # (after the attention, as on the dense cache: see scale_search.py)
-            search.observe(query, allocator.key_channels.get(self.layer_idx),
-                           allocator.settings.layouts[self.layer_idx].rotate, allocator.backend)
+        if search is not None and not summed:
+            search.observe(query, allocator.key_channels.get(self.layer_idx), layout.rotate, allocator.backend)
         return out.transpose(0, 1)[None]
 
     def dequantized(self):

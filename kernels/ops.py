@@ -29,8 +29,6 @@ from .targets import GpuTarget, device_target
 from .view import KVView, NewToken
 
 BACKENDS = ("auto", "triton", "torch")
-QUERY_ENERGY_KERNEL_ROWS = 4096  # steps with up to this many query rows per KV head add their queries' squares
-# in one Triton launch (decode steps: launch-bound); longer ones by torch's reduction, which spreads over the GPU
 SETTLE_KERNEL_TOKENS = 64  # updates up to this many tokens leaving the recent ones have their outliers chosen by
 # the Triton kernel (decode steps, assisted decoding's candidates), longer ones by the torch version
 
@@ -169,6 +167,11 @@ class TorchBackend:
         them there, the torch path from `new_rows`, the same bytes)."""
         return paged.attend(query, *pages_args, **kwargs)
 
+    def paged_sums_in_attention(self, layout: paged.RowLayout, rows: int, softcap=None, sink_logits=None) -> bool:
+        """Whether `paged_attend(..., search_energy=...)` adds a step's queries (`rows` per KV head) to a searched
+        layer's sums itself (`hf_fp8kv/scale_search.py`; else the caller does, after it)."""
+        return False
+
 
 # --- Triton --------------------------------------------------------------------------------------------------------
 class TritonLayerKernels(TorchLayerKernels):
@@ -270,21 +273,33 @@ class TritonBackend(TorchBackend):
         return rows, True  # (non-finite inputs: not known without a sync)
 
     def add_query_energy(self, energy, query, key_channel_scale, rotate) -> None:
+        from .triton_search import KERNEL_ROWS, add_query_energy
+
         rows = query.shape[0] * query.shape[1] // energy.shape[0] * query.shape[2]
-        if torch.compiler.is_compiling() or rows > QUERY_ENERGY_KERNEL_ROWS:  # (a compiled graph fuses the ops)
+        if torch.compiler.is_compiling() or rows > KERNEL_ROWS:  # (a compiled graph fuses the ops)
             super().add_query_energy(energy, query, key_channel_scale, rotate)
             return
-        from .triton_search import add_query_energy
-
         add_query_energy(energy, query, key_channel_scale, rotate)
+
+    @staticmethod
+    def _paged_kernel_serves(layout: paged.RowLayout, softcap, sink_logits) -> bool:
+        """Whether the paged kernel has what a call needs (else the torch path serves it)."""
+        return layout.fmt is not None and softcap is None and sink_logits is None and layout.key_channel is None
+
+    def paged_sums_in_attention(self, layout, rows, softcap=None, sink_logits=None) -> bool:
+        from .triton_paged import sums_in_paged_launch
+
+        return self._paged_kernel_serves(layout, softcap, sink_logits) and sums_in_paged_launch(rows, layout.rotate)
 
     def paged_attend(
         self, query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, *, layout: paged.RowLayout,
         geometry: paged.PageGeometry, scaling: float, window=None, softcap=None, sink_logits=None, static_scales=None,
         has_nan: bool = True, max_q_len: int | None = None, max_k_len: int | None = None,
-        recent: paged.RecentRows | None = None, new_in_pages: bool = False,
+        recent: paged.RecentRows | None = None, new_in_pages: bool = False, search_energy=None,
     ) -> torch.Tensor:  # fmt: skip
-        if layout.fmt is None or softcap is not None or sink_logits is not None or layout.key_channel is not None:
+        if not self._paged_kernel_serves(layout, softcap, sink_logits):
+            if search_energy is not None:
+                raise ValueError("search_energy is for the paged kernel's calls (`paged_sums_in_attention`)")
             return super().paged_attend(
                 query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, layout=layout, geometry=geometry,
                 scaling=scaling, window=window, softcap=softcap, sink_logits=sink_logits, static_scales=static_scales,
@@ -298,7 +313,7 @@ class TritonBackend(TorchBackend):
             layer_offset=geometry.layer_offset, bytes_per_block=geometry.bytes_per_block,
             block_stride=geometry.block_stride, page_size=geometry.page_size, scaling=scaling, window=window,
             static_scales=pair, max_q_len=max_q_len, recent=recent, new_in_pages=new_in_pages, rotate=layout.rotate,
-            max_k_len=max_k_len,
+            max_k_len=max_k_len, search_energy=search_energy,
         )  # fmt: skip
         return out.to(query.dtype)
 

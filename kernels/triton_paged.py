@@ -33,6 +33,7 @@ from .triton_common import (
 )
 from .targets import GpuTarget
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2
+from .triton_search import KERNEL_ROWS, head_query_energy
 
 BLOCK_T = 16  # tokens per program of the row writer
 # registers of the split decode kernel (NVIDIA): ptxas' own choice for the per-token head_dim 128 one, 128 for 4
@@ -349,9 +350,9 @@ def plan_write_rows(states, fmt, stats, static_scales, pages, geometry, index, r
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, pages_ptr, read_ptr, cu_q_ptr, k_first_ptr, past_ptr, k_scale_ptr, v_scale_ptr,
-    recent_ptr, recent_meta_ptr, q_scratch_ptr, part_acc_ptr, part_stats_ptr, outlier_pos_ptr,
+    recent_ptr, recent_meta_ptr, q_scratch_ptr, part_acc_ptr, part_stats_ptr, outlier_pos_ptr, energy_ptr,
     q_st, q_sh, o_st, o_sh, score_scale, window, layer_offset, bytes_per_block, value_boost, out_factor,
-    code_factor, new_offset, requests, recent_slots, recent_rows_per_slot, outlier_slots, num_splits,
+    code_factor, new_offset, requests, recent_slots, recent_rows_per_slot, outlier_slots, num_splits, q_tokens,
     BLOCK_STRIDE: tl.constexpr, PAGE_SIZE: tl.constexpr, ROW_BYTES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN: tl.constexpr, IS_FLOAT: tl.constexpr,
     HW_CONVERT: tl.constexpr, CODE_TYPE: tl.constexpr, FP16_SHIFT: tl.constexpr, NAN_MASK: tl.constexpr,
@@ -359,7 +360,7 @@ def _paged_attention_kernel(
     HAS_RECENT: tl.constexpr, KV_HEADS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     STAGES: tl.constexpr, PAGE_TILES: tl.constexpr, NEW_IN_PAGES: tl.constexpr, ONE_POSITION: tl.constexpr,
     ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, SPLIT: tl.constexpr, HAS_OUTLIERS: tl.constexpr,
-    OUTLIER_BLOCK: tl.constexpr,
+    OUTLIER_BLOCK: tl.constexpr, SUMS: tl.constexpr, SUM_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Program (request, KV head, row block). Rows are (query position, query head of the KV head's group) pairs,
     position-major, as in `_attention_kernel`: every head of a GQA group shares each K/V tile. With HAS_RECENT,
@@ -372,9 +373,21 @@ def _paged_attention_kernel(
     `[tokens, q_heads, BLOCK_D]`), their share of the output is rotated back before the held tokens join it.
     SPLIT (decode steps, one row block): program (request, KV head, KV split); each split reads its share of the
     pages' keys (the last one the new rows and held tokens too) and writes its partial result (the output before
-    the softmax's division, running max and sum) for `_reduce_kernel` to merge."""
+    the softmax's division, running max and sum) for `_reduce_kernel` to merge.
+    SUMS: the step's queries added to a searched layer's sums at `energy_ptr` (fp32 `[KV_HEADS, HEAD_DIM]`,
+    `hf_fp8kv/scale_search.py`) by the first program of each KV head, every one of the `q_tokens` rows (padding
+    too, as the dense caches count theirs), SUM_ROWS at a time in a fixed order (the row writer, a launch before,
+    has read the sums)."""
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    if SUMS:
+        if (request == 0) & (tl.program_id(2) == 0):
+            energy_row = energy_ptr + kv_head * HEAD_DIM + d
+            total = head_query_energy(q_ptr, energy_ptr, q_st, q_sh, 0, 1, kv_head, q_tokens * GROUP, GROUP, 1, d,
+                                      d_ok, False, 0, 1.0, SUM_ROWS)  # fmt: skip
+            tl.store(energy_row, tl.load(energy_row, mask=d_ok) + total, mask=d_ok)
     first_row = 0 if SPLIT else tl.program_id(2) * BLOCK_M
     q_start = tl.load(cu_q_ptr + request)
     q_len = tl.load(cu_q_ptr + request + 1) - q_start
@@ -387,8 +400,6 @@ def _paged_attention_kernel(
     q_group_ptr = q_ptr + (kv_head * GROUP).to(tl.int64) * q_sh
     q_scratch_ptr += (kv_head * GROUP).to(tl.int64) * BLOCK_D
     pos, member, row_ok, q_rows = _program_rows(q_start, q_len, first_row, BLOCK_M, GROUP)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
     if not PER_TOKEN:
         q_scale *= tl.load(k_scale_ptr + kv_head)
@@ -583,6 +594,13 @@ def page_tile_tokens(block_n: int, page_size: int, window: int | None) -> int | 
     return tile if tile >= 16 else None
 
 
+def sums_in_paged_launch(rows: int, rotate: bool) -> bool:
+    """Whether the paged attention launch can add a step's queries to a searched layer's sums, `rows` of them per
+    KV head (`hf_fp8kv/scale_search.py`), where a launch of their own did: unrotated ones (the query is rotated on
+    the way), as many as the sums' own kernel takes (`triton_search.KERNEL_ROWS`: one program walks them)."""
+    return not rotate and rows <= KERNEL_ROWS
+
+
 def paged_attention(
     query: torch.Tensor,
     pages: torch.Tensor,
@@ -607,6 +625,7 @@ def paged_attention(
     rotate: bool = False,
     max_k_len: int | None = None,
     num_splits: int | None = None,
+    search_energy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 attention output `[tokens, q_heads, head_dim]` of `query` `[tokens, q_heads, head_dim]` (every
     request's rows, `cu_seq_lens_q` int32 `[requests + 1]`) over paged rows (see the module docstring).
@@ -620,13 +639,15 @@ def paged_attention(
     tokens before reading), and those keys are read there; `rotate`: the codes hold the keys and values times a
     Hadamard matrix (`paged.RowLayout.rotate`). Codes in the fp8 formats or int8. A decode step (one query per
     request) is split over the keys (flash-decoding, then `_reduce_kernel`) when `num_splits` says so, else by
-    `split_count` on a GPU when `max_k_len` (an upper bound of the requests' keys) is given.
+    `split_count` on a GPU when `max_k_len` (an upper bound of the requests' keys) is given. `search_energy`: a
+    searched layer's sums, to which the launch adds the step's queries (`sums_in_paged_launch`).
     """
     out, launches = plan_paged_attention(
         query, pages, new_rows, read_index, cu_seq_lens_q, k_first, past, fmt=fmt, kv_heads=kv_heads,
         layer_offset=layer_offset, bytes_per_block=bytes_per_block, block_stride=block_stride, page_size=page_size,
         scaling=scaling, window=window, static_scales=static_scales, max_q_len=max_q_len, recent=recent,
         new_in_pages=new_in_pages, rotate=rotate, max_k_len=max_k_len, num_splits=num_splits,
+        search_energy=search_energy,
     )  # fmt: skip
     launch_all(launches, query.device)
     return out
@@ -638,11 +659,12 @@ def plan_paged_attention(
     window: int | None = None, static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_q_len: int | None = None, recent: RecentRows | None = None, new_in_pages: bool = False,
     rotate: bool = False, max_k_len: int | None = None, num_splits: int | None = None,
-    resident_slots: int | None = None, target: GpuTarget | None = None,
+    resident_slots: int | None = None, target: GpuTarget | None = None, search_energy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:  # fmt: skip
     """The output of `paged_attention` and the launches that fill it (none: nothing to attend; with KV splits, the
     attention's and the reduce's); `target` plans that GPU's code path for tensors that are not on it, with
-    `resident_slots` its resident blocks of the kernel (`benchmarks/gpu_static.py`)."""
+    `resident_slots` its resident blocks of the kernel (`benchmarks/gpu_static.py`); `search_energy`: a searched
+    layer's sums, to which the attention launch adds the step's queries (`sums_in_paged_launch`)."""
     tokens, q_heads, head_dim = query.shape
     row_bytes = new_rows.shape[-1]
     value_bytes = kv_heads * head_dim
@@ -664,6 +686,11 @@ def plan_paged_attention(
         raise ValueError(
             f"recent.rows must be contiguous [rows, 2, {kv_heads}, {head_dim}], got {tuple(recent.rows.shape)}"
         )
+    if search_energy is not None:
+        if not sums_in_paged_launch(tokens * q_heads // kv_heads, rotate):
+            raise ValueError(f"the paged attention adds no rotated queries, nor more than {KERNEL_ROWS} "
+                             "rows per KV head, to search_energy (`sums_in_paged_launch`)")  # fmt: skip
+        check_search_energy(search_energy, kv_heads, head_dim, "the paged attention's query sums")
     requests = cu_seq_lens_q.numel() - 1
     if max_q_len is None:
         max_q_len = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()) if requests else 0
@@ -703,9 +730,11 @@ def plan_paged_attention(
         """The kernel's arguments; `part_acc` / `part_stats`: the splits' partial results (placeholders without)."""
         return (
             query, out, pages, read_index, cu_seq_lens_q, k_first, past, k_scale, v_scale, *recent_args[:2], scratch,
-            part_acc, part_stats, outlier_args[0], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            part_acc, part_stats, outlier_args[0], out if search_energy is None else search_energy, query.stride(0),
+            query.stride(1), out.stride(0), out.stride(1),
             scaling * LOG2E.value * code_factor, window or 0, layer_offset, bytes_per_block, value_boost,
             code_factor / value_boost, code_factor, new_offset, requests, *recent_args[2:], outlier_args[1], splits,
+            tokens,
         )  # fmt: skip
 
     constexprs = dict(
@@ -716,7 +745,8 @@ def plan_paged_attention(
         HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
         PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1,
         **rotation(rotate, head_dim), SPLIT=False, HAS_OUTLIERS=outliers,
-        OUTLIER_BLOCK=next_power_of_2(recent.outliers) if outliers else 1, **options,
+        OUTLIER_BLOCK=next_power_of_2(recent.outliers) if outliers else 1, SUMS=search_energy is not None,
+        SUM_ROWS=target.sum_rows if target is not None else 8, **options,
     )  # fmt: skip
     attention = Launch(_paged_attention_kernel, grid, arguments(), constexprs)
     split_options = dict(constexprs, SPLIT=True)

@@ -14,6 +14,9 @@ from .triton_common import check_search_energy, hadamard, rotation
 from .triton_launch import Launch, launch_all, next_power_of_2
 
 ROWS = 16  # query rows per iteration
+# steps with up to this many query rows per KV head add their squares in one program per KV head (decode steps:
+# launch-bound); longer ones by torch's reduction, which spreads over the GPU
+KERNEL_ROWS = 4096
 
 
 @triton.jit

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_fp8kv.kernels import paged
+from hf_fp8kv.kernels import paged, reference
 from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.rotation import hadamard_stages
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
@@ -55,12 +55,13 @@ RECENT_CASES = [
 
 
 def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=None, page_size=PAGE_SIZE,
-          new_in_pages=False, rotate=False, num_splits=None, outliers=0) -> dict:  # fmt: skip
+          new_in_pages=False, rotate=False, num_splits=None, outliers=0, search=False) -> dict:  # fmt: skip
     """The kernel's output against the reference on `case` (`garbage`: NaN filler in the rows before the window;
     `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`, with `outliers` outlier tokens
     per request and KV head; `rotate`: rotated codes;
-    `num_splits`: KV splits of a decode step, then the reduce); returns the attention launch's constexprs (what the
-    kernel was told of its rows) and grid."""
+    `num_splits`: KV splits of a decode step, then the reduce; `search`: the launch adds the queries to a searched
+    layer's sums, which must then hold the oracle's `query_energy` more); returns the attention launch's constexprs
+    (what the kernel was told of its rows) and grid."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
@@ -79,12 +80,17 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     static = tuple(s.to(DEVICE) for s in static) if static else None
     if new_in_pages:  # the new rows' bytes are in the pages: the kernel must not read them from `new_rows`
         new_rows = torch.full_like(new_rows, 0xFF)
+    energy = torch.rand(kv_heads, head_dim, generator=torch.Generator().manual_seed(3)).to(DEVICE) if search else None
+    before = None if energy is None else energy.clone()
     out, launches = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
                                          scaling=scaling, window=window, static_scales=static, recent=held,
                                          new_in_pages=new_in_pages, rotate=rotate, num_splits=num_splits,
-                                         **layout)  # fmt: skip
+                                         search_energy=energy, **layout)  # fmt: skip
     for launch in launches:
         launch.run()
+    if search:
+        added = reference.query_energy(query.transpose(0, 1)[None], kv_heads)
+        torch.testing.assert_close(energy, before + added, rtol=1e-5, atol=0)
     want = oracle(expected, scaling, window)
     error = (out.cpu() - want).abs().max().item() / want.abs().max().item()
     assert error < TOLERANCE[dtype], f"{name}: relative error {error}"
@@ -329,6 +335,19 @@ def one_nan_code(rows: torch.Tensor, layout: paged.RowLayout) -> torch.Tensor:
     codes = rows[..., : layout.value_bytes]
     nan = codes.view(layout.fmt.dtype).float().isnan()
     return torch.cat((codes.masked_fill(nan, encoding(layout.fmt)["NAN_CODE"]), rows[..., layout.value_bytes :]), -1)
+
+
+@pytest.mark.parametrize("dtype, case, kwargs", [
+    (torch.float32, CASES[0], {}), (torch.float32, SPLIT_CASES[3][0]["case"], dict(num_splits=3)),  # split
+    (torch.bfloat16, DTYPE_CASES[0][1], dict(recent=(4, 2, 0))),
+], ids=str)  # fmt: skip
+def test_the_launch_adds_the_queries_to_a_searched_layers_sums(dtype, case, kwargs):
+    """`search_energy`: the first program of each KV head adds every query row's squares (`reference.query_energy`,
+    to fp32 rounding); the output is the attention's as without them. Rotated queries are refused (their sums take
+    a launch of their own)."""
+    check(dtype, case, search=True, **kwargs)
+    with pytest.raises(ValueError, match="adds no rotated queries"):
+        check(torch.float32, CASES[0], search=True, rotate=True)
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if case[-1] is not None], ids=str)
