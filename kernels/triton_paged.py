@@ -380,14 +380,13 @@ def _paged_attention_kernel(
     has read the sums)."""
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     if SUMS:
         if (request == 0) & (tl.program_id(2) == 0):
-            energy_row = energy_ptr + kv_head * HEAD_DIM + d
-            total = head_query_energy(q_ptr, energy_ptr, q_st, q_sh, 0, 1, kv_head, q_tokens * GROUP, GROUP, 1, d,
-                                      d_ok, False, 0, 1.0, SUM_ROWS)  # fmt: skip
-            tl.store(energy_row, tl.load(energy_row, mask=d_ok) + total, mask=d_ok)
+            c = tl.arange(0, BLOCK_D)
+            energy_row = energy_ptr + kv_head * HEAD_DIM + c
+            total = head_query_energy(q_ptr, energy_ptr, q_st, q_sh, 0, 1, kv_head, q_tokens * GROUP, GROUP, 1, c,
+                                      c < HEAD_DIM, False, 0, 1.0, SUM_ROWS)  # fmt: skip
+            tl.store(energy_row, tl.load(energy_row, mask=c < HEAD_DIM) + total, mask=c < HEAD_DIM)
     first_row = 0 if SPLIT else tl.program_id(2) * BLOCK_M
     q_start = tl.load(cu_q_ptr + request)
     q_len = tl.load(cu_q_ptr + request + 1) - q_start
@@ -400,6 +399,8 @@ def _paged_attention_kernel(
     q_group_ptr = q_ptr + (kv_head * GROUP).to(tl.int64) * q_sh
     q_scratch_ptr += (kv_head * GROUP).to(tl.int64) * BLOCK_D
     pos, member, row_ok, q_rows = _program_rows(q_start, q_len, first_row, BLOCK_M, GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     q_scale = score_scale  # softmax scale, log2(e), the decode's factor; per-head scales: the K scale
     if not PER_TOKEN:
         q_scale *= tl.load(k_scale_ptr + kv_head)
