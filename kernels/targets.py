@@ -97,6 +97,11 @@ SEARCHING_TARGETS = {"sm_100": {4: 128}}
 SUM_ROWS = {"sm_100": 4}
 
 
+def sum_rows(target: GpuTarget | None) -> int:
+    """Query rows per iteration of a decode launch's query sums (`SUM_ROWS`; 8 where no target is known)."""
+    return SUM_ROWS.get(target.arch if target is not None else "", 8)
+
+
 @dataclass(frozen=True)
 class GpuTarget:
     """A GPU as the kernels see it. `arch`: "sm_80" (NVIDIA, compute capability 8.0) or "gfx942" (AMD)."""
@@ -161,11 +166,6 @@ class GpuTarget:
         """Whether the split decode kernel can merge its splits itself (`MERGING_TARGETS`; each call chooses), else a
         reduce launch does."""
         return self.arch in MERGING_TARGETS
-
-    @property
-    def sum_rows(self) -> int:
-        """Query rows per iteration of a decode launch's query sums (`SUM_ROWS`)."""
-        return SUM_ROWS.get(self.arch, 8)
 
     @property
     def writes_in_attention(self) -> bool:

@@ -43,8 +43,8 @@ from .triton_common import (
     load_token_scales, program_scratch, query_target, rotated_query, rotation, tile_tokens, to_e4m3, visibility,
     zero_columns,
 )
-from .targets import EXAMPLE_GPUS, GpuTarget
-from .triton_search import head_query_energy
+from .targets import EXAMPLE_GPUS, GpuTarget, sum_rows
+from .triton_search import add_head_query_energy
 from .triton_write import check_write, move_positions, write_decode_token
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2, plane_strides, planes
 from .view import KVView, NewToken, scale_dtypes
@@ -192,11 +192,9 @@ def _attention_kernel(
             batch = tl.num_programs(1) // kv_heads
             if tl.atomic_add(search_ticket_ptr + kv_head, 1, sem="acq_rel") == batch - 1:
                 tl.store(search_ticket_ptr + kv_head, 0)
-                energy_row = energy_ptr + kv_head * head_dim + d
-                total = head_query_energy(q_ptr - b * q_sb, channel_ptr + kv_head * head_dim, q_sb, q_sh, q_sl, q_sd,
-                                          kv_head, batch * GROUP, GROUP, 1, d, d_ok, HAS_CHANNEL_SCALE, 0, 1.0,
-                                          SUM_ROWS)  # fmt: skip
-                tl.store(energy_row, tl.load(energy_row, mask=d_ok) + total, mask=d_ok)
+                add_head_query_energy(energy_ptr + kv_head * head_dim, q_ptr - b * q_sb,
+                                      channel_ptr + kv_head * head_dim, q_sb, q_sh, q_sl, q_sd, kv_head, batch * GROUP,
+                                      GROUP, 1, d, d_ok, HAS_CHANNEL_SCALE, 0, 1.0, SUM_ROWS)  # fmt: skip
 
     # the query, scaled once: softmax scale and log2(e) (score_scale), per-head K scale, per-channel K scale
     q_scale = score_scale
@@ -949,7 +947,7 @@ class AttentionPlan:
             HAS_OUTLIERS=view.outliers is not None, WRITE=new_token is not None, CLIP=fmt.clip_bound,
             **{f"ENC_{name}": value for name, value in encoding(fmt).items()},
             SEARCH=view.scale_search if new_token is not None else 0, SUMS=sums_in_launch(view, q_len),
-            SUM_ROWS=target.sum_rows if target is not None else 8,
+            SUM_ROWS=sum_rows(target),
         )  # fmt: skip
         # a decode step's write in the launch took ptxas past its own caps: sm_90's default-window decode kernel from
         # 128 registers to 135 (3 blocks per SM), 168 with a 12-36 B spill at batch 64, head_dim 64 (2 warps) from

@@ -31,9 +31,9 @@ from .triton_common import (
     decode_settings, encode, encoding, hadamard, query_target, register_room, rotated_query, rotation,
     search_weights, tile_tokens, token_scales, zero_columns,
 )
-from .targets import GpuTarget
+from .targets import GpuTarget, sum_rows
 from .triton_launch import Launch, cdiv, check_grid, compiled_occupancy, launch_all, next_power_of_2
-from .triton_search import KERNEL_ROWS, head_query_energy
+from .triton_search import KERNEL_ROWS, add_head_query_energy
 
 BLOCK_T = 16  # tokens per program of the row writer
 # registers of the split decode kernel (NVIDIA): ptxas' own choice for the per-token head_dim 128 one, 128 for 4
@@ -383,10 +383,8 @@ def _paged_attention_kernel(
     if SUMS:
         if (request == 0) & (tl.program_id(2) == 0):
             c = tl.arange(0, BLOCK_D)
-            energy_row = energy_ptr + kv_head * HEAD_DIM + c
-            total = head_query_energy(q_ptr, energy_ptr, q_st, q_sh, 0, 1, kv_head, q_tokens * GROUP, GROUP, 1, c,
-                                      c < HEAD_DIM, False, 0, 1.0, SUM_ROWS)  # fmt: skip
-            tl.store(energy_row, tl.load(energy_row, mask=c < HEAD_DIM) + total, mask=c < HEAD_DIM)
+            add_head_query_energy(energy_ptr + kv_head * HEAD_DIM, q_ptr, energy_ptr, q_st, q_sh, 0, 1, kv_head,
+                                  q_tokens * GROUP, GROUP, 1, c, c < HEAD_DIM, False, 0, 1.0, SUM_ROWS)  # fmt: skip
     first_row = 0 if SPLIT else tl.program_id(2) * BLOCK_M
     q_start = tl.load(cu_q_ptr + request)
     q_len = tl.load(cu_q_ptr + request + 1) - q_start
@@ -747,7 +745,7 @@ def plan_paged_attention(
         PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1,
         **rotation(rotate, head_dim), SPLIT=False, HAS_OUTLIERS=outliers,
         OUTLIER_BLOCK=next_power_of_2(recent.outliers) if outliers else 1, SUMS=search_energy is not None,
-        SUM_ROWS=target.sum_rows if target is not None else 8, **options,
+        SUM_ROWS=sum_rows(target), **options,
     )  # fmt: skip
     attention = Launch(_paged_attention_kernel, grid, arguments(), constexprs)
     split_options = dict(constexprs, SPLIT=True)

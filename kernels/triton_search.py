@@ -1,7 +1,8 @@
 """Triton kernel of a searched write's weights' source: the squares of a step's queries added to a layer's sums
 per KV head and channel (`reference.query_energy`), one launch where the torch ops were 4-8 (`ScaleSearch.observe`:
 a prompt's queries, pages, rotated codes; a dense cache's decode step has its attention launch add them,
-`head_query_energy` in `triton_attention.sums_in_launch`). One program per KV head walks its rows in a fixed
+`add_head_query_energy` in
+`triton_attention.sums_in_launch`). One program per KV head walks its rows in a fixed
 order: the sums do not depend on the launch (no atomics)."""
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ KERNEL_ROWS = 4096
 
 
 @triton.jit
-def head_query_energy(q_ptr, channel_ptr, q_sb, q_sh, q_sl, q_sd, kv_head, rows, group, q_len, d, d_ok,
-                      HAS_CHANNEL: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
-                      BLOCK_R: tl.constexpr):  # fmt: skip
-    """The squares of KV head `kv_head`'s `rows` query rows (batch x `group` query heads x `q_len`, in that order)
-    summed per channel `d` (fp32 `[D]`), times the channel scales at `channel_ptr` (HAS_CHANNEL: the head's row),
-    rotated (ROTATE_STAGES), `BLOCK_R` rows at a time in a fixed order."""
+def add_head_query_energy(energy_row, q_ptr, channel_ptr, q_sb, q_sh, q_sl, q_sd, kv_head, rows, group, q_len, d,
+                          d_ok, HAS_CHANNEL: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
+                          BLOCK_R: tl.constexpr):  # fmt: skip
+    """Adds to the fp32 sums at `energy_row` (channels `d`) the squares of KV head `kv_head`'s `rows` query rows
+    (batch x `group` query heads x `q_len`, in that order), times the channel scales at `channel_ptr` (HAS_CHANNEL:
+    the head's row), rotated (ROTATE_STAGES), `BLOCK_R` rows at a time in a fixed order."""
     per_batch = group * q_len
     total = tl.zeros(d.shape, tl.float32)
     for first in range(0, rows, BLOCK_R):
@@ -39,7 +40,7 @@ def head_query_energy(q_ptr, channel_ptr, q_sb, q_sh, q_sl, q_sd, kv_head, rows,
         if ROTATE_STAGES > 0:
             q = hadamard(q, ROTATE_STAGES, ROTATE_NORM)
         total += tl.sum(q * q, axis=0)
-    return total
+    tl.store(energy_row + d, tl.load(energy_row + d, mask=d_ok) + total, mask=d_ok)
 
 
 @triton.jit
@@ -48,14 +49,12 @@ def _query_energy_kernel(
     HAS_CHANNEL: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Program (kv_head,): `head_query_energy` of its `rows` added to `energy_ptr`'s row."""
+    """Program (kv_head,): `add_head_query_energy` of its `rows` to `energy_ptr`'s row."""
     kv_head = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-    total = head_query_energy(q_ptr, channel_ptr + kv_head * head_dim, q_sb, q_sh, q_sl, q_sd, kv_head, rows, group,
-                              q_len, d, d_ok, HAS_CHANNEL, ROTATE_STAGES, ROTATE_NORM, BLOCK_R)  # fmt: skip
-    row = energy_ptr + kv_head * head_dim + d
-    tl.store(row, tl.load(row, mask=d_ok) + total, mask=d_ok)
+    add_head_query_energy(energy_ptr + kv_head * head_dim, q_ptr, channel_ptr + kv_head * head_dim, q_sb, q_sh, q_sl,
+                          q_sd, kv_head, rows, group, q_len, d, d < head_dim, HAS_CHANNEL, ROTATE_STAGES, ROTATE_NORM,
+                          BLOCK_R)  # fmt: skip
 
 
 def add_query_energy(

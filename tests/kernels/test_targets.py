@@ -11,7 +11,7 @@ import triton.language as tl
 
 from hf_fp8kv.kernels import ops, reference, targets
 from hf_fp8kv.kernels.formats import FORMATS
-from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget, memory_bandwidth
+from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget, memory_bandwidth, sum_rows
 from hf_fp8kv.kernels.triton_attention import AttentionPlan
 from streams import Stream, fill
 
@@ -96,7 +96,7 @@ def test_a_searched_write_in_a_merging_launch_takes_sm_100s_own_cap():
     assert sm_100.decode_register_cap(4, True, True, False) == 168
     assert sm_90.decode_register_cap(4, True, True, False, True) == sm_90.decode_register_cap(4, True, True, False)
     # the query sums the launch adds: 4 rows at a time on sm_100 (8 spilled there), 8 elsewhere (`SUM_ROWS`)
-    assert (sm_100.sum_rows, sm_90.sum_rows, EXAMPLE_GPUS["sm_80"].sum_rows) == (4, 8, 8)
+    assert (sum_rows(sm_100), sum_rows(sm_90), sum_rows(EXAMPLE_GPUS["sm_80"]), sum_rows(None)) == (4, 8, 8, 8)
 
 
 def test_occupancy():

@@ -11,6 +11,7 @@ import torch
 
 from hf_fp8kv.kernels import paged, reference
 from hf_fp8kv.kernels.formats import FORMATS
+from hf_fp8kv.kernels.ops import TritonBackend
 from hf_fp8kv.kernels.rotation import hadamard_stages
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS
 from hf_fp8kv.kernels.triton_common import encoding
@@ -60,8 +61,8 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     `recent`: `(R, S, key_start)` rows held in full precision, see `pages.build`, with `outliers` outlier tokens
     per request and KV head; `rotate`: rotated codes;
     `num_splits`: KV splits of a decode step, then the reduce; `search`: the launch adds the queries to a searched
-    layer's sums, which must then hold the oracle's `query_energy` more); returns the attention launch's constexprs
-    (what the kernel was told of its rows) and grid."""
+    layer's sums, which must then hold the oracle's `query_energy` more (a dtype: sums of it); returns the attention
+    launch's constexprs (what the kernel was told of its rows) and grid."""
     name, dynamic, requests, group, head_dim, window = case
     fmt = FORMATS[name]
     kv_heads = 2
@@ -80,7 +81,10 @@ def check(dtype, case, block_padding: int = 8, garbage: bool = False, recent=Non
     static = tuple(s.to(DEVICE) for s in static) if static else None
     if new_in_pages:  # the new rows' bytes are in the pages: the kernel must not read them from `new_rows`
         new_rows = torch.full_like(new_rows, 0xFF)
-    energy = torch.rand(kv_heads, head_dim, generator=torch.Generator().manual_seed(3)).to(DEVICE) if search else None
+    energy = None
+    if search:
+        energy = torch.rand(kv_heads, head_dim, generator=torch.Generator().manual_seed(3))
+        energy = energy.to(DEVICE, torch.float32 if search is True else search)
     before = None if energy is None else energy.clone()
     out, launches = plan_paged_attention(query, pages, new_rows, read_index, cu_q, k_first, past, fmt=fmt,
                                          scaling=scaling, window=window, static_scales=static, recent=held,
@@ -339,7 +343,7 @@ def one_nan_code(rows: torch.Tensor, layout: paged.RowLayout) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype, case, kwargs", [
     (torch.float32, CASES[0], {}), (torch.float32, SPLIT_CASES[3][0]["case"], dict(num_splits=3)),  # split
-    (torch.bfloat16, DTYPE_CASES[0][1], dict(recent=(4, 2, 0))),
+    (torch.bfloat16, DTYPE_CASES[0][1], dict(recent=(4, 2, 0))), (*DTYPE_CASES[1], {}),
 ], ids=str)  # fmt: skip
 def test_the_launch_adds_the_queries_to_a_searched_layers_sums(dtype, case, kwargs):
     """`search_energy`: the first program of each KV head adds every query row's squares (`reference.query_energy`,
@@ -348,6 +352,20 @@ def test_the_launch_adds_the_queries_to_a_searched_layers_sums(dtype, case, kwar
     check(dtype, case, search=True, **kwargs)
     with pytest.raises(ValueError, match="adds no rotated queries"):
         check(torch.float32, CASES[0], search=True, rotate=True)
+
+
+def test_sums_the_paged_launch_cannot_add_are_refused_by_name():
+    """Sums of the wrong dtype are refused naming the launch; a call the paged kernel does not serve (a softcap
+    goes the torch way) refuses sums rather than leave them out."""
+    with pytest.raises(ValueError, match=r"paged attention's query sums needs search_energy as contiguous fp32 \[2,"):
+        check(torch.float32, CASES[0], search=torch.float64)
+    layout = paged.RowLayout(FORMATS["fp8_e4m3"], True, 2, 16, torch.float32)
+    assert TritonBackend().paged_sums_in_attention(layout, 4) and not TritonBackend().paged_sums_in_attention(
+        layout, 4, softcap=30.0
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="search_energy is for the paged kernel's calls"):
+        TritonBackend().paged_attend(torch.zeros(1, 4, 16), *[None] * 6, layout=layout, geometry=None, scaling=0.25,
+                                     softcap=30.0, search_energy=torch.zeros(2, 16))  # fmt: skip
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if case[-1] is not None], ids=str)
