@@ -230,11 +230,27 @@ def encode(
     return code
 
 
+# four int8 codes (one 32-bit word, Triton's `pack=4`) as four fp16 values, exact: each byte's sign bit flipped
+# (code + 128) and put under 0x64 (the fp16 1024 + code + 128), then 1152 subtracted, two values per instruction.
+# 5 instructions per 4 codes where Triton's conversion took 11: sm_90's int8 decode loop 0.197 -> 0.148 SASS
+# instructions per KV byte, the paged one 0.179 -> 0.136 (gpu_static)
+INT8_TO_FP16 = tl.constexpr("""{
+.reg .b32 biased, offset;
+xor.b32 biased, $2, 0x80808080;
+mov.b32 offset, 0x64806480;
+prmt.b32 $0, biased, 0x64646464, 0x4140;
+prmt.b32 $1, biased, 0x64646464, 0x4342;
+sub.rn.f16x2 $0, $0, offset;
+sub.rn.f16x2 $1, $1, offset;
+}""")
+
+
 @triton.jit
 def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr,
                  NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """A tile of codes as DOT values: by the hardware (fp8 dtype in, exact) or, on int8-viewed codes, by exact
-    bit operations giving value / fp16_factor (NaN codes read as NaN)."""
+    bit operations giving value / fp16_factor (NaN codes read as NaN); int8 codes (not IS_FLOAT) by their
+    conversion, HW_CONVERT: the byte permutes of `INT8_TO_FP16` for fp16 dots."""
     if IS_FLOAT and not HW_CONVERT:  # (one return: Triton compiles the statements after a constexpr `if` anyway)
         bits = codes.to(tl.int16) << FP16_SHIFT  # sign-extended: the sign lands on bit 15
         if FP16_SHIFT == 7:  # e4m3: it landed on bit 14 too
@@ -242,6 +258,8 @@ def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_S
         values = bits.to(tl.float16, bitcast=True)
         if NAN_CODE >= 0:
             values = tl.where((codes.to(tl.int32) & NAN_MASK) == NAN_CODE, float("nan"), values)
+    elif not IS_FLOAT and HW_CONVERT and DOT == tl.float16:
+        values = tl.inline_asm_elementwise(INT8_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
     else:
         values = codes
     return values.to(DOT)
@@ -500,7 +518,7 @@ def register_room(options: dict, target: GpuTarget | None) -> dict:
 
 
 class DecodeSettings(NamedTuple):
-    code_type: object  # Triton's type of codes the hardware converts (`GpuTarget.hardware_code_type`); None: bits
+    code_type: object  # Triton's type of codes the target converts (`GpuTarget.hardware_code_type`); None: bits
     code_factor: float  # the bit decode gives value / code_factor (1.0 for the hardware and int8)
     dot: object  # the dots' operand type: fp32 for fp32 queries, else fp16
     value_boost: float  # per-token V scales times this before the probabilities go to fp16

@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton.language as tl
 
-from hf_fp8kv.kernels import ops, reference, targets
+from hf_fp8kv.kernels import ops, reference, targets, triton_common
 from hf_fp8kv.kernels.formats import FORMATS
 from hf_fp8kv.kernels.targets import EXAMPLE_GPUS, GpuTarget, memory_bandwidth, sum_rows
 from hf_fp8kv.kernels.triton_attention import AttentionPlan
@@ -31,6 +31,54 @@ def test_hardware_conversion_only_where_triton_has_the_type():
     assert [a for a, gpu in EXAMPLE_GPUS.items() if gpu.fp8_dots(E4M3)] == ["sm_89", "sm_90", "sm_100", "sm_120", "gfx950"]
     assert not mi300.fp8_dots(FNUZ)  # (its FP8 MMA takes e4m3fnuz operands; the FP8 dots are e4m3fn's)
     assert mi300.default_fp8 == "fp8_e4m3fnuz" and EXAMPLE_GPUS["gfx950"].default_fp8 == "fp8_e4m3"
+    # int8 codes: byte permutes on every NVIDIA target (`INT8_TO_FP16`), Triton's conversion on AMD
+    assert [a for a, gpu in EXAMPLE_GPUS.items() if gpu.hardware_code_type(torch.int8) is not None] == [
+        a for a, gpu in EXAMPLE_GPUS.items() if not gpu.is_amd
+    ]  # fmt: skip
+
+
+def run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
+    """The 32-bit registers after `asm`, run here: the PTX instructions `INT8_TO_FP16` uses."""
+
+    def read(operand: str) -> int:
+        return int(operand, 16) if operand.startswith("0x") else registers[operand]
+
+    def halves(word: int) -> torch.Tensor:
+        return torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+    for line in asm.splitlines():
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, operands = line.rstrip(";").split(" ", 1)
+        out, *args = [operand.strip() for operand in operands.split(",")]
+        values = [read(arg) for arg in args]
+        if op == "mov.b32":
+            registers[out] = values[0]
+        elif op == "xor.b32":
+            registers[out] = values[0] ^ values[1]
+        elif op == "prmt.b32":  # byte i of the result: byte (selector's nibble i) of {b, a}
+            pool = values[0] | values[1] << 32
+            registers[out] = sum((pool >> 8 * (values[2] >> 4 * i & 7) & 0xFF) << 8 * i for i in range(4))
+        elif op == "sub.rn.f16x2":
+            bits = (halves(values[0]) - halves(values[1])).view(torch.int16).to(torch.int32) & 0xFFFF
+            registers[out] = int(bits[0]) | int(bits[1]) << 16
+        else:
+            raise AssertionError(f"no emulation of {op}")
+    return registers
+
+
+def test_int8_codes_become_their_fp16_values_through_the_byte_permutes():
+    """`INT8_TO_FP16` (inline PTX: no GPU here to run it, nor the interpreter) run instruction by instruction on
+    every int8 code in each byte of a word: the fp16 halves of its two outputs are the four codes' values, exactly,
+    in Triton's packing order (element 0 in the input's low byte and the first output's low half)."""
+    codes = torch.arange(-128, 128, dtype=torch.int32)
+    for word in range(256):
+        four = [int(codes[(word + 67 * i) % 256]) for i in range(4)]
+        packed = sum((code & 0xFF) << 8 * i for i, code in enumerate(four))
+        out = run_ptx(str(triton_common.INT8_TO_FP16.value), {"$2": packed})
+        values = [out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16]
+        got = torch.tensor(values, dtype=torch.int32).to(torch.int16).view(torch.float16).float().tolist()
+        assert got == [float(code) for code in four], (four, got)
 
 
 def plan_on(

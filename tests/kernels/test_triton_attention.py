@@ -109,6 +109,9 @@ CASES = [
     Case(Stream(scales="per-head"), dtype=torch.float16, q_len=6, options=dict(channel=True, softcap=20.0)),
     Case(Stream(fmt="fp8_e5m2", head_dim=128), dtype=torch.float16, mask="padding", group=8),
     Case(dtype=torch.bfloat16, splits=2),  # fp16 dots: the interpreter runs bf16 queries right
+    # int8 codes under model-dtype queries: fp16 dots (on CUDA through the byte permutes, `INT8_TO_FP16`)
+    Case(Stream(fmt="int8_per_token_head", head_dim=128, updates=[129, 1]), group=8, dtype=torch.bfloat16, splits=2),
+    Case(Stream(fmt="int8_per_token_head", updates=[150, 130]), q_len=130, group=1, dtype=torch.float16),
     # the full-precision recent window and sink tokens
     Case(Stream(recent=8), splits=3),
     Case(Stream(recent=8, updates=[5, 1]), splits=2),  # everything in the window
