@@ -6,10 +6,11 @@ The code paths, by target:
 - FP8 codes are converted to fp16 by the hardware where Triton supports that dtype on that target (NVIDIA
   sm_89+: e4m3fn, e5m2; AMD gfx942: e4m3fnuz; gfx950: e4m3fn, e5m2). Everywhere else they are decoded by exact
   bit operations, the decode the Triton interpreter runs (Triton refuses e4m3fn below sm_89, and converts the
-  formats a target lacks in software: slower than the bit decode, which needs no conversion table).
+  formats a target lacks in software: slower than the bit decode, which needs no conversion table); on NVIDIA
+  (A100, A10G: e4m3fn, e5m2) the same bits by byte permutes in inline PTX, two or four codes per instruction.
 - int8 codes: on NVIDIA by byte permutes and a packed fp16 subtraction in inline PTX, 5 instructions per 4
-  codes (`triton_common.INT8_TO_FP16`; Triton's conversion took an I2F and 1.75 PRMT per code); on AMD and in
-  the interpreter by Triton's conversion.
+  codes (Triton's conversion took an I2F and 1.75 PRMT per code); on AMD and in the interpreter by Triton's
+  conversion. (`triton_common.decode_codes`, `GpuTarget.permutes_codes`.)
 - `fp8_prefill`'s dots run on FP8 tensor cores over e4m3fn operands: NVIDIA sm_89+ and gfx950. Elsewhere (A100,
   T4, MI250, MI300, whose FP8 MMA takes e4m3fnuz) a cache asking for it is refused when it is built.
 - The kernels' dots take fp16 or fp32 operands, never bf16: every target with tensor cores has those.
@@ -28,6 +29,7 @@ import torch
 # Triton's types (`triton.language` names: this module is read without Triton) for the codes the hardware converts
 OCP_FP8 = {torch.float8_e4m3fn: "float8e4nv", torch.float8_e5m2: "float8e5"}
 FNUZ_FP8 = {torch.float8_e4m3fnuz: "float8e4b8", torch.float8_e5m2fnuz: "float8e5b16"}
+PERMUTED_CODES = {torch.int8, torch.float8_e4m3fn, torch.float8_e5m2}  # (`GpuTarget.permutes_codes`)
 
 
 @dataclass(frozen=True)
@@ -205,16 +207,21 @@ class GpuTarget:
         return None
 
     def hardware_code_type(self, dtype: torch.dtype):
-        """Triton's type for codes of `dtype` the target's own instructions convert to fp16 dot operands (FP8
-        conversions; int8 on NVIDIA: byte permutes, `triton_common.INT8_TO_FP16`), else None (FP8: the bit
-        decode; int8: Triton's conversion)."""
-        import triton.language as tl
-
+        """Triton's type for codes of `dtype` where the hardware converts them to fp16, else None (bit decode)."""
         if self.is_amd:
             native = FNUZ_FP8 if self.arch == "gfx942" else OCP_FP8 if self.arch == "gfx950" else {}
         else:
-            native = {**(OCP_FP8 if self.capability >= 89 else {}), torch.int8: "int8"}
-        return getattr(tl, native[dtype]) if dtype in native else None
+            native = OCP_FP8 if self.capability >= 89 else {}
+        if dtype not in native:
+            return None
+        import triton.language as tl
+
+        return getattr(tl, native[dtype])
+
+    def permutes_codes(self, dtype: torch.dtype) -> bool:
+        """Whether codes of `dtype` go to fp16 by byte permutes in inline PTX (`triton_common.decode_codes`): int8
+        codes, and the e4m3fn / e5m2 ones the hardware does not convert, on NVIDIA targets."""
+        return not self.is_amd and dtype in PERMUTED_CODES and self.hardware_code_type(dtype) is None
 
     def fp8_dots(self, dtype: torch.dtype) -> bool:
         """Whether `fp8_prefill`'s FP8 tensor-core dots run here over codes of `dtype` (e4m3fn operands)."""

@@ -920,8 +920,8 @@ class AttentionPlan:
         self.row_blocks = cdiv(group * q_len, self.block_m)
         check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
         decode = decode_settings(fmt, query, view.per_token, target)
-        self.hw_convert = decode.hw_convert
-        _, code_factor, dot, value_boost = decode
+        self.hw_convert, self.code_dtype = decode.hw_convert, decode.code_dtype
+        _, code_factor, dot, value_boost, _ = decode
         # the fp16 decode of float codes is value / code_factor: the factor joins the score scale
         score_scale = scaling * code_factor * (1.0 if softcap is not None else LOG2E.value)
         self.scalars = (window or 0, score_scale, code_factor, value_boost, code_factor / value_boost, softcap or 1.0)
@@ -1078,7 +1078,7 @@ class AttentionPlan:
         """The kernel arguments that depend only on the view's buffers (tensors, strides, slot counts)."""
         placeholder = view.scales  # for a buffer the constexprs leave unread
         tensors = (
-            *_codes(view, self.hw_convert), view.scales[0], view.scales[1], *planes(view.recent, placeholder),
+            *_codes(view, self.code_dtype), view.scales[0], view.scales[1], *planes(view.recent, placeholder),
             *planes(view.sinks, placeholder), _or(view.sink_start, placeholder), _or(view.sink_count, placeholder),
             _or(view.positions, placeholder), *planes(view.outliers, placeholder), _or(view.outlier_pos, placeholder),
         )  # fmt: skip
@@ -1180,9 +1180,10 @@ def _fp_tokens(view: KVView) -> int:
     return sum(buffer.shape[3] * buffer.element_size() for buffer in buffers if buffer is not None)
 
 
-def _codes(view: KVView, hw_convert: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value codes as the kernel reads them: fp8 for the hardware conversion, else int8 bits."""
-    codes = view.codes if hw_convert else view.codes.view(torch.int8)
+def _codes(view: KVView, code_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value codes as the kernel reads them (`DecodeSettings.code_dtype`): fp8 for the hardware
+    conversion, uint8 for the byte permutes, else int8 bits."""
+    codes = view.codes if code_dtype is None else view.codes.view(code_dtype)
     return codes[0], codes[1]
 
 

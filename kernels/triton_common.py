@@ -230,10 +230,11 @@ def encode(
     return code
 
 
-# four int8 codes (one 32-bit word, Triton's `pack=4`) as four fp16 values, exact: each byte's sign bit flipped
-# (code + 128) and put under 0x64 (the fp16 1024 + code + 128), then 1152 subtracted, two values per instruction.
-# 5 instructions per 4 codes where Triton's conversion took 11: sm_90's int8 decode loop 0.197 -> 0.148 SASS
-# instructions per KV byte, the paged one 0.179 -> 0.136 (gpu_static)
+# Codes by byte permutes (inline PTX on NVIDIA, `GpuTarget.permutes_codes`): four codes, one 32-bit word
+# (Triton's `pack=4`), as four fp16 values, two per output register, each exact.
+# int8: each byte's sign bit flipped (code + 128) and put under 0x64 (the fp16 1024 + code + 128), then 1152
+# subtracted. 5 instructions per 4 codes where Triton's conversion took 11: sm_90's int8 decode loop 0.197 -> 0.148
+# SASS instructions per KV byte, the paged one 0.179 -> 0.136 (gpu_static)
 INT8_TO_FP16 = tl.constexpr("""{
 .reg .b32 biased, offset;
 xor.b32 biased, $2, 0x80808080;
@@ -243,23 +244,56 @@ prmt.b32 $1, biased, 0x64646464, 0x4342;
 sub.rn.f16x2 $0, $0, offset;
 sub.rn.f16x2 $1, $1, offset;
 }""")
+# e5m2: the code is the fp16's high byte
+E5M2_TO_FP16 = tl.constexpr("""{
+prmt.b32 $0, $2, 0, 0x1404;
+prmt.b32 $1, $2, 0, 0x3424;
+}""")
+# e4m3fn: the bit decode's fp16 (the sign on bit 15, the other 7 bits on 7-13: value / 256), and NaN where the low 7
+# bits are all set (their + 1 carries into bit 7, whose sign-replicating permute gives the NaN's exponent mask)
+E4M3_TO_FP16 = tl.constexpr("""{
+.reg .b32 nan, lo, hi, part;
+and.b32 nan, $2, 0x7f7f7f7f;
+add.u32 nan, nan, 0x01010101;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 part, lo, 1;
+and.b32 part, part, 0x3f803f80;
+and.b32 lo, lo, 0x80008000;
+or.b32 lo, lo, part;
+shr.b32 part, hi, 1;
+and.b32 part, part, 0x3f803f80;
+and.b32 hi, hi, 0x80008000;
+or.b32 hi, hi, part;
+prmt.b32 part, nan, 0, 0x9988;
+and.b32 part, part, 0x7e007e00;
+or.b32 $0, lo, part;
+prmt.b32 part, nan, 0, 0xbbaa;
+and.b32 part, part, 0x7e007e00;
+or.b32 $1, hi, part;
+}""")
 
 
 @triton.jit
 def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_SHIFT: tl.constexpr,
                  NAN_MASK: tl.constexpr, NAN_CODE: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
-    """A tile of codes as DOT values: by the hardware (fp8 dtype in, exact) or, on int8-viewed codes, by exact
-    bit operations giving value / fp16_factor (NaN codes read as NaN); int8 codes (not IS_FLOAT) by their
-    conversion, HW_CONVERT: the byte permutes of `INT8_TO_FP16` for fp16 dots."""
-    if IS_FLOAT and not HW_CONVERT:  # (one return: Triton compiles the statements after a constexpr `if` anyway)
+    """A tile of codes as DOT values: by the hardware (fp8 dtype in, exact); uint8-viewed ones by byte permutes
+    (`DecodeSettings.permutes`: int8's values, the FP8 bit decode's otherwise); int8-viewed FP8 codes by exact
+    bit operations giving value / fp16_factor (NaN codes read as NaN); int8 codes by Triton's conversion."""
+    if codes.dtype == tl.uint8:  # (one return: Triton compiles the statements after a constexpr `if` anyway)
+        if not IS_FLOAT:
+            values = tl.inline_asm_elementwise(INT8_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
+        elif FP16_SHIFT == 8:
+            values = tl.inline_asm_elementwise(E5M2_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
+        else:
+            values = tl.inline_asm_elementwise(E4M3_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
+    elif IS_FLOAT and not HW_CONVERT:
         bits = codes.to(tl.int16) << FP16_SHIFT  # sign-extended: the sign lands on bit 15
         if FP16_SHIFT == 7:  # e4m3: it landed on bit 14 too
             bits = bits & -0x4001  # ~0x4000 as int16
         values = bits.to(tl.float16, bitcast=True)
         if NAN_CODE >= 0:
             values = tl.where((codes.to(tl.int32) & NAN_MASK) == NAN_CODE, float("nan"), values)
-    elif not IS_FLOAT and HW_CONVERT and DOT == tl.float16:
-        values = tl.inline_asm_elementwise(INT8_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
     else:
         values = codes
     return values.to(DOT)
@@ -518,14 +552,25 @@ def register_room(options: dict, target: GpuTarget | None) -> dict:
 
 
 class DecodeSettings(NamedTuple):
-    code_type: object  # Triton's type of codes the target converts (`GpuTarget.hardware_code_type`); None: bits
+    code_type: object  # Triton's type of codes the hardware converts (`GpuTarget.hardware_code_type`); None: bits
     code_factor: float  # the bit decode gives value / code_factor (1.0 for the hardware and int8)
     dot: object  # the dots' operand type: fp32 for fp32 queries, else fp16
     value_boost: float  # per-token V scales times this before the probabilities go to fp16
+    permutes: bool = False  # by byte permutes (`GpuTarget.permutes_codes`): the codes read as uint8
 
     @property
     def hw_convert(self) -> bool:
         return self.code_type is not None
+
+    @property
+    def code_view(self) -> object:
+        """Triton's type of the codes as the kernels read them (`decode_codes` goes by it)."""
+        return self.code_type or (tl.uint8 if self.permutes else tl.int8)
+
+    @property
+    def code_dtype(self) -> torch.dtype | None:
+        """The torch view of the codes the kernels take (None: as stored, for the hardware conversion)."""
+        return None if self.hw_convert else torch.uint8 if self.permutes else torch.int8
 
     @property
     def precision(self) -> str:
@@ -545,4 +590,5 @@ def decode_settings(fmt: StorageFormat, query: torch.Tensor, per_token: bool, ta
     code_factor = 1.0 if code_type is not None or not fmt.is_float else fmt.fp16_factor
     dot = tl.float32 if query.dtype == torch.float32 else tl.float16
     value_boost = 2.0 ** math.floor(math.log2(fmt.max)) if per_token else 1.0
-    return DecodeSettings(code_type, code_factor, dot, value_boost)
+    permutes = target is not None and target.permutes_codes(fmt.dtype)
+    return DecodeSettings(code_type, code_factor, dot, value_boost, permutes)

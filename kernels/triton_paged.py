@@ -426,8 +426,8 @@ def _paged_attention_kernel(
             outlier_keys = _outlier_keys(outlier_pos_ptr + (recent_slot * KV_HEADS + kv_head) * outlier_slots,
                                          key_start, outlier_slots, OUTLIER_BLOCK)  # fmt: skip
     # the page bytes as the codes `decode_codes` takes (a typed load, as in `_attention_kernel`): the fp8 type for
-    # the hardware conversion, else int8 bits
-    codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE if HW_CONVERT else tl.int8))
+    # the hardware conversion, uint8 for the byte permutes, else int8 bits (`DecodeSettings.code_view`)
+    codes_ptr = pages_ptr.to(tl.pointer_type(CODE_TYPE))
     channel = kv_head * HEAD_DIM + d[:, None]  # [D, 1]: a K row's codes; the V plane's rows of the tokens' values
     # the keys read from the pages: the past ones, and (NEW_IN_PAGES) this step's, the others from the new rows
     # (with NEW_IN_PAGES the new rows' loop is not compiled in: d128 decode with static scales 164 -> 128 registers,
@@ -704,7 +704,7 @@ def plan_paged_attention(
     page_tile = page_tile_tokens(block_n, page_size, window)
     block_n = page_tile or block_n
     decode = decode_settings(fmt, query, per_token, target)
-    _, code_factor, dot, value_boost = decode
+    _, code_factor, dot, value_boost, _ = decode
     k_scale, v_scale = static_scales if static_scales is not None else (out, out)
     if not read_index.numel():  # no cached tokens this step: a placeholder the kernel never reads
         read_index = past.new_zeros(1, dtype=torch.int64)
@@ -739,7 +739,7 @@ def plan_paged_attention(
     constexprs = dict(
         BLOCK_STRIDE=block_stride, PAGE_SIZE=page_size, ROW_BYTES=row_bytes, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PER_TOKEN=per_token, IS_FLOAT=fmt.is_float, HW_CONVERT=decode.hw_convert,
-        CODE_TYPE=decode.code_type or tl.int8, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
+        CODE_TYPE=decode.code_view, FP16_SHIFT=fmt.fp16_shift, NAN_MASK=fmt.nan_code_mask,
         NAN_CODE=fmt.nan_code, HAS_WINDOW=bool(window), ALIGNED=aligned, V_AS_COLUMNS=block_d >= V_AS_COLUMNS_FROM,
         HAS_RECENT=recent is not None, KV_HEADS=kv_heads, DOT=dot, PRECISION=decode.precision,
         PAGE_TILES=page_tile is not None, NEW_IN_PAGES=new_in_pages, ONE_POSITION=max_q_len == 1,

@@ -2,6 +2,7 @@
 hardware or bit decode of the codes, FP8 dots, occupancy, and the torch path with one warning on a GPU the Triton
 kernels cannot run on. GPUs are faked through the device properties torch reports."""
 
+import operator
 import warnings
 from types import SimpleNamespace
 
@@ -31,54 +32,64 @@ def test_hardware_conversion_only_where_triton_has_the_type():
     assert [a for a, gpu in EXAMPLE_GPUS.items() if gpu.fp8_dots(E4M3)] == ["sm_89", "sm_90", "sm_100", "sm_120", "gfx950"]
     assert not mi300.fp8_dots(FNUZ)  # (its FP8 MMA takes e4m3fnuz operands; the FP8 dots are e4m3fn's)
     assert mi300.default_fp8 == "fp8_e4m3fnuz" and EXAMPLE_GPUS["gfx950"].default_fp8 == "fp8_e4m3"
-    # int8 codes: byte permutes on every NVIDIA target (`INT8_TO_FP16`), Triton's conversion on AMD
-    assert [a for a, gpu in EXAMPLE_GPUS.items() if gpu.hardware_code_type(torch.int8) is not None] == [
-        a for a, gpu in EXAMPLE_GPUS.items() if not gpu.is_amd
-    ]  # fmt: skip
+    # byte permutes (inline PTX): int8 codes on every NVIDIA target, e4m3fn / e5m2 ones where it has no conversion
+    nvidia = [arch for arch, gpu in EXAMPLE_GPUS.items() if not gpu.is_amd]
+    assert [a for a, gpu in EXAMPLE_GPUS.items() if gpu.permutes_codes(torch.int8)] == nvidia
+    for dtype in (E4M3, E5M2):
+        assert [a for a, gpu in EXAMPLE_GPUS.items() if gpu.permutes_codes(dtype)] == ["sm_75", "sm_80", "sm_86"]
+    assert not any(gpu.permutes_codes(FNUZ) for gpu in EXAMPLE_GPUS.values())  # (its NaN is -0's code: bits)
 
 
 def run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
-    """The 32-bit registers after `asm`, run here: the PTX instructions `INT8_TO_FP16` uses."""
+    """The 32-bit registers after `asm`, run here: the PTX instructions the byte permutes use."""
 
     def read(operand: str) -> int:
-        return int(operand, 16) if operand.startswith("0x") else registers[operand]
+        if operand[0].isdigit():  # (0x... or a decimal)
+            return int(operand, 0)
+        return registers[operand]
 
     def halves(word: int) -> torch.Tensor:
         return torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16)
 
+    def permute(a: int, b: int, selector: int) -> int:  # byte i: byte (nibble i & 7) of {b, a}, or its sign (& 8)
+        chosen = [(a | b << 32) >> 8 * (selector >> 4 * i & 7) & 0xFF for i in range(4)]
+        chosen = [(0xFF if byte & 0x80 else 0) if selector >> 4 * i & 8 else byte for i, byte in enumerate(chosen)]
+        return sum(byte << 8 * i for i, byte in enumerate(chosen))
+
+    def sub_f16x2(a: int, b: int) -> int:
+        bits = (halves(a) - halves(b)).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(bits[0]) | int(bits[1]) << 16
+
+    ops = {"mov.b32": lambda a: a, "xor.b32": operator.xor, "and.b32": operator.and_, "or.b32": operator.or_,
+           "add.u32": lambda a, b: (a + b) & 0xFFFFFFFF, "shr.b32": operator.rshift, "prmt.b32": permute,
+           "sub.rn.f16x2": sub_f16x2}  # fmt: skip
     for line in asm.splitlines():
         if line in ("{", "}") or line.startswith(".reg"):
             continue
         op, operands = line.rstrip(";").split(" ", 1)
         out, *args = [operand.strip() for operand in operands.split(",")]
-        values = [read(arg) for arg in args]
-        if op == "mov.b32":
-            registers[out] = values[0]
-        elif op == "xor.b32":
-            registers[out] = values[0] ^ values[1]
-        elif op == "prmt.b32":  # byte i of the result: byte (selector's nibble i) of {b, a}
-            pool = values[0] | values[1] << 32
-            registers[out] = sum((pool >> 8 * (values[2] >> 4 * i & 7) & 0xFF) << 8 * i for i in range(4))
-        elif op == "sub.rn.f16x2":
-            bits = (halves(values[0]) - halves(values[1])).view(torch.int16).to(torch.int32) & 0xFFFF
-            registers[out] = int(bits[0]) | int(bits[1]) << 16
-        else:
-            raise AssertionError(f"no emulation of {op}")
+        assert op in ops, f"no emulation of {op}"
+        registers[out] = ops[op](*(read(arg) for arg in args))
     return registers
 
 
-def test_int8_codes_become_their_fp16_values_through_the_byte_permutes():
-    """`INT8_TO_FP16` (inline PTX: no GPU here to run it, nor the interpreter) run instruction by instruction on
-    every int8 code in each byte of a word: the fp16 halves of its two outputs are the four codes' values, exactly,
-    in Triton's packing order (element 0 in the input's low byte and the first output's low half)."""
-    codes = torch.arange(-128, 128, dtype=torch.int32)
+@pytest.mark.parametrize("name", ["int8_per_token_head", "fp8_e4m3", "fp8_e5m2"])
+def test_codes_become_their_fp16_values_through_the_byte_permutes(name):
+    """The inline PTX of `decode_codes`' byte permutes (no GPU here to run it, nor the interpreter) run
+    instruction by instruction on every code in each byte of a word: the fp16 halves of its two outputs are the
+    four codes' values (int8) or the bit decode's value / fp16_factor (FP8, NaN codes NaN), exactly, in Triton's
+    packing order (element 0 in the input's low byte and the first output's low half)."""
+    fmt = FORMATS[name]
+    asm = {"int8_per_token_head": triton_common.INT8_TO_FP16, "fp8_e4m3": triton_common.E4M3_TO_FP16,
+           "fp8_e5m2": triton_common.E5M2_TO_FP16}[name]  # fmt: skip
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(fmt.dtype).float() / fmt.fp16_factor  # (int8: factor 1)
     for word in range(256):
-        four = [int(codes[(word + 67 * i) % 256]) for i in range(4)]
-        packed = sum((code & 0xFF) << 8 * i for i, code in enumerate(four))
-        out = run_ptx(str(triton_common.INT8_TO_FP16.value), {"$2": packed})
+        four = [(word + 67 * i) % 256 for i in range(4)]
+        out = run_ptx(str(asm.value), {"$2": sum(code << 8 * i for i, code in enumerate(four))})
         values = [out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16]
-        got = torch.tensor(values, dtype=torch.int32).to(torch.int16).view(torch.float16).float().tolist()
-        assert got == [float(code) for code in four], (four, got)
+        got = torch.tensor(values, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        torch.testing.assert_close(got, want[four], rtol=0, atol=0, equal_nan=True, msg=f"codes {four}")
 
 
 def plan_on(
