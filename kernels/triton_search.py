@@ -1,8 +1,7 @@
 """Triton kernel of a searched write's weights' source: the squares of a step's queries added to a layer's sums
 per KV head and channel (`reference.query_energy`), one launch where the torch ops were 4-8 (`ScaleSearch.observe`:
 a prompt's queries, pages, rotated codes; a dense cache's decode step has its attention launch add them,
-`add_head_query_energy` in
-`triton_attention.sums_in_launch`). One program per KV head walks its rows in a fixed
+`add_head_query_energy` in `triton_attention.sums_in_launch`). One program per KV head walks its rows in a fixed
 order: the sums do not depend on the launch (no atomics)."""
 
 from __future__ import annotations
