@@ -281,12 +281,8 @@ def decode_codes(codes, IS_FLOAT: tl.constexpr, HW_CONVERT: tl.constexpr, FP16_S
     (`DecodeSettings.permutes`: int8's values, the FP8 bit decode's otherwise); int8-viewed FP8 codes by exact
     bit operations giving value / fp16_factor (NaN codes read as NaN); int8 codes by Triton's conversion."""
     if codes.dtype == tl.uint8:  # (one return: Triton compiles the statements after a constexpr `if` anyway)
-        if not IS_FLOAT:
-            values = tl.inline_asm_elementwise(INT8_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
-        elif FP16_SHIFT == 8:
-            values = tl.inline_asm_elementwise(E5M2_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
-        else:
-            values = tl.inline_asm_elementwise(E4M3_TO_FP16, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
+        permutes: tl.constexpr = (E5M2_TO_FP16 if FP16_SHIFT == 8 else E4M3_TO_FP16) if IS_FLOAT else INT8_TO_FP16
+        values = tl.inline_asm_elementwise(permutes, "=r,=r,r", [codes], tl.float16, is_pure=True, pack=4)
     elif IS_FLOAT and not HW_CONVERT:
         bits = codes.to(tl.int16) << FP16_SHIFT  # sign-extended: the sign lands on bit 15
         if FP16_SHIFT == 7:  # e4m3: it landed on bit 14 too
