@@ -151,7 +151,9 @@ class QuantizedFP8Cache(Cache):
             # the attention module calling us runs the attention that will read what we return: a cache built from
             # another config, or used with another model, must hand real tensors to an sdpa/eager module
             self._caller_config = _module_config(sys._getframe(1))
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        # stored as codes: no gradient reaches the cached K/V, so a forward pass with gradients on (a notebook's
+        # plain `model(...)`) gives no_grad's outputs and the cache holds no autograd graph
+        return super().update(key_states.detach(), value_states.detach(), layer_idx, *args, **kwargs)
 
     def _uses_fp8_attention(self) -> bool:
         caller = None if torch.compiler.is_compiling() else self._caller_config

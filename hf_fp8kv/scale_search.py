@@ -52,9 +52,10 @@ class ScaleSearch:
 
     def observe(self, query: torch.Tensor, key_channel_scale: torch.Tensor | None, rotate: bool, backend) -> None:
         """Add the squares of the queries `[batch, q_heads, q_len, head_dim]` an attention has read to the energy,
-        in the space the keys are coded in (`reference.query_energy`), by `backend` (`kernels/ops.py`)."""
+        in the space the keys are coded in (`reference.query_energy`), by `backend` (`kernels/ops.py`). Statistics,
+        not a path for gradients: a forward pass that tracks them keeps no graph in the cache."""
         if self.candidates:
-            backend.add_query_energy(self.energy, query, key_channel_scale, rotate)
+            backend.add_query_energy(self.energy, query.detach(), key_channel_scale, rotate)
 
     def reset(self) -> None:
         """Forget the queries (a reset cache starts over)."""

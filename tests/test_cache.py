@@ -249,6 +249,34 @@ def test_left_padded_half_precision_batch_reads_each_prompt_alone(dtype, window,
     assert padded_gap < unmasked_gap / 10, (padded_gap, unmasked_gap)
 
 
+WINDOW = dict(recent_tokens=8, sink_tokens=2)
+GRAD_CASES = {
+    "window, torch": dict(scales="dynamic", backend="torch", **WINDOW),
+    "pure, searched, torch": dict(scales="dynamic", scale_search=16, backend="torch", **PURE_FP8),
+    "static cache, torch": dict(scales="dynamic", max_cache_len=64, backend="torch", **WINDOW),
+    "window, searched, triton": dict(scales="dynamic", scale_search=16, backend="triton", **WINDOW),
+}
+
+
+@pytest.mark.parametrize("settings", GRAD_CASES.values(), ids=GRAD_CASES)
+def test_a_forward_pass_with_gradients_on_gives_no_grads_outputs_and_keeps_no_graph(settings):
+    """`model(...)` outside no_grad (a notebook's perplexity loop): the prompt and a decode step give the logits
+    they give under no_grad, bit for bit, and no buffer of the cache holds an autograd graph."""
+    model = tiny_model()
+    ids = torch.randint(3, model.config.vocab_size, (1, 41), generator=torch.Generator().manual_seed(0))
+
+    def run(cache):
+        return [model(input_ids=part, **cache_kwargs(cache), use_cache=True).logits for part in (ids[:, :40], ids[:, 40:])]
+
+    with torch.no_grad():
+        expected = run(QuantizedFP8Cache(model, **settings))
+    cache = QuantizedFP8Cache(model, **settings)
+    assert all(torch.equal(a, b) for a, b in zip(run(cache), expected))
+    held = [getattr(layer, name) for layer in cache.layers for name in layer._buffers()]
+    held += [layer.scale_search.energy for layer in cache.layers if layer.scale_search.candidates]
+    assert held and not any(tensor.requires_grad for tensor in held)
+
+
 def test_rotation_refuses_an_odd_head_dim_and_static_scales():
     with pytest.raises(ValueError, match="even head_dim.*this model's is 15"):  # (no RoPE model has one)
         check_rotation(15, {}, uncalibrated=False)
