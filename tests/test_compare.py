@@ -251,6 +251,20 @@ def test_smollm2_per_token_head_fp8_and_int8_are_close_and_broken_scales_diverge
     assert 0 < summary["fp8_per_token_head"]["kv_vs_ref_%"] < 60
 
 
+def test_the_searched_builtin_is_the_recommended_cache_with_searched_scales_and_its_bytes():
+    model = tiny_model()
+    ids = torch.randint(3, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    caches = {name: BUILTIN_VARIANTS[name].make_cache(model) for name in (RECOMMENDED, "fp8_recent_searched")}
+    with torch.no_grad():
+        for cache in caches.values():
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    recommended, searched = caches[RECOMMENDED], caches["fp8_recent_searched"]
+    assert [layer.scale_search.candidates for layer in searched.layers] == [16] * len(searched.layers)
+    assert {layer.scale_search.candidates for layer in recommended.layers} == {0}
+    assert searched.nbytes == recommended.nbytes
+    assert not torch.equal(searched.layers[0].scale, recommended.layers[0].scale)  # chosen, not the amax ones
+
+
 def test_import_hf_fp8kv_loads_the_comparison_only_when_compare_is_used():
     """`import hf_fp8kv` imports neither the comparison package nor matplotlib; `hf_fp8kv.compare` is the function,
     also after `hf_fp8kv.comparison` was imported first."""
