@@ -41,7 +41,8 @@ class QuantizedFP8Cache(Cache):
     `QuantizedFP8Cache(model)` (or `config=model.config`) then `model.generate(..., past_key_values=cache)`
     (or `cache=cache`). Building it from the model switches the model's attention to "fp8kv", which behaves
     exactly like the previous implementation for every other cache. A filled cache refuses a prompt that does not
-    continue its tokens (`CacheReuseError`; where that check applies: `hf_fp8kv.guard`).
+    continue its tokens (`CacheReuseError`; where that check applies: `hf_fp8kv.guard`). It is for inference: no
+    gradient reaches the keys and values it holds (a forward pass with gradients on gives no_grad's outputs).
 
     Args:
         kv_cache_dtype: "fp8" / "fp8_e4m3" (default; "fp8" is "fp8_e4m3fnuz" on ROCm), "fp8_e5m2",
