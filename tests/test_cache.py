@@ -266,7 +266,8 @@ def test_a_forward_pass_with_gradients_on_gives_no_grads_outputs_and_keeps_no_gr
     ids = torch.randint(3, model.config.vocab_size, (1, 41), generator=torch.Generator().manual_seed(0))
 
     def run(cache):
-        return [model(input_ids=part, **cache_kwargs(cache), use_cache=True).logits for part in (ids[:, :40], ids[:, 40:])]
+        parts = (ids[:, :40], ids[:, 40:])  # a prompt past the recent tokens, then a decode step
+        return [model(input_ids=part, **cache_kwargs(cache), use_cache=True).logits for part in parts]
 
     with torch.no_grad():
         expected = run(QuantizedFP8Cache(model, **settings))
