@@ -755,6 +755,12 @@ def spill_accesses(instrs: list[Instr]) -> int:
     return sum(i.is_("LDL", "STL") for i in instrs)
 
 
+def register_moves(instrs: list[Instr]) -> int:
+    """Register-to-register moves among `instrs` (`MOV`, and `IMAD.MOV` that ptxas issues for many of them): in a
+    decode loop, mostly dot operands gathered into the MMA's registers (`benchmarks/operand_reload_probe.py`)."""
+    return sum(i.is_("MOV") or i.opcode.startswith("IMAD.MOV") for i in instrs)
+
+
 def loop_report(compiled: Compiled, tile_bytes: int, gpu: GpuTarget) -> dict | None:
     """The main loop's figures, for a loop that loads `tile_bytes` of KV per tile; None without such a loop."""
     instrs = parse_sass(compiled.sass)
@@ -768,7 +774,7 @@ def loop_report(compiled: Compiled, tile_bytes: int, gpu: GpuTarget) -> dict | N
         start=loop[0].address, end=loop[-1].address, instructions=len(loop), unroll=unroll,
         dots=sum(i.is_(*DOTS) for i in loop), mma=dot_kinds(loop), tile_bytes=tile_bytes, instr_per_byte=per_byte,
         tiles_in_flight=in_flight, evidence=evidence, ceiling_tbps=issue_rate(gpu) / per_byte / 1e12,
-        spill_accesses=spill_accesses(loop),
+        spill_accesses=spill_accesses(loop), moves=register_moves(loop),
     )  # fmt: skip
 
 

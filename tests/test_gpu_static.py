@@ -251,6 +251,19 @@ def test_spills_are_told_apart_inside_and_outside_the_kv_loop():
     assert report.spill_accesses(instrs) == 3 and report.spill_accesses(report.main_loop(instrs)) == 1
 
 
+def test_register_moves_count_both_spellings_and_nothing_else():
+    report = gpu_static()
+    sass = """
+        /*0100*/                   IMAD.MOV.U32 R16, RZ, RZ, R36 ;
+        /*0110*/                   MOV R17, R58 ;
+        /*0120*/                   IMAD R64, R85, 0x40, R86 ;
+        /*0130*/                   IMAD.WIDE.U32 R10, R13, R8, R10 ;
+        /*0140*/                   UMOV UR4, URZ ;
+        /*0150*/                   HMMA.16816.F32 R16, R16, R20, RZ ;
+    """
+    assert report.register_moves(report.parse_sass(sass)) == 2
+
+
 def test_main_loop_is_the_codes_loop_when_fp8_dots_take_the_codes_unconverted():
     """A prefill with both dots on FP8 converts no codes: its KV loop is the one with FP8 dots, not the loop over
     full-precision tokens with more (fp16) dots."""
