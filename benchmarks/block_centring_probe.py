@@ -54,14 +54,15 @@ class SimulatedCodes(DynamicCache):
 
     def __init__(self, model, recent: int, sinks: int, block: int, centre: str | None = None,
                  centre_values: bool = False, hold_partial: bool = False,
-                 choose: str | None = None, rotate: bool = False, coded_centre: bool = False) -> None:  # fmt: skip
+                 choose: str | None = None, rotate: bool = False, coded_centre: bool = False,
+                 exact_channels: dict[int, torch.Tensor] | None = None) -> None:  # fmt: skip
         super().__init__(config=model.config)
         text_config = model.config.get_text_config(decoder=True)
         types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
         self.sinks = [sinks if kind == "full_attention" else 0 for kind in types]
         self.recent, self.centre, self.block, self.centre_values = recent, centre, block, centre_values
         self.hold_partial = hold_partial or centre == "own"
-        self.choose, self.coded_centre = choose, coded_centre
+        self.choose, self.coded_centre, self.exact_channels = choose, coded_centre, exact_channels or {}
         self.rotation = text_config.head_dim if rotate else None
         self.inv_freq = rope_inv_freq(model)
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -73,12 +74,13 @@ class SimulatedCodes(DynamicCache):
         all_values = value_states if held is None else torch.cat([held[1], value_states], dim=2)
         self.history[layer_idx] = (all_keys, all_values)
         length, window = all_keys.shape[2], keys.shape[2]
-        read_keys = self.read(all_keys, layer_idx, self.centre)
+        read_keys = self.read(all_keys, layer_idx, self.centre, self.exact_channels.get(layer_idx))
         read_values = self.read(all_values, layer_idx, self.centre if self.centre_values else None)
         return read_keys[:, :, length - window :], read_values[:, :, length - window :]
 
-    def read(self, x: torch.Tensor, layer: int, centre: str | None) -> torch.Tensor:
-        """All of `x` `[batch, heads, positions, dim]` as read back after coding."""
+    def read(self, x: torch.Tensor, layer: int, centre: str | None, exact: torch.Tensor | None = None) -> torch.Tensor:
+        """All of `x` `[batch, heads, positions, dim]` as read back after coding, the channels `exact` marks (bool
+        `[heads, dim]`) left out of the codes."""
         length = x.shape[2]
         coded_end = max(length - self.recent, 0)
         if self.hold_partial:
@@ -90,7 +92,7 @@ class SimulatedCodes(DynamicCache):
             if centres is not None and self.coded_centre:  # a centre held as e4m3 codes under its own scale
                 centres = stored(centres, None)
             coded = slice(start, coded_end)
-            read = stored(x[:, :, coded], self.rotation, None if centres is None else centres[:, :, coded])
+            read = stored(x[:, :, coded], self.rotation, None if centres is None else centres[:, :, coded], exact)
             if self.choose and centres is not None:  # centred only where it lowers the token's amax or L2 norm
                 norm = dict(amax=torch.inf, l2=2)[self.choose]
                 plain = x[:, :, coded].float().norm(p=norm, dim=-1, keepdim=True)

@@ -10,9 +10,13 @@ q.k's error when each key element is rounded with the same relative error. Above
 makes its scores' rounding error larger. Last, the keys centred before they are stored, less a centre that is
 added back after: each layer's mean key per KV head and channel over the `--choose-on` text (a score moves by
 q.centre, the same for every key of a query, which the softmax cancels), or each block of 64 positions' own mean
-key (a kernel would add q.centre back per KV tile). What is rounded is the key's distance from the centre.
+key (a kernel would add q.centre back per KV tile). What is rounded is the key's distance from the centre. And the
+keys' 1, 2, 4 or 8 channels per KV head of largest `E[q_c^2] E[k_c^2]` on the `--choose-on` text left out of the
+codes and their scale, exact (their weight in q.k's error variance; `benchmarks/exact_channels_probe.py` measures
+them in decode mode). `--only` runs the rows whose name holds one of its words.
 
     python benchmarks/rotation_probe.py --model gemma3 --text code --choose-on sample
+    python benchmarks/rotation_probe.py --model smollm2 --text code --choose-on sample --only "no rotation" exact
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from recent_quality import MODELS, TEXTS
 FORMAT = get_format("fp8_e4m3")
 PAIRS = 256  # (query, key) pairs per layer for the proxy
 CENTRE_BLOCK = 64  # positions per block of the block-centred keys (a decode kernel's KV tile)
+EXACT_CHANNELS = (1, 2, 4, 8)  # key channels per KV head kept exact (the largest query x key energy)
 
 
 def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -39,15 +44,35 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     return hadamard(x.unflatten(-1, (-1, block))).flatten(-2)
 
 
-def stored(x: torch.Tensor, block: int | None, centre: torch.Tensor | None = None) -> torch.Tensor:
+def stored(x: torch.Tensor, block: int | None, centre: torch.Tensor | None = None,
+           exact: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`x` as the cache would read it back: less `centre`, rotated (`block`), per-token-head e4m3 codes under a
-    bf16 scale, rotated back, plus `centre`."""
-    x = x.float() if centre is None else x.float() - centre
+    bf16 scale, rotated back, plus `centre`; the channels `exact` marks (bool `[heads, channels]`) left out of the
+    codes and their scale, read as they came."""
+    original = x.float()
+    x = original if centre is None else original - centre
+    if exact is not None:
+        x = x.masked_fill(exact[:, None, :], 0.0)
     x = rotate(x, block) if block else x
     scale = reference.dynamic_scale(x, FORMAT, torch.bfloat16)[..., None]
     x = reference.dequantize(reference.quantize(x, scale, FORMAT)[0], scale, FORMAT)
     x = rotate(x, block) if block else x
-    return x if centre is None else x + centre
+    x = x if centre is None else x + centre
+    return x if exact is None else torch.where(exact[:, None, :], original, x)
+
+
+def largest_channels(energy: torch.Tensor, count: int) -> torch.Tensor:
+    """Bool `[kv_heads, channels]`: each KV head's `count` channels of the largest `energy`."""
+    top = energy.topk(count, dim=-1).indices
+    return torch.zeros_like(energy, dtype=torch.bool).scatter_(-1, top, True)
+
+
+def channel_energy(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Per KV head and channel, the mean square query (over the head's query heads and positions) times the mean
+    square key: the weight of a channel's relative rounding error in q.k's error variance (`[kv_heads, channels]`)."""
+    kv_heads = key.shape[1]
+    queries = query.float()[0].square().mean(1).unflatten(0, (kv_heads, -1)).mean(1)
+    return queries * key.float()[0].square().mean(1)
 
 
 def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -85,6 +110,7 @@ class Probe:
         self.setting: dict | None = None
         self.proxies: dict[int, float] = {}
         self.mean_keys: dict[int, torch.Tensor] = {}
+        self.energy: dict[int, torch.Tensor] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                  **kwargs):  # fmt: skip
@@ -92,12 +118,15 @@ class Probe:
         self.proxies[layer] = proxy(query, key)
         if self.setting is None:
             self.mean_keys[layer] = key.float().mean(2, keepdim=True)
+            self.energy[layer] = channel_energy(query, key)
         else:
             chosen = self.setting["layers"] is None or layer in self.setting["layers"]
             exact = self.setting.get("exact", "")  # "keys" / "values": left out of the codes
             centred = self.setting.get("centred")  # None, {layer: mean key} or a block of positions
             centre = block_means(key, centred) if isinstance(centred, int) else (centred[layer] if centred else None)
-            key = key if exact == "keys" else stored(key, self.setting["key_block"] if chosen else None, centre)
+            channels = self.setting.get("exact_channels")  # None or {layer: bool [kv_heads, head_dim]}
+            key = key if exact == "keys" else stored(key, self.setting["key_block"] if chosen else None, centre,
+                                                     channels[layer] if channels else None)  # fmt: skip
             value = value if exact == "values" else stored(value, self.setting["value_block"] if chosen else None)
         mask = reference.causal_mask(length, length, sliding_window, query.device)
         out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
@@ -118,6 +147,7 @@ def main() -> None:
     parser.add_argument("--text", default="code", help=f"one of {sorted(TEXTS)}")
     parser.add_argument("--choose-on", default="sample", help="the text the proxy chooses the rotated layers on")
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--only", nargs="*", default=None, help="only the rows whose name contains one of these")
     args = parser.parse_args()
     label, load = MODELS[args.model]
     model, tokenizer = load()
@@ -131,7 +161,7 @@ def main() -> None:
 
     logits(args.choose_on, None)
     chosen = sorted(layer for layer, ratio in probe.proxies.items() if ratio < 1)
-    mean_keys = dict(probe.mean_keys)
+    mean_keys, energy = dict(probe.mean_keys), dict(probe.energy)
     reference_logits, targets = logits(args.text, None)
     proxies = dict(probe.proxies)
     head_dim = model.config.get_text_config(decoder=True).head_dim
@@ -153,8 +183,16 @@ def main() -> None:
         f"keys centred per {CENTRE_BLOCK} positions on their mean": dict(key_block=None, value_block=None, layers=None,
                                                                        centred=CENTRE_BLOCK),
     }
+    settings |= {
+        f"keys' {n} channels of most query x key energy on '{args.choose_on}' exact": dict(
+            key_block=None, value_block=None, layers=None,
+            exact_channels={layer: largest_channels(e, n) for layer, e in energy.items()})
+        for n in EXACT_CHANNELS
+    }  # fmt: skip
     rows = []
     for name, setting in settings.items():
+        if args.only is not None and not any(part in name for part in args.only):
+            continue
         q = quality(reference_logits, logits(args.text, setting)[0], targets)
         rows.append({"stored as e4m3": name} | quality_columns(q))
     print(f"{label}, {len(targets) + 1} tokens of '{args.text}', one prefill; every layer's K/V per-token-head e4m3 "

@@ -1,0 +1,104 @@
+"""Key channels kept exact, in decode mode: issue 35's probe of what the keys' few large channels cost an FP8
+cache, in torch, against DynamicCache.
+
+FP8 rounds each element relative to its size, so a key channel's share of q.k's rounding error goes with
+`E[q_c^2] E[k_c^2]`; in the bundled models a few channels per KV head hold most of it (Gemma 3: the largest 4 of
+256 hold 55-88% in most layers). Per layer and KV head, the `N` channels of largest `E[q_c^2] E[k_c^2]` over a
+prefill of another text (`--choose-on`) are left out of the key codes and their scale and read as they came (a
+cache would hold them in the model's dtype: `2 N` bytes per token and KV head). Everything else is simulated as
+the cache stores it (`block_centring_probe.SimulatedCodes`: per-token-head e4m3 under a bf16 scale, the window
+rows' recent and sink tokens exact); the library's own rows check the simulation.
+
+    python benchmarks/exact_channels_probe.py --model gemma3 --tokens 640
+    python benchmarks/exact_channels_probe.py --model smollm2 --text sample --choose-on code
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.evaluate import decode_mode_logits, quality
+from hf_fp8kv.kernels import reference
+from hf_fp8kv.table import format_table
+from block_centring_probe import SimulatedCodes
+from recent_quality import MODELS, TEXTS, decode_probe_parser
+from rotation_probe import channel_energy, largest_channels, quality_columns
+
+CHOOSE_TOKENS = 1024  # tokens of the other text whose prefill chooses the channels
+
+
+def chosen_energy(load, text: str) -> dict[int, torch.Tensor]:
+    """Each layer's `channel_energy` over one prefill of `CHOOSE_TOKENS` tokens of TEXTS[`text`], by a model of its
+    own (`load()`: the measured one keeps its attention implementation untouched)."""
+    model, tokenizer = load(dtype=torch.float32)
+    energy = {}
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  **kwargs):  # fmt: skip
+        energy[module.layer_idx] = channel_energy(query, key)
+        mask = reference.causal_mask(query.shape[2], query.shape[2], sliding_window, query.device)
+        out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("fp8kv_exact_channels_probe", attention)
+    model.set_attn_implementation("fp8kv_exact_channels_probe")
+    model(input_ids=tokenizer(TEXTS[text](), return_tensors="pt").input_ids[:, :CHOOSE_TOKENS])
+    return energy
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = decode_probe_parser(__doc__)
+    parser.add_argument("--choose-on", default="sample", help="the text whose prefill chooses the channels")
+    parser.add_argument("--recent", type=int, default=128, help="the window rows' recent tokens (sinks: 4)")
+    parser.add_argument("--channels", type=int, nargs="*", default=[2, 4, 8], help="exact key channels per KV head")
+    parser.add_argument("--rows", type=int, nargs="*", help="the rows to run, by index (default: all)")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    label, load = MODELS[args.model]
+    energy = chosen_energy(load, args.choose_on)
+    model, tokenizer = load(dtype=torch.float32)
+    ids = tokenizer(TEXTS[args.text](), return_tensors="pt").input_ids[:, : args.tokens]
+    reference_logits = decode_mode_logits(model, ids, args.prefix, DynamicCache(config=model.config))
+    window = f"recent {args.recent} + sinks 4"
+
+    def simulated(recent: int, sinks: int, channels: int = 0) -> SimulatedCodes:
+        exact = {layer: largest_channels(e, channels) for layer, e in energy.items()} if channels else None
+        return SimulatedCodes(model, recent, sinks, 64, exact_channels=exact)
+
+    caches = {
+        "pure FP8 (the library)": lambda: QuantizedFP8Cache(model, scales="dynamic", recent_tokens=0, sink_tokens=0),
+        "pure FP8": lambda: simulated(0, 0),
+        **{f"pure FP8, {n} key channels exact": (lambda n=n: simulated(0, 0, n)) for n in args.channels},
+        f"{window} (the library)": lambda: QuantizedFP8Cache(model, scales="dynamic", recent_tokens=args.recent,
+                                                             sink_tokens=4),
+        window: lambda: simulated(args.recent, 4),
+        **{f"{window}, {n} key channels exact": (lambda n=n: simulated(args.recent, 4, n)) for n in args.channels},
+    }  # fmt: skip
+    rows = []
+    for index, (name, cache) in enumerate(caches.items()):
+        if args.rows and index not in args.rows:
+            continue
+        q = quality(reference_logits, decode_mode_logits(model, ids, args.prefix, cache()), ids[0, args.prefix :])
+        rows.append({"K/V": name} | quality_columns(q) | {"ppl delta": f"{q.ppl_delta_pct:+.2f}%"})
+        print(index, rows[-1], flush=True)
+    own = chosen_energy(load, args.text)  # what the measured text itself would choose
+    for n in args.channels:  # how much of each layer's and KV head's E[q^2] E[k^2] its chosen channels hold
+        shares = torch.cat([(e.topk(n, dim=-1).values.sum(-1) / e.sum(-1)) for e in energy.values()])
+        same = sum((largest_channels(e, n) & largest_channels(own[layer], n)).sum().item()
+                   for layer, e in energy.items())  # fmt: skip
+        print(f"the {n} chosen channels hold {shares.min():.0%}-{shares.max():.0%} of a KV head's E[q^2] E[k^2] on "
+              f"'{args.choose_on}' (median {shares.median():.0%}); {same} of {n * shares.numel()} are the ones "
+              f"'{args.text}' would choose")  # fmt: skip
+    print(f"{label}, '{args.text}' ({ids.shape[1]} tokens, {args.prefix} prefilled), decode mode against "
+          f"DynamicCache; per-token-head e4m3 (bf16 scales); channels chosen on {CHOOSE_TOKENS} tokens of "
+          f"'{args.choose_on}'")  # fmt: skip
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
