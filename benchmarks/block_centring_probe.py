@@ -122,6 +122,19 @@ class SimulatedCodes(DynamicCache):
         return x * cos + rotate_half(x) * sin
 
 
+def quality_rows(model, ids: torch.Tensor, prefix: int, reference: torch.Tensor, caches: dict, indices) -> list[dict]:
+    """Each cache factory's decode-mode quality against the `reference` logits (the rows `indices` name; every row
+    when empty), each printed as it comes."""
+    rows = []
+    for index, (name, cache) in enumerate(caches.items()):
+        if indices and index not in indices:
+            continue
+        q = quality(reference, decode_mode_logits(model, ids, prefix, cache()), ids[0, prefix:])
+        rows.append({"K/V": name} | quality_columns(q) | {"ppl delta": f"{q.ppl_delta_pct:+.2f}%"})
+        print(index, rows[-1], flush=True)
+    return rows
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = decode_probe_parser(__doc__)
@@ -172,13 +185,7 @@ def main() -> None:
         "pure FP8, rotated, keys less the previous block's mean turned by RoPE, where it lowers their scale":
             lambda: simulated(0, 0, centre="previous turned", choose="amax", rotate=True),
     }  # fmt: skip
-    rows = []
-    for index, (name, cache) in enumerate(caches.items()):
-        if args.rows and index not in args.rows:
-            continue
-        q = quality(reference, decode_mode_logits(model, ids, args.prefix, cache()), ids[0, args.prefix :])
-        rows.append({"K/V": name} | quality_columns(q) | {"ppl delta": f"{q.ppl_delta_pct:+.2f}%"})
-        print(index, rows[-1], flush=True)
+    rows = quality_rows(model, ids, args.prefix, reference, caches, args.rows)
     print(f"{label}, '{args.text}' ({ids.shape[1]} tokens, {args.prefix} prefilled), decode mode against "
           f"DynamicCache; per-token-head e4m3 (bf16 scales), blocks of {args.block} positions")  # fmt: skip
     print(format_table(rows))

@@ -21,12 +21,12 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
-from hf_fp8kv.evaluate import decode_mode_logits, quality
+from hf_fp8kv.evaluate import decode_mode_logits
 from hf_fp8kv.kernels import reference
 from hf_fp8kv.table import format_table
-from block_centring_probe import SimulatedCodes
+from block_centring_probe import SimulatedCodes, quality_rows
 from recent_quality import MODELS, TEXTS, decode_probe_parser
-from rotation_probe import channel_energy, largest_channels, quality_columns
+from rotation_probe import channel_energy, largest_channels
 
 CHOOSE_TOKENS = 1024  # tokens of the other text whose prefill chooses the channels
 
@@ -79,13 +79,7 @@ def main() -> None:
         window: lambda: simulated(args.recent, 4),
         **{f"{window}, {n} key channels exact": (lambda n=n: simulated(args.recent, 4, n)) for n in args.channels},
     }  # fmt: skip
-    rows = []
-    for index, (name, cache) in enumerate(caches.items()):
-        if args.rows and index not in args.rows:
-            continue
-        q = quality(reference_logits, decode_mode_logits(model, ids, args.prefix, cache()), ids[0, args.prefix :])
-        rows.append({"K/V": name} | quality_columns(q) | {"ppl delta": f"{q.ppl_delta_pct:+.2f}%"})
-        print(index, rows[-1], flush=True)
+    rows = quality_rows(model, ids, args.prefix, reference_logits, caches, args.rows)
     own = chosen_energy(load, args.text)  # what the measured text itself would choose
     for n in args.channels:  # how much of each layer's and KV head's E[q^2] E[k^2] its chosen channels hold
         shares = torch.cat([(e.topk(n, dim=-1).values.sum(-1) / e.sum(-1)) for e in energy.values()])
