@@ -22,32 +22,24 @@ from transformers import AttentionInterface, DynamicCache
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.evaluate import decode_mode_logits
-from hf_fp8kv.kernels import reference
 from hf_fp8kv.table import format_table
 from block_centring_probe import SimulatedCodes, quality_rows
 from recent_quality import MODELS, TEXTS, decode_probe_parser
-from rotation_probe import channel_energy, largest_channels
+from rotation_probe import Probe, largest_channels, prefill
 
 CHOOSE_TOKENS = 1024  # tokens of the other text whose prefill chooses the channels
 
 
 def chosen_energy(load, text: str) -> dict[int, torch.Tensor]:
-    """Each layer's `channel_energy` over one prefill of `CHOOSE_TOKENS` tokens of TEXTS[`text`], by a model of its
-    own (`load()`: the measured one keeps its attention implementation untouched)."""
+    """Each layer's `channel_energy` over one exact prefill of `CHOOSE_TOKENS` tokens of TEXTS[`text`]
+    (`rotation_probe.Probe` records it), by a model of its own (`load()`: the measured one keeps its attention
+    implementation untouched)."""
     model, tokenizer = load(dtype=torch.float32)
-    energy = {}
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  **kwargs):  # fmt: skip
-        energy[module.layer_idx] = channel_energy(query, key)
-        mask = reference.causal_mask(query.shape[2], query.shape[2], sliding_window, query.device)
-        out = reference.attention(query, key, value, scaling=scaling, mask=mask, softcap=kwargs.get("softcap"))
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("fp8kv_exact_channels_probe", attention)
+    probe = Probe()
+    AttentionInterface.register("fp8kv_exact_channels_probe", probe)
     model.set_attn_implementation("fp8kv_exact_channels_probe")
-    model(input_ids=tokenizer(TEXTS[text](), return_tensors="pt").input_ids[:, :CHOOSE_TOKENS])
-    return energy
+    prefill(model, tokenizer, text, CHOOSE_TOKENS)
+    return probe.energy
 
 
 @torch.inference_mode()
