@@ -250,24 +250,29 @@ def test_left_padded_half_precision_batch_reads_each_prompt_alone(dtype, window,
 
 
 WINDOW = dict(recent_tokens=8, sink_tokens=2)
-GRAD_CASES = {
-    "window, torch": dict(scales="dynamic", backend="torch", **WINDOW),
-    "pure, searched, torch": dict(scales="dynamic", scale_search=16, backend="torch", **PURE_FP8),
-    "static cache, torch": dict(scales="dynamic", max_cache_len=64, backend="torch", **WINDOW),
-    "window, searched, triton": dict(scales="dynamic", scale_search=16, backend="triton", **WINDOW),
+SLIDING = dict(model_type="gemma3_text", sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+GRAD_CASES = {  # (tiny model, its dtype, cache settings)
+    "window, torch": ({}, torch.float32, dict(scales="dynamic", backend="torch", **WINDOW)),
+    "pure, searched, torch": ({}, torch.float32, dict(scales="dynamic", scale_search=16, backend="torch", **PURE_FP8)),
+    "static cache, torch": ({}, torch.float32, dict(scales="dynamic", max_cache_len=64, backend="torch", **WINDOW)),
+    "window, searched, triton": ({}, torch.float32, dict(scales="dynamic", scale_search=16, backend="triton", **WINDOW)),
+    "sliding model, bf16, torch": (SLIDING, torch.bfloat16, dict(scales="dynamic", backend="torch", **WINDOW)),
 }
 
 
-@pytest.mark.parametrize("settings", GRAD_CASES.values(), ids=GRAD_CASES)
-def test_a_forward_pass_with_gradients_on_gives_no_grads_outputs_and_keeps_no_graph(settings):
-    """`model(...)` outside no_grad (a notebook's perplexity loop): the prompt and a decode step give the logits
-    they give under no_grad, bit for bit, and no buffer of the cache holds an autograd graph."""
-    model = tiny_model()
-    ids = torch.randint(3, model.config.vocab_size, (1, 41), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("model_args,dtype,settings", GRAD_CASES.values(), ids=GRAD_CASES)
+def test_a_forward_pass_with_gradients_on_gives_no_grads_outputs_and_keeps_no_graph(model_args, dtype, settings):
+    """`model(...)` outside no_grad (a notebook's perplexity loop) on a left-padded batch: the prompt and a decode
+    step give the logits they give under no_grad, bit for bit, and no buffer of the cache holds an autograd graph."""
+    model = tiny_model(**model_args).to(dtype)
+    ids = torch.randint(3, model.config.vocab_size, (2, 41), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second row left-padded
 
     def run(cache):
-        parts = (ids[:, :40], ids[:, 40:])  # a prompt past the recent tokens, then a decode step
-        return [model(input_ids=part, **cache_kwargs(cache), use_cache=True).logits for part in parts]
+        ends = (40, 41)  # a prompt past the recent tokens, then a decode step
+        return [model(input_ids=ids[:, end - n : end], attention_mask=mask[:, :end], **cache_kwargs(cache),
+                      use_cache=True).logits for end, n in zip(ends, (40, 1))]  # fmt: skip
 
     with torch.no_grad():
         expected = run(QuantizedFP8Cache(model, **settings))
