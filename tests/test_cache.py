@@ -255,7 +255,9 @@ GRAD_CASES = {  # (tiny model, its dtype, cache settings)
     "window, torch": ({}, torch.float32, dict(scales="dynamic", backend="torch", **WINDOW)),
     "pure, searched, torch": ({}, torch.float32, dict(scales="dynamic", scale_search=16, backend="torch", **PURE_FP8)),
     "static cache, torch": ({}, torch.float32, dict(scales="dynamic", max_cache_len=64, backend="torch", **WINDOW)),
-    "window, searched, triton": ({}, torch.float32, dict(scales="dynamic", scale_search=16, backend="triton", **WINDOW)),
+    "window, searched, triton": (
+        {}, torch.float32, dict(scales="dynamic", scale_search=16, backend="triton", **WINDOW)
+    ),
     "sliding model, bf16, torch": (SLIDING, torch.bfloat16, dict(scales="dynamic", backend="torch", **WINDOW)),
 }
 
