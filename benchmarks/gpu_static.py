@@ -257,7 +257,9 @@ def every_case(quick: bool = False) -> list[Case]:
         *window[:4], window[8], *(Case("decode", head_dim=d, per_token=True) for d in (64, 128, 256)),
         default_paged[0],
     )]  # fmt: skip
-    return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers + searched
+    # a left-padded batch at the bundled models' head dims (SmolLM2: 64, Gemma 3: 256), merged in one group
+    masked = [Case("decode", batch=16, mask=True, head_dim=d, **default) for d in (64, 256)]
+    return decode + no_split + few_heads + prefill + window + write + paged + rotated + outliers + searched + masked
 
 
 def plan(
@@ -835,7 +837,7 @@ def step_time(case: Case, gpu: GpuTarget, row: dict, model: StepModel) -> tuple[
     ideal = programs * (tiles + held) / min(slots, programs * splits)  # tile-times if every used slot were even
     waves = -(-programs * splits // slots)
     loss = waves * triton_attention.longest_split(tiles, held, splits) / ideal
-    reads = triton_attention.merge_reads(splits)
+    reads = triton_attention.merge_reads(splits, launch.kwargs["GROUPED_MERGE"])
     merge_us = triton_attention.merge_seconds(merge_rows(launch), case.head_dim) * reads * 1e6
     fixed_us = model.attention_launch_us + (launches - 1) * (model.other_launch_us + model.gap_us)
     return fixed_us + max(copy_us, issue_us) * max(loss, 1.0) + merge_us, copy_us, launches

@@ -81,6 +81,10 @@ MERGING_TARGETS = {
     "sm_75": {}, "sm_80": {2: 168, 4: 168, 8: 128}, "sm_86": {}, "sm_89": {}, "sm_90": {4: 128}, "sm_100": FUSED_CAPS,
     "sm_120": {}, "gfx942": {},
 }  # fmt: skip
+# where a split decode under a mask (left padding) merges its splits in its launch too (in one group): not sm_100,
+# whose left-padded default-window decode loop took 495 -> 529 SASS instructions merged (134 registers under its
+# cap; 501 at 218, 2 blocks per SM), its step model 60% -> 57% of copy bandwidth at batch 16 and 32k tokens (gpu_static)
+MASKED_MERGE_SKIPPED = frozenset({"sm_100"})
 # where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`), with
 # the caps a kernel that writes needs there: the targets whose decode kernels did not spill with it (sm_90 loses a
 # block per SM at head_dim 128 with per-token scales, 4 -> 3; on sm_86 the caps spilled 16-48 B); sm_80 spilled 4-8 B
@@ -171,6 +175,11 @@ class GpuTarget:
         """Whether the split decode kernel can merge its splits itself (`MERGING_TARGETS`; each call chooses), else a
         reduce launch does."""
         return self.arch in MERGING_TARGETS
+
+    @property
+    def merges_masked_splits(self) -> bool:
+        """Whether the split decode kernel merges its splits itself under a mask too (`MASKED_MERGE_SKIPPED`)."""
+        return self.merges_splits and self.arch not in MASKED_MERGE_SKIPPED
 
     @property
     def writes_in_attention(self) -> bool:

@@ -7,9 +7,9 @@ codes' part of the timeline is split across programs (flash-decoding) when the r
 GPU idle; the full-precision recent and sink tokens are then read by a split of their own (else after the codes),
 and the splits' partial results are merged by the last split of each row block to finish, found with an atomic
 ticket, in the same launch (past 7 splits in two levels: groups of about the square root of the split count, then
-the groups, `merge_group`; with a mask or rotated codes, and where the call finds the merge dearer than a launch,
-`split_plan`: by `_reduce_kernel`, a launch of its own); both in a loop over splits (`merge_splits`: no spill
-however many there are).
+the groups, `merge_group`; under a mask in one; with rotated codes, a mask over outlier tokens, and where the call
+finds the merge dearer than a launch, `split_plan`: by `_reduce_kernel`, a launch of its own); both in a loop over
+splits (`merge_splits`: no spill however many there are).
 
 Both dots run in fp16 (fp32 `ieee` for fp32 queries): the query is scaled once (softmax scale, log2(e), per-head
 K scale, per-channel K scale) and cast, the codes are converted to fp16 by the hardware on CUDA (e4m3fn, e5m2:
@@ -105,21 +105,21 @@ def _attention_kernel(
     STAGES: tl.constexpr, DROP_UNSEEN: tl.constexpr, SCALE_WORDS: tl.constexpr, MASK_ROW: tl.constexpr,
     ONE_POSITION: tl.constexpr, VALUE_TILED: tl.constexpr, WHOLE_TILES: tl.constexpr, FP8_QK: tl.constexpr,
     FP8_PV: tl.constexpr, FP_PROGRAM: tl.constexpr, ROTATE_STAGES: tl.constexpr, ROTATE_NORM: tl.constexpr,
-    HAS_OUTLIERS: tl.constexpr, MERGE: tl.constexpr, WRITE: tl.constexpr, CLIP: tl.constexpr,
-    ENC_IS_FLOAT: tl.constexpr, ENC_MAX: tl.constexpr, ENC_ROW_MAX: tl.constexpr, ENC_ROUND_SHIFT: tl.constexpr,
-    ENC_NORMAL_OFFSET: tl.constexpr, ENC_MIN_NORMAL: tl.constexpr, ENC_SUB_MAGIC: tl.constexpr,
-    ENC_SUB_MAGIC_BITS: tl.constexpr, ENC_NAN_CODE: tl.constexpr, ENC_SIGNED_ZERO: tl.constexpr,
-    SEARCH: tl.constexpr, SUMS: tl.constexpr, SUM_ROWS: tl.constexpr,
+    HAS_OUTLIERS: tl.constexpr, MERGE: tl.constexpr, GROUPED_MERGE: tl.constexpr, WRITE: tl.constexpr,
+    CLIP: tl.constexpr, ENC_IS_FLOAT: tl.constexpr, ENC_MAX: tl.constexpr, ENC_ROW_MAX: tl.constexpr,
+    ENC_ROUND_SHIFT: tl.constexpr, ENC_NORMAL_OFFSET: tl.constexpr, ENC_MIN_NORMAL: tl.constexpr,
+    ENC_SUB_MAGIC: tl.constexpr, ENC_SUB_MAGIC_BITS: tl.constexpr, ENC_NAN_CODE: tl.constexpr,
+    ENC_SIGNED_ZERO: tl.constexpr, SEARCH: tl.constexpr, SUMS: tl.constexpr, SUM_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the
-    last split of the row block merges them, in groups of `merge_group` splits and then the groups where there are
-    several (else `_reduce_kernel` does, in a launch of its own). WRITE: a decode step's new token (`new_k_ptr`,
-    `new_v_ptr`) is written by this launch (`write_decode_token`, the ENC_ constexprs `encoding`'s): `end` and
-    `recent_start` are the positions after it, `prior_recent_start` before it (static: the device positions are
-    the ones before it, moved here and stored by the last program); one program per row writes it and attends the
-    token entering the codes itself; SEARCH: its per-token scales searched, the keys' weighted by the queries'
-    sums at `energy_ptr` (fp32 `[kv_heads, head_dim]`). SUMS: a decode step's queries added to those sums by this
-    launch, once every program that reads them has (`sums_in_launch`), SUM_ROWS rows at a time."""
+    """Program (row block, batch * kv_head, split). SPLIT: the program's partial results are stored; MERGE: the last
+    split of the row block merges them, with GROUPED_MERGE in groups of `merge_group` splits and then the groups
+    where there are several (else `_reduce_kernel` does, in a launch of its own). WRITE: a decode step's new token
+    (`new_k_ptr`, `new_v_ptr`) is written by this launch (`write_decode_token`, the ENC_ constexprs `encoding`'s):
+    `end` and `recent_start` are the positions after it, `prior_recent_start` before it (static: the device
+    positions are the ones before it, moved here and stored by the last program); one program per row writes it and
+    attends the token entering the codes itself; SEARCH: its per-token scales searched, the keys' weighted by the
+    queries' sums at `energy_ptr` (fp32 `[kv_heads, head_dim]`). SUMS: a decode step's queries added to those sums
+    by this launch, once every program that reads them has (`sums_in_launch`), SUM_ROWS rows at a time."""
     pid_m = tl.program_id(0)
     b = (tl.program_id(1) // kv_heads).to(tl.int64)  # int64 bases: a cache can exceed 2^31 elements
     kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
@@ -385,7 +385,7 @@ def _attention_kernel(
             last = groups == 1
             # (the two levels in one loop, `merge_splits` inlined once, spilled 4-44 B in seven of sm_90's decode
             # rows; gpu_static)
-            if groups > 1:  # the group's merged partial result, in the row's slot after its splits
+            if GROUPED_MERGE and groups > 1:  # the group's merged partial result, in the row's slot after its splits
                 merged_part = first_part + num_splits + group
                 group_part = first_part + group * merge_group
                 for first in range(0, BLOCK_D, MERGE_CHUNK):
@@ -723,68 +723,73 @@ def attention(
 
 @functools.lru_cache(maxsize=4096)
 def split_plan(
-    programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_per_split: float | None, launch_tiles: float
+    programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_per_split: float | None, launch_tiles: float,
+    grouped: bool = True,
 ) -> tuple[int, bool]:
     """The split count, and whether the attention launch merges the splits (else a reduce launch does): the cheaper
     by `split_cost`, the merge's `merge_per_split` tile-times per split (`TileTime.merge`) against the reduce launch's
     fixed cost of `launch_tiles` (`TileTime.reduce_launch`); ties to the merge (one launch less). `merge_per_split`
-    None: the kernel does not merge."""
+    None: the kernel does not merge; `grouped`: it merges in groups (`merge_group`), else in one."""
     splits = split_count(programs, tiles, resident_slots, held_tiles)
     if merge_per_split is None:
         return splits, False
-    merged = split_count(programs, tiles, resident_slots, held_tiles, merge_per_split)
+    merged = split_count(programs, tiles, resident_slots, held_tiles, merge_per_split, grouped)
     reduced = split_cost(programs, tiles, resident_slots, held_tiles, splits) + (launch_tiles if splits > 1 else 0)
-    if split_cost(programs, tiles, resident_slots, held_tiles, merged, merge_per_split) <= reduced:
+    if split_cost(programs, tiles, resident_slots, held_tiles, merged, merge_per_split, grouped) <= reduced:
         return merged, True
     return splits, False
 
 
 @functools.lru_cache(maxsize=4096)
 def split_count(
-    programs: int, tiles: int, resident_slots: int, held_tiles: int = 0, merge_per_split: float = 0.0
+    programs: int, tiles: int, resident_slots: int, held_tiles: int = 0, merge_per_split: float = 0.0,
+    grouped: bool = True,
 ) -> int:
     """KV splits for `programs` row-block programs over `tiles` tiles of codes on a GPU holding
     `resident_slots` blocks at once: the count that minimizes waves x the longest split's tiles, plus
     `PROGRAM_TILES` for its query and results (so the last wave is nearly full, and no split reads a tile or two
     for as much again of its own), plus the merge's `merge_per_split` tiles per partial result on its serial path
-    (`TileTime.merge`, `merge_reads`); the smallest on ties. `held_tiles`: the full-precision tokens' work, in
-    tiles of codes' bytes, shared as `held_splits` says."""
+    (`TileTime.merge`, `merge_reads`: `grouped` or not); the smallest on ties. `held_tiles`: the full-precision
+    tokens' work, in tiles of codes' bytes, shared as `held_splits` says."""
     # up to 8 splits even where the programs fill the GPU: 512 programs on an A100's 324 slots took 2 waves of 65
     # tile-times at 1 or 2 splits (the former cap), 8 of 14 at 5 (gpu_static)
     most = max(1, min(tiles + held_tiles, max(4 * resident_slots // max(programs, 1), 8)))
-    costs = [split_cost(programs, tiles, resident_slots, held_tiles, n, merge_per_split) for n in range(1, most + 1)]
+    costs = [split_cost(programs, tiles, resident_slots, held_tiles, n, merge_per_split, grouped)
+             for n in range(1, most + 1)]  # fmt: skip
     return costs.index(min(costs)) + 1
 
 
 def split_cost(
-    programs: int, tiles: int, resident_slots: int, held_tiles: int, splits: int, merge_per_split: float = 0.0
+    programs: int, tiles: int, resident_slots: int, held_tiles: int, splits: int, merge_per_split: float = 0.0,
+    grouped: bool = True,
 ) -> float:
     """`split_count`'s cost of `splits` splits, in tile-times: waves x (the longest split + PROGRAM_TILES), then
     the merge's serial reads (`merge_reads`)."""
     waves = cdiv(programs * splits, resident_slots)
-    merge = merge_per_split * merge_reads(splits) if splits > 1 else 0
+    merge = merge_per_split * merge_reads(splits, grouped) if splits > 1 else 0
     return waves * (longest_split(tiles, held_tiles, splits) + PROGRAM_TILES) + merge
 
 
-def merge_group(splits: int) -> int:
+def merge_group(splits: int, grouped: bool = True) -> int:
     """Splits per group of the attention launch's merge (`_attention_kernel`'s MERGE): all of them (the last split
-    merges them) where groups would save no read, else about their square root, the fewest serial reads."""
+    merges them) where groups would save no read or the kernel merges in one group (not `grouped`), else about
+    their square root, the fewest serial reads."""
     size = math.isqrt(splits - 1) + 1 if splits > 1 else 1  # ceil(sqrt(splits))
-    return size if size + cdiv(splits, size) + 1 < splits else splits
+    return size if grouped and size + cdiv(splits, size) + 1 < splits else splits
 
 
-def merge_reads(splits: int) -> int:
+def merge_reads(splits: int, grouped: bool = True) -> int:
     """Partial results read (or written) one after another on the merge's path in the attention launch: the last
     group's, its merged result stored, and the groups'; or every split's."""
-    size = merge_group(splits)
+    size = merge_group(splits, grouped)
     return splits if size == splits else size + 1 + cdiv(splits, size)
 
 
-def merge_counters(splits: int) -> int:
+def merge_counters(splits: int, grouped: bool = True) -> int:
     """The merge's counters per row block and batch x KV head: one per group and one for the groups (a single
     group: one). Its groups' merged partial results take as many slots per output row as there are counters but
     one."""
-    groups = cdiv(splits, merge_group(splits))
+    groups = cdiv(splits, merge_group(splits, grouped))
     return groups + 1 if groups > 1 else 1
 
 
@@ -911,12 +916,16 @@ class AttentionPlan:
         )
         if stages is not None:
             options["STAGES"] = stages
-        # the splits merged in the attention launch, but with a mask or rotated codes (there the merge took sm_90's
-        # default-window decode kernel from 143 to 168 registers and a 16 B spill at batch 16, left padding, and the
-        # rotated ones from 146-148 to 168 and 12-16 B; elsewhere their registers stay or fall, gpu_static) and on
-        # targets where it costs registers (`GpuTarget.merges_splits`; the interpreter merges: the tests' path);
-        # `merge` False: never (a compiled graph given no counters). Each call then chooses (`split_plan`)
-        self.merge = merge and mask is None and not view.rotate and (target is None or target.merges_splits)
+        # the splits merged in the attention launch, but with rotated codes (there the merge took sm_90's decode
+        # kernels from 146-148 registers to 168 and 12-16 B spilled; elsewhere their registers stay or fall), under
+        # a mask over outlier tokens (40 B at sm_90's merge cap of 128) and on targets where it costs registers
+        # (`GpuTarget.merges_splits`, `merges_masked_splits`; the interpreter merges: the tests' path); `merge`
+        # False: never (a compiled graph given no counters). Each call then chooses (`split_plan`). Under a mask in
+        # one group: in two levels sm_90's left-padded default-window decode loop took 550 SASS instructions (0.132
+        # per KV byte; 537 with a reduce launch), in one 540 (gpu_static)
+        merges = target is None or (target.merges_splits if mask is None else target.merges_masked_splits)
+        self.merge = merge and merges and not view.rotate and (mask is None or view.outliers is None)
+        self.grouped_merge = mask is None
         self.row_blocks = cdiv(group * q_len, self.block_m)
         check_grid((self.row_blocks, batch * self.kv_heads), "attention (row blocks, batch x KV heads)")
         decode = decode_settings(fmt, query, view.per_token, target)
@@ -968,7 +977,8 @@ class AttentionPlan:
         self.launch_options = {
             (split, merged, words): {
                 **constexprs, "SPLIT": split, "SCALE_WORDS": words and self.block_d <= 128,
-                "FP_PROGRAM": split and held, "MERGE": merged, **caps.get(merged, {}),
+                "FP_PROGRAM": split and held, "MERGE": merged, "GROUPED_MERGE": self.grouped_merge,
+                **caps.get(merged, {}),
             }
             for split in (False, True) for merged in {False, split and self.merge} for words in (False, True)
         }  # fmt: skip
@@ -990,12 +1000,12 @@ class AttentionPlan:
             attention = self._attention(query, view, mask, sink_logits, 2, held, self.merge, stored, *buffers,
                                         new_token)[0]  # fmt: skip
             self.resident_slots = target.sms * compiled_occupancy(attention, target, query.device)
-        self.split_costs: tuple[float | None, float] | None = None  # `split_plan`'s merge and reduce launch costs
+        self.split_costs: tuple[float | None, float, bool] | None = None  # `split_plan`'s merge, reduce launch costs
         if self.resident_slots:
             bandwidth = (target or EXAMPLE_GPUS["sm_90"]).memory_bandwidth  # (the interpreter: an H200's)
             tile = TileTime(self.block_n, head_dim, self.resident_slots, bandwidth)
             rows = min(group * q_len, self.block_m)  # a program's rows (the merge reads only those)
-            self.split_costs = (tile.merge(rows) if self.merge else None, tile.reduce_launch)
+            self.split_costs = (tile.merge(rows) if self.merge else None, tile.reduce_launch, self.grouped_merge)
 
     def _buffers(
         self, query: torch.Tensor, splits: int, merged: bool, tickets: torch.Tensor | None = None
@@ -1006,7 +1016,7 @@ class AttentionPlan:
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=query.device)
         if splits == 1:
             return out, out, out, out  # placeholders: a single split writes the output directly
-        slots = splits + (merge_counters(splits) - 1 if merged else 0)  # the splits', then the groups'
+        slots = splits + (merge_counters(splits, self.grouped_merge) - 1 if merged else 0)  # splits', then groups'
         rows = self.out_shape[0] * self.out_shape[1] * self.out_shape[2] * slots
         if self.parts is None or self.parts[1].numel() < rows * 2:
             device = query.device
@@ -1028,7 +1038,7 @@ class AttentionPlan:
         return torch.zeros(self._counters(splits), dtype=torch.int32, device=device)
 
     def _counters(self, splits: int) -> int:
-        return self.row_blocks * self.out_shape[0] * self.kv_heads * merge_counters(splits)
+        return self.row_blocks * self.out_shape[0] * self.kv_heads * merge_counters(splits, self.grouped_merge)
 
     def _query_scratch(self, query: torch.Tensor, splits: int) -> torch.Tensor:
         """fp32 rows for each program's rotated query (`rotated_query`): kept from call to call for decode steps
@@ -1112,9 +1122,9 @@ class AttentionPlan:
             self._query_scratch(query, splits) if view.rotate else query, new_k, new_v, stats,
             _or(view.search_energy, query), _or(view.search_tickets, query), *query.stride(),
             *strides, *(mask.stride() if mask is not None else (0, 0, 0, 0)), *out.stride(),
-            *new_strides, *self.sizes, splits, held, merge_group(splits) if merged else splits, *slots, view.offset,
-            *fp_slots, start, end, recent_start, mask_start, new_token.recent_start if new_token is not None else 0,
-            *self.scalars,
+            *new_strides, *self.sizes, splits, held, merge_group(splits, self.grouped_merge) if merged else splits,
+            *slots, view.offset, *fp_slots, start, end, recent_start, mask_start,
+            new_token.recent_start if new_token is not None else 0, *self.scalars,
         ), self.launch_options[splits > 1, merged, words])]  # fmt: skip
         if splits > 1 and not merged:
             launches.append(reduce_launch(part_acc, part_stats, sink_logits, out, out.stride(), self.out_shape, splits,

@@ -121,10 +121,10 @@ def test_the_plan_follows_the_target():
 
 def test_register_caps_only_where_a_decode_kernel_merges_or_writes_in_its_launch():
     """`maxnreg` from `MERGING_TARGETS` for a decode launch that merges its splits (sm_100 caps it at 168, sm_90 at
-    128: 4 blocks per SM), never for one that does not (one split, or a reduce launch merging them), a prefill of
-    many row blocks (they are not split) nor under a mask (the reduce launch merges), but over outlier tokens where
-    `OUTLIER_TARGETS` says (sm_100, not sm_90); the 4-warp blocks of SMs of 100 KB or less keep `register_room`'s
-    255."""
+    128: 4 blocks per SM; under a mask sm_90 merges, in one group, and sm_100 does not), never for one that does
+    not (one split, or a reduce launch merging them) nor a prefill of many row blocks (they are not split), but over
+    outlier tokens where `OUTLIER_TARGETS` says (sm_100, not sm_90; under a mask the reduce launch merges); the
+    4-warp blocks of SMs of 100 KB or less keep `register_room`'s 255."""
     merged = (True, True)
     merging = {a: plan_on(gpu, variant=merged).get("maxnreg") for a, gpu in EXAMPLE_GPUS.items() if gpu.merges_splits}
     assert merging == {"sm_75": 255, "sm_80": 168, "sm_86": 255, "sm_89": 255, "sm_90": 128, "sm_100": 168,
@@ -138,10 +138,14 @@ def test_register_caps_only_where_a_decode_kernel_merges_or_writes_in_its_launch
         view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), "cpu")
         query, mask = torch.randn(2, 2, 1, 80, dtype=torch.float16), torch.zeros(2, 1, 1, 140, dtype=torch.bool)
         masked = AttentionPlan(query, view, mask, None, 0.1, num_splits=2, target=EXAMPLE_GPUS[arch])
-        assert not masked.merge and "maxnreg" not in masked.launch_options[True, False, False], arch
+        assert masked.merge == (arch == "sm_90") and not masked.grouped_merge, arch
+        assert "maxnreg" not in masked.launch_options[True, False, False], arch
+        if masked.merge:
+            assert masked.launch_options[True, True, False]["maxnreg"] == 128 and masked.splits(query, view)[1]
         stream = Stream(updates=[140], tiled=True, recent=4, outliers=3)
         view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(0), "cpu")
         masked = AttentionPlan(query, view, mask, None, 0.1, num_splits=2, target=EXAMPLE_GPUS[arch])
+        assert not masked.merge, arch
         assert masked.launch_options[True, False, False].get("maxnreg") == {"sm_90": None, "sm_100": 168}[arch]
 
 

@@ -351,8 +351,8 @@ def test_a_plan_chooses_the_merge_call_by_call():
 @pytest.mark.parametrize("splits", [3, 9])
 def test_a_split_decode_merged_in_its_launch_or_by_a_reduce_launch(splits):
     """A static view's split decode, as a compiled graph runs it (replayed: the same counters twice): merged in
-    the launch where the merge's counters are given (9 splits: in 3 groups of 3, `merge_group`), by a reduce
-    launch where they are not (the split rule chose it); both the one-split result."""
+    the launch where the merge's counters are given (9 splits: in 3 groups of 3, `merge_group`; under a mask in
+    one), by a reduce launch where they are not (the split rule chose it); each the one-split result."""
     from hf_fp8kv.kernels import ops
 
     stream = Stream(static=640, recent=4, sinks=2, updates=[580, 1], tiled=True)
@@ -369,6 +369,17 @@ def test_a_split_decode_merged_in_its_launch_or_by_a_reduce_launch(splits):
         launches = plan.launches(query, view, None, None, given)[1]
         assert [launch.kernel.fn.__name__ for launch in launches] == kernels and launches[0].grid[2] == splits
         assert [launch.kernel.fn.__name__ for launch in plan.launches(query, view, None, None, given)[1]] == kernels
+    # a left-padded batch: merged in one group (a counter per program) with the same counters
+    mask = torch.ones(2, 1, 1, 640, dtype=torch.bool, device=DEVICE)
+    mask[1, ..., :100] = False
+    masked = attention(query, view, scaling=0.1, mask=mask, num_splits=1)
+    for _ in range(2):
+        assert_close(ops.triton_ops().attend(*_op_args(view, query, mask, splits, tickets)), masked, torch.float32)
+        assert not tickets.any()
+    plan = AttentionPlan(query, view, mask, None, 0.1, num_splits=splits)
+    assert [launch.kernel.fn.__name__ for launch in plan.launches(query, view, mask, None, tickets)[1]] == [
+        "_attention_kernel"
+    ]
 
 
 def test_held_tokens_are_read_by_splits_of_their_own():
@@ -445,7 +456,8 @@ def test_registered_op_is_the_launcher_on_a_static_view(outliers):
 def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits, dtype):
     """The splits' partial results are merged in the attention launch by the last split of each program to take
     its ticket (8 splits: the last of each group of 3, 3 and 2 merges the group's, the last group merged merges
-    the groups'): the plan's counters are back at 0 after every launch, so that the next step merges again."""
+    the groups'; with a mask in one group): the plan's counters are back at 0 after every launch, so that the next
+    step merges again."""
     stream = Stream(updates=[200 if splits == 5 else 400, 1], recent=5, sinks=2)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(5), DEVICE)
     query = torch.randn(2, 8, 1, 80, device=DEVICE).to(dtype)
@@ -458,13 +470,24 @@ def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits, dtype):
         (plan,) = plans.values()
         assert plan.tickets is not None and plan.tickets.shape == (counters,) and not plan.tickets.any()
         assert plan.launches(query, view, None, None)[1][0].grid[2] == splits
-    # with a mask (or rotated codes) the split kernel leaves the merge to a reduce launch (registers, gpu_static)
+    # with a mask the launch merges the splits in one group: a counter per program, at 0 after every launch
     mask = torch.ones(2, 1, 1, view.end, dtype=torch.bool, device=DEVICE)
     mask[0, ..., :30] = False  # a left-padded row
-    _, launches = plan_attention(query, view, scaling=0.1, mask=mask, num_splits=5)
+    masked_one = attention(query, view, scaling=0.1, mask=mask, num_splits=1).float()
+    plans = {}
+    for _ in range(2):
+        assert_close(attention(query, view, scaling=0.1, mask=mask, num_splits=splits, plans=plans), masked_one, dtype)
+        (plan,) = plans.values()
+        assert plan.tickets.shape == (2 * 2,) and not plan.tickets.any()
+        launches = plan.launches(query, view, mask, None)[1]
+        assert [launch.kernel.fn.__name__ for launch in launches] == ["_attention_kernel"]
+    # rotated codes leave the merge to a reduce launch (registers, gpu_static)
+    generator = torch.Generator().manual_seed(5)
+    rotated, _, _ = fill(dataclasses.replace(stream, rotate=True), reference.write, generator, DEVICE)
+    _, launches = plan_attention(query, rotated, scaling=0.1, mask=mask, num_splits=splits)
     assert [launch.kernel.fn.__name__ for launch in launches] == ["_attention_kernel", "_reduce_kernel"]
-    assert_close(attention(query, view, scaling=0.1, mask=mask, num_splits=5),
-                 attention(query, view, scaling=0.1, mask=mask, num_splits=1).float(), dtype)  # fmt: skip
+    assert_close(attention(query, rotated, scaling=0.1, mask=mask, num_splits=splits),
+                 attention(query, rotated, scaling=0.1, mask=mask, num_splits=1).float(), dtype)  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fake-tensor tracing of Triton kernels needs a GPU")
