@@ -9,7 +9,9 @@ SDPA at 4k and 32k; (g) continuous batching (`generate_batch`) on FP8 pages agai
 budget, a random Llama-3-8B-shaped model cut to `compiled_layers` layers; (h) each launch of one layer's decode
 step timed alone (the attention kernel, its split reduce, the write kernel), 32:8 heads, head_dim 128, batch 1
 and 16, contexts 4k and 32k: pure FP8 against the default window (recent 128 + sinks 4), STAGES 3 against 4, a
-left-padded batch-16 step, and at batch 1 the default window with 16 outlier tokens (their selection's launch too), each launch's bytes read as GB/s and as a fraction of (a); it runs right after (b, c);
+left-padded batch-16 step (its splits merged in the attention launch against a reduce launch), and at batch 1 the
+default window with 16 outlier tokens (their selection's launch too), each launch's bytes read as GB/s and as a
+fraction of (a); it runs right after (b, c);
 (i) the paged decode (continuous batching's kernel) of few long and many short requests, split over the keys as
 its rule plans it against one program per request and KV head, the same tensors, as GB/s and a fraction of (a).
 Every section runs even if one before it fails (one call yields every figure). Timing: `triton.testing.do_bench`
@@ -386,7 +388,9 @@ def decode_launches(report: Report, sizes: Sizes, device: torch.device, dry_run:
 def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded: bool, device: torch.device,
               dry_run: bool, copy_gbps: float) -> list[dict]:  # fmt: skip
     """One row per launch of a decode step after `context` tokens: the write, then the attention and its split
-    reduce at STAGES 3 and 4, each with its time, the bytes it reads, GB/s and the fraction of copy bandwidth."""
+    reduce at STAGES 3 and 4 (a left-padded batch: and at 3 with its splits merged by a reduce launch, where the
+    attention launch would merge them), each with its time, the bytes it reads, GB/s and the fraction of copy
+    bandwidth."""
     from hf_fp8kv.kernels.triton_attention import plan_attention
 
     padding = left_padding(batch, context + 1, device) if padded else None
@@ -399,12 +403,16 @@ def step_rows(sizes: Sizes, context: int, batch: int, cache_kwargs: dict, padded
     tokens = 2 if view.recent is not None else 1  # the write reads the token leaving the recent buffer
     written = tokens * 2 * batch * sizes.kv_heads * sizes.head_dim * sizes.dtype.itemsize
     launches = [("-", launch, written) for launch in write]  # the write: the same whatever the stages
-    for stages in (3, 4):
+    plans = [(3, True), (4, True)] + [(3, False)] * padded  # (the merge under a mask against its reduce launch)
+    for stages, merge in plans:
         _, attention = plan_attention(query, view, scaling=sizes.head_dim**-0.5, mask=mask, stages=stages,
-                                      resident_slots=sizes.resident_slots)  # fmt: skip
+                                      resident_slots=sizes.resident_slots, merge=merge)  # fmt: skip
+        if not merge and len(attention) == 1:
+            continue  # one split: nothing to merge
         partials = batch * sizes.q_heads * attention[0].grid[2] * (sizes.head_dim + 2) * 4
         reads = (kv_bytes(view), partials)  # of the attention, then its reduce (where a split launch does not merge)
-        launches += [(stages, launch, nbytes) for launch, nbytes in zip(attention, reads)]
+        label = stages if merge else f"{stages}, reduce launch"
+        launches += [(label, launch, nbytes) for launch, nbytes in zip(attention, reads)]
     window = (f"recent {layer.recent_tokens} + sinks {layer.sink_tokens}"
               if layer.recent_tokens or layer.sink_tokens else "pure FP8")  # fmt: skip
     window += f" + outliers {layer.outlier_tokens}" if layer.outlier_tokens else ""

@@ -856,12 +856,13 @@ def plan_attention(
     target: GpuTarget | None = None,
     fp8_prefill: bool = False,
     new_token: NewToken | None = None,
+    merge: bool = True,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches (attention, then the split reduce if any) that fill it.
     For planning without a GPU, `resident_slots` (SMs x blocks per SM) replaces the device's own and `target`
-    plans that GPU's code path for tensors that are not on it."""
+    plans that GPU's code path for tensors that are not on it; `merge` False: a reduce launch merges the splits."""
     plan = AttentionPlan(query, view, mask, sink_logits, scaling, window, softcap, num_splits, stages, resident_slots,
-                         target, fp8_prefill=fp8_prefill, new_token=new_token)  # fmt: skip
+                         target, fp8_prefill=fp8_prefill, new_token=new_token, merge=merge)  # fmt: skip
     return plan.launches(query, view, mask, sink_logits, new_token=new_token)
 
 

@@ -31,6 +31,9 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     for launch in ("write", "attention", "reduce", "write_settle"):
         assert re.search(rf"^.*\b{launch}\b +\S+ +\d+\.\d +\d+\.\d{{3}} +\d+ +\d+%", launches, re.M), launch
     assert re.search(r"left-padded +4 +attention", launches)  # the left-padded step, at STAGES 4 too
+    # and its splits merged by a reduce launch, against the attention launch's own merge
+    assert re.search(r"left-padded +3, reduce launch +attention", launches)
+    assert re.search(r"left-padded +3, reduce launch +reduce", launches)
     paged = report.split("## (i) paged decode")[1].split("\n## ")[0]  # one program per request, then 3 splits
     assert re.search(r"one program per request +2x2x1 +1 ", paged) and re.search(r"split rule +2x2x3 +2 ", paged)
     assert "FAILED" not in report
