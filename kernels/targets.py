@@ -83,7 +83,8 @@ MERGING_TARGETS = {
 }  # fmt: skip
 # where a split decode under a mask (left padding) merges its splits in its launch too (in one group): not sm_100,
 # whose left-padded default-window decode loop took 495 -> 529 SASS instructions merged (134 registers under its
-# cap; 501 at 218, 2 blocks per SM), its step model 60% -> 57% of copy bandwidth at batch 16 and 32k tokens (gpu_static)
+# cap; 501 at 218, 2 blocks per SM), its step model 60% -> 57% of copy bandwidth at batch 16 and 32k tokens
+# (gpu_static)
 MASKED_MERGE_SKIPPED = frozenset({"sm_100"})
 # where a decode step's attention launch writes the step's token itself (`triton_attention.writes_in_launch`), with
 # the caps a kernel that writes needs there: the targets whose decode kernels did not spill with it (sm_90 loses a

@@ -723,8 +723,8 @@ def attention(
 
 @functools.lru_cache(maxsize=4096)
 def split_plan(
-    programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_per_split: float | None, launch_tiles: float,
-    grouped: bool = True,
+    programs: int, tiles: int, resident_slots: int, held_tiles: int, merge_per_split: float | None,
+    launch_tiles: float, grouped: bool = True,
 ) -> tuple[int, bool]:
     """The split count, and whether the attention launch merges the splits (else a reduce launch does): the cheaper
     by `split_cost`, the merge's `merge_per_split` tile-times per split (`TileTime.merge`) against the reduce launch's
