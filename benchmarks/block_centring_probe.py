@@ -41,7 +41,7 @@ from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.evaluate import decode_mode_logits, quality
 from hf_fp8kv.table import format_table
 from centring_probe import rope_inv_freq
-from recent_quality import MODELS, TEXTS, decode_probe_parser
+from recent_quality import MODELS, decode_probe_parser, decode_reference
 from rotation_probe import quality_columns, stored
 
 
@@ -50,12 +50,14 @@ class SimulatedCodes(DynamicCache):
     `recent` and not among the first `sinks` (full-attention layers) are coded; keys (and values with
     `centre_values`) less their block's centre (`centre`: None, "own", "previous" or "previous turned"), with
     `choose` ("amax" or "l2") only where that lowers the token's amax (its scale) or L2 norm. With `hold_partial`
-    (implied by "own") the newest partial block stays exact."""
+    (implied by "own") the newest partial block stays exact. `coded`: "keys" or "values" alone (the other read
+    exact), in the layers `coded_layers` (default: all)."""
 
     def __init__(self, model, recent: int, sinks: int, block: int, centre: str | None = None,
                  centre_values: bool = False, hold_partial: bool = False,
                  choose: str | None = None, rotate: bool = False, coded_centre: bool = False,
-                 exact_channels: dict[int, torch.Tensor] | None = None) -> None:  # fmt: skip
+                 exact_channels: dict[int, torch.Tensor] | None = None, coded: str = "keys and values",
+                 coded_layers: set[int] | None = None) -> None:  # fmt: skip
         super().__init__(config=model.config)
         text_config = model.config.get_text_config(decoder=True)
         types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
@@ -64,6 +66,7 @@ class SimulatedCodes(DynamicCache):
         self.hold_partial = hold_partial or centre == "own"
         self.choose, self.coded_centre, self.exact_channels = choose, coded_centre, exact_channels or {}
         self.rotation = text_config.head_dim if rotate else None
+        self.coded, self.coded_layers = coded, coded_layers
         self.inv_freq = rope_inv_freq(model)
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -74,8 +77,12 @@ class SimulatedCodes(DynamicCache):
         all_values = value_states if held is None else torch.cat([held[1], value_states], dim=2)
         self.history[layer_idx] = (all_keys, all_values)
         length, window = all_keys.shape[2], keys.shape[2]
-        read_keys = self.read(all_keys, layer_idx, self.centre, self.exact_channels.get(layer_idx))
-        read_values = self.read(all_values, layer_idx, self.centre if self.centre_values else None)
+        layer_coded = self.coded_layers is None or layer_idx in self.coded_layers
+        read_keys, read_values = all_keys, all_values
+        if layer_coded and self.coded != "values":
+            read_keys = self.read(all_keys, layer_idx, self.centre, self.exact_channels.get(layer_idx))
+        if layer_coded and self.coded != "keys":
+            read_values = self.read(all_values, layer_idx, self.centre if self.centre_values else None)
         return read_keys[:, :, length - window :], read_values[:, :, length - window :]
 
     def read(self, x: torch.Tensor, layer: int, centre: str | None, exact: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,18 +142,22 @@ def quality_rows(model, ids: torch.Tensor, prefix: int, reference: torch.Tensor,
     return rows
 
 
+def print_rows(rows: list[dict], label: str, args, ids: torch.Tensor, details: str) -> None:
+    """The rows' table under its heading: the model (`label`), the text and its tokens, what the rows simulate."""
+    print(f"{label}, '{args.text}' ({ids.shape[1]} tokens, {args.prefix} prefilled), decode mode against "
+          f"DynamicCache; {details}")  # fmt: skip
+    print(format_table(rows))
+
+
 @torch.inference_mode()
 def main() -> None:
-    parser = decode_probe_parser(__doc__)
+    parser = decode_probe_parser(__doc__, window_rows=True)
     parser.add_argument("--block", type=int, default=64, help="positions per centred block")
-    parser.add_argument("--recent", type=int, default=128, help="the window rows' recent tokens (sinks: 4)")
-    parser.add_argument("--rows", type=int, nargs="*", help="the rows to run, by index (default: all)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     label, load = MODELS[args.model]
     model, tokenizer = load(dtype=torch.float32)
-    ids = tokenizer(TEXTS[args.text](), return_tensors="pt").input_ids[:, : args.tokens]
-    reference = decode_mode_logits(model, ids, args.prefix, DynamicCache(config=model.config))
+    ids, reference = decode_reference(model, tokenizer, args)
     window = f"recent {args.recent} + sinks 4"
 
     def simulated(recent: int, sinks: int, **kwargs) -> SimulatedCodes:
@@ -186,9 +197,7 @@ def main() -> None:
             lambda: simulated(0, 0, centre="previous turned", choose="amax", rotate=True),
     }  # fmt: skip
     rows = quality_rows(model, ids, args.prefix, reference, caches, args.rows)
-    print(f"{label}, '{args.text}' ({ids.shape[1]} tokens, {args.prefix} prefilled), decode mode against "
-          f"DynamicCache; per-token-head e4m3 (bf16 scales), blocks of {args.block} positions")  # fmt: skip
-    print(format_table(rows))
+    print_rows(rows, label, args, ids, f"per-token-head e4m3 (bf16 scales), blocks of {args.block} positions")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 
 from hf_fp8kv import QuantizedFP8Cache
-from hf_fp8kv.evaluate import decode_mode_logits
-from hf_fp8kv.table import format_table
-from block_centring_probe import SimulatedCodes, quality_rows
-from recent_quality import MODELS, TEXTS, decode_probe_parser
+from block_centring_probe import SimulatedCodes, print_rows, quality_rows
+from recent_quality import MODELS, decode_probe_parser, decode_reference
 from rotation_probe import Probe, largest_channels, prefill
 
 CHOOSE_TOKENS = 1024  # tokens of the other text whose prefill chooses the channels
@@ -44,18 +42,15 @@ def chosen_energy(load, text: str) -> dict[int, torch.Tensor]:
 
 @torch.inference_mode()
 def main() -> None:
-    parser = decode_probe_parser(__doc__)
+    parser = decode_probe_parser(__doc__, window_rows=True)
     parser.add_argument("--choose-on", default="sample", help="the text whose prefill chooses the channels")
-    parser.add_argument("--recent", type=int, default=128, help="the window rows' recent tokens (sinks: 4)")
     parser.add_argument("--channels", type=int, nargs="*", default=[2, 4, 8], help="exact key channels per KV head")
-    parser.add_argument("--rows", type=int, nargs="*", help="the rows to run, by index (default: all)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     label, load = MODELS[args.model]
     energy = chosen_energy(load, args.choose_on)
     model, tokenizer = load(dtype=torch.float32)
-    ids = tokenizer(TEXTS[args.text](), return_tensors="pt").input_ids[:, : args.tokens]
-    reference_logits = decode_mode_logits(model, ids, args.prefix, DynamicCache(config=model.config))
+    ids, reference_logits = decode_reference(model, tokenizer, args)
     window = f"recent {args.recent} + sinks 4"
 
     def simulated(recent: int, sinks: int, channels: int = 0) -> SimulatedCodes:
@@ -80,10 +75,8 @@ def main() -> None:
         print(f"the {n} chosen channels hold {shares.min():.0%}-{shares.max():.0%} of a KV head's E[q^2] E[k^2] on "
               f"'{args.choose_on}' (median {shares.median():.0%}); {same} of {n * shares.numel()} are the ones "
               f"'{args.text}' would choose")  # fmt: skip
-    print(f"{label}, '{args.text}' ({ids.shape[1]} tokens, {args.prefix} prefilled), decode mode against "
-          f"DynamicCache; per-token-head e4m3 (bf16 scales); channels chosen on {CHOOSE_TOKENS} tokens of "
-          f"'{args.choose_on}'")  # fmt: skip
-    print(format_table(rows))
+    print_rows(rows, label, args, ids,
+               f"per-token-head e4m3 (bf16 scales); channels chosen on {CHOOSE_TOKENS} tokens of '{args.choose_on}'")
 
 
 if __name__ == "__main__":

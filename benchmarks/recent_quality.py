@@ -37,14 +37,25 @@ KEY_CHANNELS = "key channels calibrated on another text"
 DEFAULTS = {name: p.default for name, p in inspect.signature(QuantizedFP8Cache).parameters.items()}
 
 
-def decode_probe_parser(description: str) -> argparse.ArgumentParser:
-    """The decode-mode probes' shared arguments: the model, the text, its tokens (prefix + decoded), the prefix."""
+def decode_probe_parser(description: str, window_rows: bool = False) -> argparse.ArgumentParser:
+    """The decode-mode probes' shared arguments: the model, the text, its tokens (prefix + decoded), the prefix;
+    with `window_rows`, the window rows' recent tokens and the rows to run."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--text", default="code", help=f"one of {sorted(TEXTS)}")
     parser.add_argument("--tokens", type=int, default=1152, help="text tokens: prefix + decoded")
     parser.add_argument("--prefix", type=int, default=128)
+    if window_rows:
+        parser.add_argument("--recent", type=int, default=128, help="the window rows' recent tokens (sinks: 4)")
+        parser.add_argument("--rows", type=int, nargs="*", help="the rows to run, by index (default: all)")
     return parser
+
+
+def decode_reference(model, tokenizer, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probes' reference: the ids of `args.text`'s first `args.tokens` tokens, and DynamicCache's decode-mode
+    logits over them (`args.prefix` prefilled)."""
+    ids = tokenizer(TEXTS[args.text](), return_tensors="pt").input_ids[:, : args.tokens]
+    return ids, decode_mode_logits(model, ids, args.prefix, DynamicCache(config=model.config))
 
 
 def _recent(recent: int, sinks: int, **kwargs) -> tuple[str, dict]:
