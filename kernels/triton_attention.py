@@ -374,7 +374,10 @@ def _attention_kernel(
         # program reads more than a group's and the groups' partial results. The counters go back to 0 for the next
         # launch (CUDA graph replays included).
         tl.debug_barrier()
-        # a program's counters in a row: its groups', then (several groups) the groups' own
+        # a program's counters in a row: its groups', then (several groups) the groups' own. Without GROUPED_MERGE
+        # the host passes `merge_group` = the split count, so `groups` is 1 at run time; only the group level's merge
+        # is left out at compile time (the group counts made constexpr too took sm_90's masked default-window loop
+        # from 540 to 567 SASS instructions, gpu_static)
         counters = tl.where(groups > 1, groups + 1, 1)
         ticket_ptr += (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid_m) * counters
         group = split // merge_group
