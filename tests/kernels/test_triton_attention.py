@@ -452,13 +452,16 @@ def test_registered_op_is_the_launcher_on_a_static_view(outliers):
         assert not tickets.any()
 
 
-@pytest.mark.parametrize("splits, dtype", [(5, torch.float32), (8, torch.float32), (8, torch.bfloat16)])
-def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits, dtype):
+@pytest.mark.parametrize("splits, dtype, held", [
+    (5, torch.float32, True), (8, torch.float32, True), (8, torch.bfloat16, True), (8, torch.float16, False),
+])  # fmt: skip
+def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits, dtype, held):
     """The splits' partial results are merged in the attention launch by the last split of each program to take
     its ticket (8 splits: the last of each group of 3, 3 and 2 merges the group's, the last group merged merges
     the groups'; with a mask in one group): the plan's counters are back at 0 after every launch, so that the next
-    step merges again."""
-    stream = Stream(updates=[200 if splits == 5 else 400, 1], recent=5, sinks=2)
+    step merges again. `held`: recent and sink tokens beside the codes (else pure FP8)."""
+    tokens = 200 if splits == 5 else 400 if held else 520  # (8 tiles of codes at least: 8 splits)
+    stream = Stream(updates=[tokens, 1], recent=5 if held else 0, sinks=2 if held else 0)
     view, _, _ = fill(stream, reference.write, torch.Generator().manual_seed(5), DEVICE)
     query = torch.randn(2, 8, 1, 80, device=DEVICE).to(dtype)
     plans = {}
