@@ -98,6 +98,11 @@ VARIANTS = dict([
      dict(scales="dynamic", recent_tokens=128, sink_tokens=4, scale_search=16)),
     ("recent 128 + sinks 4 + outliers 16, scales searched (16)",
      dict(scales="dynamic", recent_tokens=128, sink_tokens=4, outlier_tokens=16, scale_search=16)),
+    # int8 and FP8 with per-channel key scales each layer measures from its own keys (no calibration pass)
+    ("int8 per-token-head + measured key channels, recent 128 + sinks 4",
+     dict(kv_cache_dtype="int8_per_token_head", scales="dynamic_key_channels", recent_tokens=128, sink_tokens=4)),
+    ("fp8 e4m3 per-token-head + measured key channels, recent 128 + sinks 4",
+     dict(scales="dynamic_key_channels", recent_tokens=128, sink_tokens=4)),
 ])  # fmt: skip
 # Texts unlike the bundled sample (the held-out measurements of docs/recent.md): Python's own source code and the
 # Apache License 2.0 as transformers ships it, wherever they are installed; any other file by its path

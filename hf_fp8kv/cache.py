@@ -48,9 +48,11 @@ class QuantizedFP8Cache(Cache):
         kv_cache_dtype: "fp8" / "fp8_e4m3" (default; "fp8" is "fp8_e4m3fnuz" on ROCm), "fp8_e5m2",
             "fp8_e4m3fnuz" (checkpoint scales doubled, max 240), "int8_per_token_head".
         scales: "auto" (the checkpoint's scales in any convention, else 1.0 with a warning), "dynamic" (per
-            token and head), a float, a `KVScales` (`hf_fp8kv.calibrate(...)`, `KVScales.from_pretrained`), the
-            path of a scales file, or per-layer K/V scales (`{layer: (k, v)}` or a list with one `(k, v)` per
-            layer; each a float or one value per KV head).
+            token and head), "dynamic_key_channels" (per token and head, keys divided first by per-channel scales
+            each layer measures from its keys when its first token is coded: with int8 no calibration pass is
+            needed; dynamic caches with `recent_tokens >= 64`, docs/recent.md), a float, a `KVScales`
+            (`hf_fp8kv.calibrate(...)`, `KVScales.from_pretrained`), the path of a scales file, or per-layer K/V
+            scales (`{layer: (k, v)}` or a list with one `(k, v)` per layer; each a float or one value per KV head).
         skip_layers: layers kept in the model dtype (transformers' own layers): indices, "sliding_window" (every
             sliding and chunked layer, as vLLM's `--kv-cache-dtype-skip-layers`), or a mix such as
             `["sliding_window", 0]` or "sliding_window,0".

@@ -19,10 +19,10 @@ from transformers import DynamicCache
 from hf_fp8kv import compat
 from hf_fp8kv.checkpoint import KVScales
 from hf_fp8kv.kernels.formats import get_format
+from hf_fp8kv.scales import key_channel_ratios
 from hf_fp8kv.settings import check_count
 
 OCP_MAX = get_format("fp8_e4m3").max  # scales are stored in the OCP e4m3 convention: amax / 448
-MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its head's scale
 # A channel's max is estimated from fewer values than its head's and new text exceeds it (SmolLM2, min-max
 # channels: 26,949 keys saturated on 831 held-out tokens). e4m3's relative precision is the same over its
 # normal range, so 4x headroom costs only the bottom of the subnormals (docs/scales.md).
@@ -153,8 +153,8 @@ class _Observer:
             if key_channels:  # (per token: no headroom, nothing saturates; the channels' spread is what counts)
                 channel = self.channel_amax[(layer, "k")]
                 reference = channel.amax() if strategy == "tensor" else channel.amax(dim=1, keepdim=True)
-                ratio = (1.0 if per_token else CHANNEL_HEADROOM) * channel / reference.clamp_min(1e-30)
-                result.key_channel[layer] = _power_of_two_at_least(ratio.clamp(MIN_CHANNEL_RATIO, 1.0))
+                headroom = 1.0 if per_token else CHANNEL_HEADROOM
+                result.key_channel[layer] = key_channel_ratios(channel, reference, headroom)
         return result
 
     def _amax(self, layer: int, which: str, strategy: str, percentile: float | None) -> torch.Tensor:
@@ -166,14 +166,6 @@ class _Observer:
         if strategy == "tensor":
             return torch.quantile(tokens.amax(dim=0), percentile / 100).reshape(1)
         return torch.quantile(tokens, percentile / 100, dim=1)
-
-
-def _power_of_two_at_least(x: torch.Tensor) -> torch.Tensor:
-    """The least power of two >= each (positive, finite) element of `x`. Keys divided by a power of two and
-    multiplied back are the same bits in any float dtype: the recent and sink tokens, which the dense layers hold
-    divided, stay exactly the model's, as the pages hold them (other scales round them in bf16)."""
-    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 class _RecordingCache(DynamicCache):

@@ -71,7 +71,7 @@ from hf_fp8kv.kernels.ops import backend_for
 from hf_fp8kv.kernels.paged import PageGeometry, RecentRows, RowLayout
 from hf_fp8kv.paged_recent import LayerRows, RequestSlots
 from hf_fp8kv.scale_search import ScaleSearch
-from hf_fp8kv.scales import ScalesArg
+from hf_fp8kv.scales import MeasuredKeyChannels, ScalesArg
 from hf_fp8kv.settings import check_count, resolve_settings
 
 # The sources (`_source_digest`) of the internals `enable` relies on (`_internals`), in the transformers releases
@@ -226,6 +226,12 @@ def enable(
     resolved = resolve_settings(model.config, kv_cache_dtype=kv_cache_dtype, scales=scales, skip_layers=skip_layers,
                                 backend=backend, recent_tokens=recent_tokens, sink_tokens=sink_tokens,
                                 rotate=rotate, outlier_tokens=outlier_tokens, scale_search=scale_search)  # fmt: skip
+    if any(isinstance(s, MeasuredKeyChannels) for s in resolved.scales.values()):
+        raise ValueError(
+            "scales='dynamic_key_channels' on FP8 pages: the pages' key channel scales are shared by every request, "
+            "so one request's keys cannot set them; calibrate them instead: scales=hf_fp8kv.calibrate(model, texts, "
+            "tokenizer, strategy='token', key_channels=True)"
+        )
     if resolved.outlier_tokens and not resolved.recent_tokens:
         raise ValueError(
             f"outlier_tokens={outlier_tokens} on FP8 pages needs recent_tokens > 0: a request's outlier tokens are "

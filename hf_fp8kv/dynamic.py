@@ -24,6 +24,7 @@ from hf_fp8kv.kernels.cpu import ring_pieces
 from hf_fp8kv.kernels.view import KVView, coded_end, copy_slots
 from hf_fp8kv.layer import FP8Layer
 from hf_fp8kv.outliers import BUFFERS as OUTLIER_BUFFERS
+from hf_fp8kv.scales import key_channel_ratios
 
 
 class DynamicFP8Layer(FP8Layer):
@@ -109,6 +110,24 @@ class DynamicFP8Layer(FP8Layer):
             self._reallocate(math.ceil(used / self.block_size) * self.block_size)
         self._fit_full_precision(self.end + new_tokens, shrink=not new_tokens)
 
+    def _measure_key_channels(self, key_states: torch.Tensor, new_tokens: int) -> None:
+        """Until this update codes tokens every key is held in the recent buffer, as it came; then the channels are
+        measured over those keys and the update's (non-finite values left out), and the held keys (recent and
+        sinks) are divided by them, as the keys of later updates will be: powers of two, so the same bits."""
+        if self._coded_end(new_tokens) == self._coded_end(0):
+            return
+        amax = _finite_amax(key_states)
+        if self.recent is not None:
+            for first, stop, slot in ring_pieces(self.recent_start, self.end, self.recent.shape[3]):
+                amax = torch.maximum(amax, _finite_amax(self.recent[0, :, :, slot : slot + stop - first]))
+        channel = key_channel_ratios(amax, amax.amax(dim=1, keepdim=True))
+        for held in (self.recent, self.sinks):
+            if held is not None:
+                held[0] /= channel[:, None, :].to(held.dtype)
+        if self.scale_search.energy is not None:  # (the queries' squares, in the space the keys are coded in)
+            self.scale_search.energy *= channel.square()
+        self.key_channel_scale = channel
+
     def _coded_end(self, new_tokens: int) -> int:
         return coded_end(self.end, self.recent_start, new_tokens, self.recent_tokens)
 
@@ -154,6 +173,7 @@ class DynamicFP8Layer(FP8Layer):
         self.outlier_tracker.pending = None
         self.pending = None  # (its token is forgotten with the rest)
         self.first = self.end = self.recent_start = self.offset = 0
+        self.key_channel_scale = None  # (set again by the next first update, or measured again)
         self.stats = torch.zeros(2, 2, dtype=torch.int64)
         self.has_nan = False
         self.sink_tracker.reset()
@@ -192,6 +212,11 @@ class DynamicFP8Layer(FP8Layer):
         self.write_pending()
         if self.is_initialized and self.codes.device != self.device:
             self._map_buffers(lambda t: t.to(self.device, non_blocking=True))
+
+
+def _finite_amax(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 `[kv_heads, head_dim]` max of |keys| (`[batch, kv_heads, tokens, head_dim]`), non-finite ones as 0."""
+    return keys.detach().float().abs().nan_to_num(0.0, 0.0).amax(dim=(0, 2))
 
 
 class DynamicFP8SlidingLayer(DynamicFP8Layer):

@@ -26,7 +26,7 @@ from hf_fp8kv.kernels.view import VALUE_TILE, KVView, NewToken
 from hf_fp8kv.outliers import BUFFERS as OUTLIER_BUFFERS
 from hf_fp8kv.outliers import OutlierTracker
 from hf_fp8kv.scale_search import ScaleSearch
-from hf_fp8kv.scales import LayerScales
+from hf_fp8kv.scales import LayerScales, MeasuredKeyChannels
 from hf_fp8kv.sinks import SinkTracker
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless, reentrant
@@ -266,6 +266,8 @@ class FP8Layer(CacheLayerMixin):
         new_tokens = key_states.shape[2]
         self.write_pending()  # (the last update's, if no attention read it)
         self.outlier_tracker.settle(self)
+        if self.key_channel_scale is None and isinstance(self.scales, MeasuredKeyChannels):
+            self._measure_key_channels(key_states, new_tokens)
         self._make_room(new_tokens)
         view = self.view()
         pending = None
@@ -305,6 +307,10 @@ class FP8Layer(CacheLayerMixin):
         # already: entering no_grad costs 1.6 us, a twentieth of a decode step's host time, measured here)
         with torch.no_grad() if torch.is_grad_enabled() else NO_CONTEXT:
             self.has_nan |= self.kernels.write(key, value, view, self.stats)
+
+    def _measure_key_channels(self, key_states: torch.Tensor, new_tokens: int) -> None:
+        """`MeasuredKeyChannels`: set `key_channel_scale` if this update codes the layer's first tokens."""
+        raise NotImplementedError
 
     def _make_room(self, new_tokens: int) -> None:
         raise NotImplementedError

@@ -4,6 +4,8 @@ A scheme is one small class: `PerHeadScales` holds one K and one V scale per KV 
 same value on every head) and optionally a per-channel key scale; `PerTokenScales` asks the write for a scale per
 token and KV head. `resolve_scales` turns any `scales=` argument into one scheme per layer; a whole model's
 per-head scales, as a checkpoint stores them or `calibrate` makes them, are a `KVScales` (`checkpoint.py`).
+`MeasuredKeyChannels` (`scales="dynamic_key_channels"`) is per-token scales whose per-channel key scales the layer
+measures itself, from the keys it holds when its first token is coded.
 
 All scales follow the OCP e4m3 convention of checkpoints and vLLM: a dequantization multiplier,
 `scale = amax / 448`. Formats with another range (e4m3fnuz) convert them with `StorageFormat.ocp_scale_factor`.
@@ -19,6 +21,13 @@ import torch
 
 from hf_fp8kv.checkpoint import KVScales, check_scale_values, load_checkpoint_scales
 from hf_fp8kv.kernels.formats import StorageFormat
+
+
+MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its head's scale
+# scales="dynamic_key_channels" measures a layer's key channels over at least this many tokens (its recent tokens
+# and the first update that codes any). Gemma 3 270M's code text, int8, channels from the first N tokens, mean KL
+# (benchmarks/recent_quality.py decode mode): N=1 3.9e-2, 16 7.0e-4 (plain int8 7.3e-4), 128 8.4e-5 (docs/recent.md)
+MIN_MEASURED_TOKENS = 64
 
 
 class UncalibratedScalesWarning(UserWarning):
@@ -49,6 +58,20 @@ class PerTokenScales:
 
     def describe(self, which: str) -> str:
         return "per token" + (" x channel" if which == "key" and self.key_channel is not None else "")
+
+
+@dataclass
+class MeasuredKeyChannels(PerTokenScales):
+    """Per-token scales with per-channel key scales that the layer measures itself (`scales="dynamic_key_channels"`,
+    no calibration pass): when the first of its tokens is coded, from every key it holds then (its recent tokens
+    and the update's), as `calibrate(strategy="token", key_channels=True)` computes them from a data set
+    (`key_channel_ratios`). They hold until `reset`."""
+
+    granularity: str = "per-token-head + key channels"
+    source: str = "dynamic, key channels measured from the first coded keys"
+
+    def describe(self, which: str) -> str:
+        return "per token" + (" x measured channel" if which == "key" else "")
 
 
 @dataclass
@@ -91,13 +114,15 @@ def resolve_scales(
     `checkpoint`: the model's local directory or Hub name, searched for scales when `scales="auto"`.
     """
     named = isinstance(scales, (str, os.PathLike))
-    if named and scales not in ("auto", "dynamic"):
+    if named and scales not in ("auto", "dynamic", "dynamic_key_channels"):
         if not os.path.exists(scales):
             raise ValueError(
-                f"scales={str(scales)!r}: expected 'auto', 'dynamic', a float, per-layer K/V scales, KVScales or "
-                "the path of a scales file"
+                f"scales={str(scales)!r}: expected 'auto', 'dynamic', 'dynamic_key_channels', a float, per-layer K/V "
+                "scales, KVScales or the path of a scales file"
             )
         scales, named = KVScales.load(scales), False
+    if named and scales == "dynamic_key_channels":
+        return {i: MeasuredKeyChannels() for i in quantized_layers}, False
     per_token = (named and scales in ("auto", "dynamic")) or (isinstance(scales, KVScales) and scales.dynamic)
     if fmt.per_token_only and not per_token:
         raise ValueError(
@@ -181,6 +206,22 @@ def _per_token(scales: KVScales, layer: int, kv_heads: int) -> PerTokenScales:
         return PerTokenScales(source=scales.sources.get(layer, "dynamic (checkpoint kv_cache_scheme)"))
     return PerTokenScales("per-token-head + key channels", scales.sources.get(layer, "user"),
                           _key_channel(channel, layer, kv_heads))  # fmt: skip
+
+
+def key_channel_ratios(channel_amax: torch.Tensor, reference: torch.Tensor, headroom: float = 1.0) -> torch.Tensor:
+    """Per-channel key scales from each channel's max |k| (`[kv_heads, head_dim]`) over `reference` (its head's or
+    its layer's max, broadcast): `headroom` x the ratio, within [MIN_CHANNEL_RATIO, 1], rounded up to a power of
+    two."""
+    ratio = headroom * channel_amax / reference.clamp_min(1e-30)
+    return _power_of_two_at_least(ratio.clamp(MIN_CHANNEL_RATIO, 1.0))
+
+
+def _power_of_two_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= each (positive, finite) element of `x`. Keys divided by a power of two and
+    multiplied back are the same bits in any float dtype: the recent and sink tokens, which the dense layers hold
+    divided, stay exactly the model's, as the pages hold them (other scales round them in bf16)."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 def _key_channel(key_channel: Any, layer: int, kv_heads: int) -> torch.Tensor:

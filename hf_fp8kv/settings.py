@@ -18,7 +18,10 @@ from hf_fp8kv.kernels.ops import check_backend
 from hf_fp8kv.kernels.rotation import hadamard_block
 from hf_fp8kv.kernels.targets import device_target
 from hf_fp8kv.scale_search import check_scale_search
-from hf_fp8kv.scales import CALIBRATION_WARNING, LayerScales, ScalesArg, UncalibratedScalesWarning, resolve_scales
+from hf_fp8kv.scales import (
+    CALIBRATION_WARNING, MIN_MEASURED_TOKENS, LayerScales, MeasuredKeyChannels, ScalesArg, UncalibratedScalesWarning,
+    resolve_scales,
+)
 
 # Layer types (from `get_layer_types_and_kwargs`) we store; chunked attention caches like a sliding window of the
 # chunk size (its mask keeps the chunks apart), as in transformers; "dummy" layers (KV shared with another layer,
@@ -103,6 +106,8 @@ def resolve_settings(
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     checkpoint = getattr(config, "_name_or_path", "") or None
     layer_scales, uncalibrated = resolve_scales(scales, fmt, stored, len(layer_types), kv_heads, checkpoint)
+    if any(isinstance(s, MeasuredKeyChannels) for s in layer_scales.values()):
+        check_measured_channels(recent_tokens, max_cache_len, rotate)
     if rotate:
         check_rotation(head_dim, layer_scales, uncalibrated)
     if outlier_tokens:
@@ -130,6 +135,25 @@ def check_rotation(head_dim: int, layer_scales: dict[int, LayerScales], uncalibr
             f"rotate=True with static scales ({', '.join(static)}): they were measured on unrotated keys and values, "
             "which a rotation spreads (a token's amax may grow up to sqrt(head_dim)x and clip); use scales='dynamic' "
             "(per token and head) with rotate=True, or rotate=False"
+        )
+
+
+def check_measured_channels(recent_tokens: int, max_cache_len: int | None, rotate: bool) -> None:
+    """Refuse `scales="dynamic_key_channels"` where its measurement cannot be made or would be poor."""
+    calibrated = ("calibrate them instead: scales=hf_fp8kv.calibrate(model, texts, tokenizer, strategy='token', "
+                  "key_channels=True)")  # fmt: skip
+    if max_cache_len is not None:
+        raise ValueError("scales='dynamic_key_channels' measures a layer's key channels when its first token is "
+                         f"coded, which a static cache's compiled step cannot do; {calibrated}")  # fmt: skip
+    if rotate:
+        raise ValueError("scales='dynamic_key_channels' with rotate=True: a rotation mixes the channels these scales "
+                         "set apart (not measured); use one or the other")  # fmt: skip
+    if recent_tokens < MIN_MEASURED_TOKENS:
+        raise ValueError(
+            f"scales='dynamic_key_channels' with recent_tokens={recent_tokens}: the key channels are measured over "
+            f"the recent tokens when the first one is coded, and need at least {MIN_MEASURED_TOKENS} of them "
+            f"(channels measured on a few tokens are worse than none: docs/recent.md); raise recent_tokens, or "
+            f"{calibrated}"
         )
 
 

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_fp8kv import KVScales, QuantizedFP8Cache
+from hf_fp8kv import KVScales, QuantizedFP8Cache, calibrate
+from hf_fp8kv import continuous_batching as cb
 from hf_fp8kv.kernels import targets
 from hf_fp8kv.kernels.formats import get_format
 from hf_fp8kv.compat import cache_kwargs
@@ -219,3 +220,94 @@ def test_per_channel_key_scale_on_the_triton_backend_matches_torch():
             logits[backend] = [model(input_ids=ids, **cache_kwargs(cache)).logits, model(input_ids=ids[:, :1], **cache_kwargs(cache)).logits]
     for torch_logits, triton_logits in zip(logits["torch"], logits["triton"]):
         torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-5, atol=1e-5)
+
+
+def uneven_keys(model):
+    """`model` with its key channels spread over 2^0..2^-7 (each RoPE pair alike), as a real model's are."""
+    head_dim = model.config.head_dim
+    spread = 2.0 ** -(torch.arange(head_dim) % (head_dim // 2) % 8)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            weight = layer.self_attn.k_proj.weight
+            weight *= spread.repeat(weight.shape[0] // head_dim)[:, None].to(weight.dtype)
+    return model
+
+
+def measured_settings(**overrides):
+    return {**dict(kv_cache_dtype="int8_per_token_head", scales="dynamic_key_channels", recent_tokens=64,
+                   sink_tokens=2), **overrides}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_measured_key_channels_are_calibrated_ones_over_the_keys_held_at_the_first_code(backend, dtype, model_type):
+    """`scales="dynamic_key_channels"`: until a token is coded the layer holds its keys as they came; the update
+    that codes the first (here the second decode step after a 63-token prefill, 65 tokens seen) sets the channel
+    scales `calibrate(strategy="token", key_channels=True)` gives over those 65 tokens, and from then on the cache is
+    that calibrated cache, logits equal at every step (powers of two: the held keys divided are the same bits),
+    a sliding layer too. (One layer: a second's keys would follow the first's attention, not sdpa's to the bit.)"""
+    extra = dict(sliding_window=48, layer_types=["sliding_attention"]) if model_type != "llama" else {}
+    model = uneven_keys(tiny_model(model_type, num_hidden_layers=1, **extra)).to(dtype)
+    ids = torch.randint(3, 128, (1, 67), generator=torch.Generator().manual_seed(3))
+    calibrated = calibrate(model, [ids[:, :65]], strategy="token", key_channels=True, progress=False)
+    caches = {name: QuantizedFP8Cache(model, backend=backend, **measured_settings(**scales))
+              for name, scales in (("measured", {}), ("calibrated", dict(scales=calibrated)))}  # fmt: skip
+    logits = {}
+    for name, cache in caches.items():
+        with torch.inference_mode():
+            steps = [model(input_ids=ids[:, :63], **cache_kwargs(cache)).logits[:, -1]]
+            for t in range(63, 67):
+                steps.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits[:, -1])
+                if name == "measured":
+                    measured = [layer.key_channel_scale is not None for layer in cache.layers]
+                    assert measured == [t >= 64], t
+        logits[name] = torch.stack(steps)
+    for i, layer in enumerate(caches["measured"].layers):
+        assert torch.equal(layer.key_channel_scale, calibrated.key_channel[i]), i
+        assert int(layer.stats[:, 1].sum()) == 0
+    assert not torch.equal(calibrated.key_channel[0], torch.ones_like(calibrated.key_channel[0]))
+    assert torch.equal(logits["measured"], logits["calibrated"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_measured_key_channels_in_generate_through_padding_beams_and_reset(backend):
+    """A left-padded batch (padding's keys are measured too: they are keys the layer holds), beam search, then
+    the cache reset and reused for another prompt, which it measures anew; a prompt longer than the recent tokens
+    is measured at its prefill. The torch and Triton backends give the same tokens."""
+    model = uneven_keys(tiny_model())
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 128, (2, 70), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    cache = QuantizedFP8Cache(model, backend=backend, **measured_settings())
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False,
+                         **cache_kwargs(cache))  # fmt: skip
+    first = [layer.key_channel_scale.clone() for layer in cache.layers]
+    cache.reset()
+    assert all(layer.key_channel_scale is None for layer in cache.layers)
+    other = (torch.arange(80) % 125 + 3)[None]
+    again = model.generate(other, max_new_tokens=3, do_sample=False, **cache_kwargs(cache))
+    expected = calibrate(model, [other], strategy="token", key_channels=True, progress=False)
+    assert all(torch.equal(layer.key_channel_scale, expected.key_channel[i]) for i, layer in enumerate(cache.layers))
+    assert not torch.equal(first[0], expected.key_channel[0])
+    reference = {}
+    for name in ("torch", "triton"):
+        fresh = QuantizedFP8Cache(model, backend=name, **measured_settings())
+        reference[name] = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False,
+                                         **cache_kwargs(fresh))  # fmt: skip
+    assert torch.equal(out, reference["torch"]) and torch.equal(out, reference["triton"])
+    assert again.shape == (1, 83)
+
+
+def test_measured_key_channels_are_refused_where_they_cannot_be_measured_or_would_be_poor():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="static cache's compiled step cannot"):
+        QuantizedFP8Cache(model, **measured_settings(max_cache_len=32))
+    with pytest.raises(ValueError, match="rotate=True"):
+        QuantizedFP8Cache(model, **measured_settings(rotate=True))
+    with pytest.raises(ValueError, match=r"recent_tokens=32: .* at least 64"):
+        QuantizedFP8Cache(model, **measured_settings(recent_tokens=32))
+    with pytest.raises(ValueError, match="pages' key channel scales are shared by every request"):
+        cb.enable(model, **measured_settings())
+    cb.disable(model)
