@@ -32,7 +32,7 @@ from hf_fp8kv.table import format_table
 
 MODELS = {"smollm2": ("SmolLM2-135M", load_smollm2), "gemma3": ("Gemma 3 270M", load_gemma3)}
 # `scales=KEY_CHANNELS`: per-token scales with per-channel key scales, `calibrate(strategy="token")` on the first
-# 1,024 tokens of `--calibrate-on` (another text than `--text`)
+# `--calibrate-tokens` (1,024) tokens of `--calibrate-on` (another text than `--text`, or the same one's first tokens)
 KEY_CHANNELS = "key channels calibrated on another text"
 DEFAULTS = {name: p.default for name, p in inspect.signature(QuantizedFP8Cache).parameters.items()}
 
@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady times on a shared machine)")
     parser.add_argument("--calibrate-on", help="the text key channels are calibrated on (default: 'sample', or "
                         "'code' when --text is 'sample')")  # fmt: skip
+    parser.add_argument("--calibrate-tokens", type=int, default=1024, help="the tokens key channels are calibrated on")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -164,9 +165,11 @@ def main() -> None:
         kwargs = VARIANTS[variant]
         if kwargs["scales"] == KEY_CHANNELS:
             key_channels = key_channels or calibrate(model, TEXTS[calibrate_on](), tokenizer, strategy="token",
-                                                     key_channels=True, max_length=1024, progress=False)  # fmt: skip
+                                                     key_channels=True, max_length=args.calibrate_tokens,
+                                                     progress=False)  # fmt: skip
             kwargs = dict(kwargs, scales=key_channels)
-            variant += f" (on {calibrate_on!r})"
+            tokens = "" if args.calibrate_tokens == 1024 else f", first {args.calibrate_tokens} tokens"
+            variant += f" (on {calibrate_on!r}{tokens})"
         with torch.inference_mode():
             started = time.perf_counter()
             logits = decode_mode_logits(model, ids, args.prefix, QuantizedFP8Cache(model, **kwargs))

@@ -265,6 +265,19 @@ def test_the_searched_builtin_is_the_recommended_cache_with_searched_scales_and_
     assert not torch.equal(searched.layers[0].scale, recommended.layers[0].scale)  # chosen, not the amax ones
 
 
+def test_the_int8_key_channels_builtin_measures_its_channels_at_int8s_bytes():
+    model = tiny_model()
+    ids = torch.randint(3, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    caches = {name: BUILTIN_VARIANTS[name].make_cache(model) for name in ("int8_per_token_head", "int8_key_channels")}
+    with torch.no_grad():
+        for cache in caches.values():
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    plain, measured = caches["int8_per_token_head"], caches["int8_key_channels"]
+    assert all(layer.key_channel_scale is None for layer in plain.layers)
+    assert all(layer.key_channel_scale.shape == (2, 16) for layer in measured.layers)
+    assert measured.nbytes == plain.nbytes
+
+
 def test_import_hf_fp8kv_loads_the_comparison_only_when_compare_is_used():
     """`import hf_fp8kv` imports neither the comparison package nor matplotlib; `hf_fp8kv.compare` is the function,
     also after `hf_fp8kv.comparison` was imported first."""

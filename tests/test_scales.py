@@ -271,6 +271,26 @@ def test_measured_key_channels_are_calibrated_ones_over_the_keys_held_at_the_fir
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_measured_key_channels_under_searched_scales_and_outlier_tokens_are_the_calibrated_ones(backend):
+    """The queries' energy a scale search (of e4m3 scales) gathered before the channels were measured is carried
+    into their space (times c^2, exact for powers of two): searched scales and outlier tokens then follow as with
+    calibrated channels, logits equal at every step."""
+    model = uneven_keys(tiny_model(num_hidden_layers=1))
+    ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(4))
+    calibrated = calibrate(model, [ids[:, :65]], strategy="token", key_channels=True, progress=False)
+    logits = {}
+    for name, scales in (("measured", {}), ("calibrated", dict(scales=calibrated))):
+        settings = measured_settings(kv_cache_dtype="fp8_e4m3", scale_search=4, outlier_tokens=2, **scales)
+        cache = QuantizedFP8Cache(model, backend=backend, **settings)
+        with torch.inference_mode():
+            steps = [model(input_ids=ids[:, :63], **cache_kwargs(cache)).logits[:, -1]]
+            steps += [model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits[:, -1] for t in range(63, 70)]
+        logits[name] = torch.stack(steps)
+    assert torch.equal(cache.layers[0].key_channel_scale, calibrated.key_channel[0])
+    assert torch.equal(logits["measured"], logits["calibrated"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_measured_key_channels_in_generate_through_padding_beams_and_reset(backend):
     """A left-padded batch (padding's keys are measured too: they are keys the layer holds), beam search, then
     the cache reset and reused for another prompt, which it measures anew; a prompt longer than the recent tokens
