@@ -484,6 +484,13 @@ def test_the_last_split_merges_and_leaves_the_tickets_at_zero(splits, dtype, hel
         assert plan.tickets.shape == (2 * 2,) and not plan.tickets.any()
         launches = plan.launches(query, view, mask, None)[1]
         assert [launch.kernel.fn.__name__ for launch in launches] == ["_attention_kernel"]
+    # a sliding layer's window under the mask: the splits before it see nothing either, and still merge
+    window = view.end // 3
+    plans = {}
+    assert_close(attention(query, view, scaling=0.1, mask=mask, window=window, num_splits=splits, plans=plans),
+                 attention(query, view, scaling=0.1, mask=mask, window=window, num_splits=1).float(), dtype)  # fmt: skip
+    (plan,) = plans.values()
+    assert not plan.tickets.any() and len(plan.launches(query, view, mask, None)[1]) == 1
     # rotated codes leave the merge to a reduce launch (registers, gpu_static)
     generator = torch.Generator().manual_seed(5)
     rotated, _, _ = fill(dataclasses.replace(stream, rotate=True), reference.write, generator, DEVICE)
