@@ -1,5 +1,6 @@
 """Scale schemes in the cache: KVScales and paths as `scales=`, e4m3fnuz, ROCm, static per-channel key scales."""
 
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -318,6 +319,41 @@ def test_measured_key_channels_in_generate_through_padding_beams_and_reset(backe
                                          **cache_kwargs(fresh))  # fmt: skip
     assert torch.equal(out, reference["torch"]) and torch.equal(out, reference["triton"])
     assert again.shape == (1, 83)
+
+
+def test_a_cache_pickled_or_cropped_before_its_channels_are_measured_measures_them_as_a_fresh_one():
+    """Pickled while its keys are still held as they came, a cache measures the same channels when it codes its
+    first token, and gives the same logits. Cropped then (the slots of the tokens cropped poisoned), and given other
+    tokens whose update codes the first, it measures the tokens it holds, not the slots: as a fresh cache given the
+    same tokens."""
+    model = uneven_keys(tiny_model())
+    generator = torch.Generator().manual_seed(6)
+    ids, other = (torch.randint(3, 128, (1, tokens), generator=generator) for tokens in (70, 30))
+
+    def run(cache, prompts):
+        with torch.inference_mode():
+            for prompt in prompts:
+                if prompt is None:
+                    cache.crop(-10)
+                    for layer in cache.layers:
+                        layer.recent[:, :, :, 40:50] = 1e4
+                else:
+                    model(input_ids=prompt, **cache_kwargs(cache))
+            copy = pickle.loads(pickle.dumps(cache))
+            steps = [torch.stack([model(input_ids=ids[:, t : t + 1], **cache_kwargs(c)).logits[:, -1]
+                                  for t in range(50, 70)]) for c in (cache, copy)]  # fmt: skip
+        return steps, [[layer.key_channel_scale for layer in c.layers] for c in (cache, copy)]
+
+    (original, copied), (channels, copied_channels) = run(QuantizedFP8Cache(model, **measured_settings()),
+                                                          [ids[:, :50]])  # fmt: skip
+    assert torch.equal(original, copied)
+    assert all(torch.equal(a, b) for a, b in zip(channels, copied_channels, strict=True))
+    prompts = {"cropped": [ids[:, :50], None, other], "fresh": [ids[:, :40], other]}
+    runs = {name: run(QuantizedFP8Cache(model, **measured_settings()), chunks) for name, chunks in prompts.items()}
+    torch.testing.assert_close(runs["cropped"][0][0], runs["fresh"][0][0], rtol=1e-5, atol=1e-5)
+    assert all(channel is not None for channel in runs["cropped"][1][0])
+    assert torch.equal(runs["cropped"][1][0][0], runs["fresh"][1][0][0])  # (layer 0: its keys follow the ids alone)
+    assert not torch.equal(runs["cropped"][0][0], original)
 
 
 def test_measured_key_channels_are_refused_where_they_cannot_be_measured_or_would_be_poor():
