@@ -15,7 +15,7 @@ from hf_fp8kv.dynamic import DynamicFP8Layer, DynamicFP8SlidingLayer
 from hf_fp8kv.guard import TokenHistory, install_generation_guard
 from hf_fp8kv.kernels import ops
 from hf_fp8kv.layer import FP8Layer
-from hf_fp8kv.scales import ScalesArg
+from hf_fp8kv.scales import MeasuredKeyChannels, ScalesArg
 from hf_fp8kv.settings import CacheSettings, resolve_settings
 from hf_fp8kv.static import StaticFP8Layer, StaticFP8SlidingLayer
 from hf_fp8kv.table import format_table
@@ -252,7 +252,9 @@ class QuantizedFP8Cache(Cache):
                         "granularity": scales.granularity
                         + (f", searched ({layer.scale_search.candidates})" if layer.scale_search.candidates else ""),
                         "source": scales.source,
-                        "k_scale": scales.describe("key"),
+                        "k_scale": scales.describe("key", layer.key_channel_scale is not None)
+                        if isinstance(scales, MeasuredKeyChannels)
+                        else scales.describe("key"),
                         "v_scale": scales.describe("value"),
                         "recent+sinks": f"{layer.recent_tokens}+{layer.sink_tokens}"
                         + (f" +{layer.outlier_tokens} outliers" if layer.outlier_tokens else ""),

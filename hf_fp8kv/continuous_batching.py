@@ -71,7 +71,7 @@ from hf_fp8kv.kernels.ops import backend_for
 from hf_fp8kv.kernels.paged import PageGeometry, RecentRows, RowLayout
 from hf_fp8kv.paged_recent import LayerRows, RequestSlots
 from hf_fp8kv.scale_search import ScaleSearch
-from hf_fp8kv.scales import MeasuredKeyChannels, ScalesArg
+from hf_fp8kv.scales import CALIBRATE_KEY_CHANNELS, MeasuredKeyChannels, ScalesArg
 from hf_fp8kv.settings import check_count, resolve_settings
 
 # The sources (`_source_digest`) of the internals `enable` relies on (`_internals`), in the transformers releases
@@ -229,8 +229,7 @@ def enable(
     if any(isinstance(s, MeasuredKeyChannels) for s in resolved.scales.values()):
         raise ValueError(
             "scales='dynamic_key_channels' on FP8 pages: the pages' key channel scales are shared by every request, "
-            "so one request's keys cannot set them; calibrate them instead: scales=hf_fp8kv.calibrate(model, texts, "
-            "tokenizer, strategy='token', key_channels=True)"
+            f"so one request's keys cannot set them; {CALIBRATE_KEY_CHANNELS}"
         )
     if resolved.outlier_tokens and not resolved.recent_tokens:
         raise ValueError(

@@ -29,6 +29,9 @@ MIN_CHANNEL_RATIO = 1 / 256  # floor of a per-channel key scale relative to its 
 # (benchmarks/recent_quality.py decode mode): N=1 3.9e-2, 16 7.0e-4 (plain int8 7.3e-4), 64 1.0e-4; measured by the
 # cache at its default window (129) 7.95e-5 (docs/recent.md)
 MIN_MEASURED_TOKENS = 64
+# where scales="dynamic_key_channels" is refused, the way to per-channel key scales all the same
+CALIBRATE_KEY_CHANNELS = ("calibrate them instead: scales=hf_fp8kv.calibrate(model, texts, tokenizer, "
+                          "strategy='token', key_channels=True)")  # fmt: skip
 
 
 class UncalibratedScalesWarning(UserWarning):
@@ -71,8 +74,10 @@ class MeasuredKeyChannels(PerTokenScales):
     granularity: str = "per-token-head + key channels"
     source: str = "dynamic, key channels measured from the first coded keys"
 
-    def describe(self, which: str) -> str:
-        return "per token" + (" x measured channel" if which == "key" else "")
+    def describe(self, which: str, channels_measured: bool = True) -> str:
+        if which != "key":
+            return "per token"
+        return "per token x " + ("measured channel" if channels_measured else "channel (not measured yet)")
 
 
 @dataclass

@@ -19,8 +19,8 @@ from hf_fp8kv.kernels.rotation import hadamard_block
 from hf_fp8kv.kernels.targets import device_target
 from hf_fp8kv.scale_search import check_scale_search
 from hf_fp8kv.scales import (
-    CALIBRATION_WARNING, MIN_MEASURED_TOKENS, LayerScales, MeasuredKeyChannels, ScalesArg, UncalibratedScalesWarning,
-    resolve_scales,
+    CALIBRATE_KEY_CHANNELS, CALIBRATION_WARNING, MIN_MEASURED_TOKENS, LayerScales, MeasuredKeyChannels, ScalesArg,
+    UncalibratedScalesWarning, resolve_scales,
 )
 
 # Layer types (from `get_layer_types_and_kwargs`) we store; chunked attention caches like a sliding window of the
@@ -140,11 +140,9 @@ def check_rotation(head_dim: int, layer_scales: dict[int, LayerScales], uncalibr
 
 def check_measured_channels(recent_tokens: int, max_cache_len: int | None, rotate: bool) -> None:
     """Refuse `scales="dynamic_key_channels"` where its measurement cannot be made or would be poor."""
-    calibrated = ("calibrate them instead: scales=hf_fp8kv.calibrate(model, texts, tokenizer, strategy='token', "
-                  "key_channels=True)")  # fmt: skip
     if max_cache_len is not None:
         raise ValueError("scales='dynamic_key_channels' measures a layer's key channels when its first token is "
-                         f"coded, which a static cache's compiled step cannot do; {calibrated}")  # fmt: skip
+                         f"coded, which a static cache's compiled step cannot do; {CALIBRATE_KEY_CHANNELS}")  # fmt: skip
     if rotate:
         raise ValueError("scales='dynamic_key_channels' with rotate=True: a rotation mixes the channels these scales "
                          "set apart (not measured); use one or the other")  # fmt: skip
@@ -153,7 +151,7 @@ def check_measured_channels(recent_tokens: int, max_cache_len: int | None, rotat
             f"scales='dynamic_key_channels' with recent_tokens={recent_tokens}: the key channels are measured over "
             f"the recent tokens when the first one is coded, and need at least {MIN_MEASURED_TOKENS} of them "
             f"(channels measured on a few tokens are worse than none: docs/recent.md); raise recent_tokens, or "
-            f"{calibrated}"
+            f"{CALIBRATE_KEY_CHANNELS}"
         )
 
 

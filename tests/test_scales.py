@@ -266,6 +266,8 @@ def test_measured_key_channels_are_calibrated_ones_over_the_keys_held_at_the_fir
                 if name == "measured":
                     measured = [layer.key_channel_scale is not None for layer in cache.layers]
                     assert measured == [t >= 64], t
+                    shown = "per token x measured channel" if t >= 64 else "per token x channel (not measured yet)"
+                    assert cache.summary()[0]["k_scale"] == shown, t
         logits[name] = torch.stack(steps)
     for i, layer in enumerate(caches["measured"].layers):
         assert torch.equal(layer.key_channel_scale, calibrated.key_channel[i]), i
