@@ -7,6 +7,10 @@ import torch
 # any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import fast_interpreter
+
+    fast_interpreter.install()
 
 # Under pytest-xdist (scripts/test.sh: -n auto) each worker gets its share of the cores for torch's threads, and so
 # do the processes it starts (a notebook's kernel, a script's pytest): the workers do not oversubscribe the cores.
