@@ -321,6 +321,29 @@ def test_measured_key_channels_in_generate_through_padding_beams_and_reset():
     assert again.shape == (1, 83)
 
 
+def test_measured_key_channels_under_fp8_prefill_measured_by_a_continuation():
+    """`fp8_prefill=True` (the prefill's dots on e4m3 operands, the Triton backend): a 40-token prompt codes
+    nothing; its 40-token continuation codes the first tokens, so that update measures the channels over all 80
+    keys, then its attention runs FP8 dots over the codes. The logits of both chunks and the decode steps after
+    are a cache calibrated on those 80 tokens', bit for bit."""
+    model = uneven_keys(tiny_model(num_hidden_layers=1)).half()
+    ids = torch.randint(3, 128, (1, 83), generator=torch.Generator().manual_seed(7))
+    calibrated = calibrate(model, [ids[:, :80]], strategy="token", key_channels=True, progress=False)
+    logits = {}
+    for name, scales in (("measured", {}), ("calibrated", dict(scales=calibrated))):
+        settings = measured_settings(kv_cache_dtype="fp8_e4m3", fp8_prefill=True, **scales)
+        cache = QuantizedFP8Cache(model, backend="triton", **settings)
+        with torch.inference_mode():
+            steps = [model(input_ids=ids[:, :40], **cache_kwargs(cache)).logits[0]]
+            assert (cache.layers[0].key_channel_scale is None) == (name == "measured")
+            steps.append(model(input_ids=ids[:, 40:80], **cache_kwargs(cache)).logits[0])
+            steps += [model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits[0] for t in range(80, 83)]
+        assert cache.layers[0].kernels.fp8_prefill and int(cache.layers[0].stats[:, 1].sum()) == 0
+        logits[name] = torch.cat(steps)
+    assert torch.equal(cache.layers[0].key_channel_scale, calibrated.key_channel[0])
+    assert torch.equal(logits["measured"], logits["calibrated"])
+
+
 def test_a_cache_pickled_or_cropped_before_its_channels_are_measured_measures_them_as_a_fresh_one():
     """Pickled while its keys are still held as they came, a cache measures the same channels when it codes its
     first token, and gives the same logits. Cropped then (the slots of the tokens cropped poisoned), and given other
