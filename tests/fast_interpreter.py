@@ -27,12 +27,12 @@ def _languages(fn) -> frozenset[int]:
 
 
 def install() -> None:
-    """Patch Triton's interpreter once per process (a no-op where its internals are not the ones measured)."""
+    """Patch Triton's interpreter once per process: Triton 3.9's, whose internals these are (others run as they
+    come)."""
+    import triton
     from triton.runtime import interpreter
 
-    if getattr(interpreter, "_hf_fp8kv_fast", False) or not all(
-        hasattr(interpreter, name) for name in ("_patch_lang", "GridExecutor", "_LangPatchScope")
-    ):
+    if getattr(interpreter, "_hf_fp8kv_fast", False) or not triton.__version__.startswith("3.9."):
         return
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
 
