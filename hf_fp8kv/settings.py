@@ -141,8 +141,10 @@ def check_rotation(head_dim: int, layer_scales: dict[int, LayerScales], uncalibr
 def check_measured_channels(recent_tokens: int, max_cache_len: int | None, rotate: bool) -> None:
     """Refuse `scales="dynamic_key_channels"` where its measurement cannot be made or would be poor."""
     if max_cache_len is not None:
-        raise ValueError("scales='dynamic_key_channels' measures a layer's key channels when its first token is "
-                         f"coded, which a static cache's compiled step cannot do; {CALIBRATE_KEY_CHANNELS}")  # fmt: skip
+        raise ValueError(
+            "scales='dynamic_key_channels' measures a layer's key channels when its first token is coded, which a "
+            f"static cache's compiled step cannot do; {CALIBRATE_KEY_CHANNELS}"
+        )
     if rotate:
         raise ValueError("scales='dynamic_key_channels' with rotate=True: a rotation mixes the channels these scales "
                          "set apart (not measured); use one or the other")  # fmt: skip
