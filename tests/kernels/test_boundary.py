@@ -2,6 +2,7 @@
 Triton ops and their torch references can be carried to another project (the boundary the README promises)."""
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,13 +28,29 @@ def test_no_kernel_module_names_transformers_or_the_integration():
     assert MODULES and not outside, outside
 
 
-def test_the_kernels_import_without_transformers():
-    """Every kernel module imported as a package of its own, in a fresh interpreter: neither transformers nor
-    hf_fp8kv gets loaded."""
-    names = ", ".join(f"kernels.{path.stem}" for path in MODULES if path.stem != "__init__")
+def test_the_kernels_import_without_transformers(tmp_path):
+    """Every kernel module, copied into another project as a package of its own (`carried_kernels`), imported in a
+    fresh interpreter: neither transformers nor hf_fp8kv gets loaded."""
+    shutil.copytree(KERNELS, tmp_path / "carried_kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    names = ", ".join(f"carried_kernels.{path.stem}" for path in MODULES if path.stem != "__init__")
     code = (
-        f"import sys; sys.path.insert(0, {str(KERNELS.parent)!r}); import {names}; "
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {names}; "
         "loaded = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'hf_fp8kv')]; print(loaded)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_top_level_kernels_from_the_checkouts_root_is_hugging_faces_package():
+    """From the checkout's root (first on `sys.path` under `python -c`, `python -m`, pytest) `import kernels` finds
+    this directory first. It hands the name over to Hugging Face's `kernels` (which transformers >= 5.25 imports)
+    where that is installed, and otherwise fails as a missing module, naming `hf_fp8kv.kernels`."""
+    find = "import importlib.util; spec = importlib.util.find_spec('kernels'); print(spec.origin if spec else '')"
+    installed = subprocess.run([sys.executable, "-c", find], cwd=KERNELS.anchor, capture_output=True, text=True,
+                               check=True).stdout.strip()  # (from a directory that holds no `kernels`)
+    code = "import kernels; print(kernels.__file__); import transformers"
+    result = subprocess.run([sys.executable, "-c", code], cwd=KERNELS.parent, capture_output=True, text=True)
+    if installed:
+        assert result.returncode == 0 and result.stdout.strip() == installed, result.stderr
+    else:
+        assert "ModuleNotFoundError" in result.stderr and "is hf_fp8kv.kernels, not a top-level" in result.stderr
