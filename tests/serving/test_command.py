@@ -125,3 +125,15 @@ def test_a_scale_that_is_not_positive_and_finite_is_refused(started, capsys, sca
 def test_the_kv_memory_option_is_checked_in_python_too(mib):
     with pytest.raises(ValueError, match="kv_memory_mib="):
         FP8Options(kv_memory_mib=mib)
+
+
+def test_a_transformers_without_the_servers_internals_is_refused_naming_the_release(monkeypatch):
+    from transformers.cli.serve import Serve
+
+    from hf_fp8kv.serving import server
+
+    monkeypatch.delattr(Serve, "start_server")  # (as transformers 5.25, which rewrote its server)
+    refusal = r"as of transformers 5\.24\.x, .*'hf-fp8kv\[serve\]'.* lacks \['Serve\.start_server'\]"
+    with pytest.raises(RuntimeError, match=refusal):
+        server.check_transformers_serve()
+
