@@ -7,12 +7,20 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import sys
 from typing import Sequence
 
 import click
 
 from hf_fp8kv.scale_search import CANDIDATES
-from hf_fp8kv.serving.server import DEFAULT_PAGE_SIZE, MAX_KV_MEMORY_MIB, FP8Options, FP8Serve, dense_default
+from hf_fp8kv.serving.server import (
+    DEFAULT_PAGE_SIZE,
+    MAX_KV_MEMORY_MIB,
+    FP8Options,
+    FP8Serve,
+    check_transformers_serve,
+    dense_default,
+)
 
 NAME = "hf-fp8kv serve"
 
@@ -121,4 +129,9 @@ def _scales(ctx, param, text: str) -> float | str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`hf-fp8kv serve ...` (`argv`: the arguments after `serve`); returns the exit status."""
+    try:  # before transformers' command is copied: its options are its release's
+        check_transformers_serve()
+    except (ImportError, RuntimeError) as error:
+        print(f"{NAME}: error: {error}", file=sys.stderr)
+        return 2
     return serve_command().main(args=list(argv) if argv is not None else None, prog_name=NAME, standalone_mode=True)

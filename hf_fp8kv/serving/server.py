@@ -66,29 +66,33 @@ def check_transformers_serve() -> None:
         raise ImportError("hf-fp8kv serve needs the serving extra: pip install 'hf-fp8kv[serve]'")
     check_transformers_version()
     from transformers.cli.serving import model_manager, utils
-    from transformers.generation.continuous_batching.continuous_api import OutputRouter
+    from transformers.generation.continuous_batching import continuous_api
 
+    modules = {"ModelManager": model_manager, "GenerationState": utils, "CBGenerateManager": utils,
+               "BaseHandler": utils, "CBStreamer": utils, "OutputRouter": continuous_api}  # fmt: skip
+    owners = {"Serve": Serve, **{name: getattr(module, name, None) for name, module in modules.items()}}
     methods = {
-        Serve: ("start_server", "kill_server"),
-        model_manager.ModelManager: ("load_model_and_processor", "process_model_name", "list_models"),
-        utils.GenerationState: ("get_manager",),
-        utils.CBGenerateManager: ("init_cb", "generate_streaming", "generate_non_streaming", "is_alive"),
-        utils.BaseHandler: ("_build_generation_config", "_validate_request", "_valid_params_class", "_unused_fields"),
-        utils.CBStreamer: ("cancel", "put"),
+        "Serve": ("start_server", "kill_server"),
+        "ModelManager": ("load_model_and_processor", "process_model_name", "list_models"),
+        "GenerationState": ("get_manager",),
+        "CBGenerateManager": ("init_cb", "generate_streaming", "generate_non_streaming", "is_alive"),
+        "BaseHandler": ("_build_generation_config", "_validate_request", "_valid_params_class", "_unused_fields"),
+        "CBStreamer": ("cancel", "put"),
     }
     attributes = {  # set in __init__
-        Serve: ("_model_manager", "_generation_state", "_chat_handler", "_completion_handler", "_response_handler",
-                "server"),
-        model_manager.ModelManager: ("loaded_models", "force_model"),
-        utils.GenerationState: ("_cb_config",),
-        utils.CBGenerateManager: ("_cb",),
-        utils.CBStreamer: ("_queue",),
-        OutputRouter: ("_lock", "result_handlers", "output_queue"),
+        "Serve": ("_model_manager", "_generation_state", "_chat_handler", "_completion_handler", "_response_handler",
+                  "server"),
+        "ModelManager": ("loaded_models", "force_model"),
+        "GenerationState": ("_cb_config",),
+        "CBGenerateManager": ("_cb",),
+        "CBStreamer": ("_queue",),
+        "OutputRouter": ("_lock", "result_handlers", "output_queue"),
     }  # fmt: skip
-    missing = [f"{owner.__name__}.{name}" for owner, names in methods.items() for name in names
-               if not hasattr(owner, name)]  # fmt: skip
-    missing += [f"{owner.__name__}.{name}" for owner, names in attributes.items() for name in names
-                if name not in owner.__init__.__code__.co_names]  # fmt: skip
+    missing = [name for name, owner in owners.items() if owner is None]
+    missing += [f"{owner}.{name}" for owner, names in methods.items() if owners[owner] is not None for name in names
+                if not hasattr(owners[owner], name)]  # fmt: skip
+    missing += [f"{owner}.{name}" for owner, names in attributes.items() if owners[owner] is not None
+                for name in names if name not in owners[owner].__init__.__code__.co_names]  # fmt: skip
     if missing:
         raise RuntimeError(
             f"hf-fp8kv serve runs transformers serve as of transformers {TESTED_SERVE}.x, which pip install "
