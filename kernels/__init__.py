@@ -3,8 +3,9 @@ No transformers here.
 
 Imported as the top-level `kernels` instead, this directory is shadowing Hugging Face's `kernels` package (which
 transformers >= 5.25 requires and imports): Python is running from the checkout's root, which `python -m ...`,
-`python -c` and pytest put first on `sys.path`. The name is then handed over to that package, as if the root were
-not on the path.
+`python -c` and pytest put first on `sys.path`. The name is then handed over to that package where it is
+installed, as if the root were not on the path; where it is not, this module stays, empty and without a version,
+which transformers' check of the package (an import, for want of its metadata) reads as unavailable.
 """
 
 if __name__ == "kernels":
@@ -16,9 +17,7 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None:
-        raise ModuleNotFoundError(f"{os.path.dirname(__file__)} is hf_fp8kv.kernels, not a top-level `kernels` "
-                                  "package (and Hugging Face's `kernels` package is not installed)", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module  # (what the import statement returns, once this module has run)
-    _spec.loader.exec_module(_module)
+    if _spec is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # (what the import statement returns, once this module has run)
+        _spec.loader.exec_module(_module)
