@@ -41,7 +41,7 @@ def test_the_kernels_import_without_transformers(tmp_path):
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
-def test_top_level_kernels_from_the_checkouts_root_is_hugging_faces_package():
+def test_hf_fp8kv_imports_from_the_checkouts_root_with_or_without_hugging_faces_kernels():
     """From the checkout's root (first on `sys.path` under `python -c`, `python -m`, pytest) `import kernels` finds
     this directory first. It hands the name over to Hugging Face's `kernels` (which transformers >= 5.25 imports)
     where that is installed, and otherwise stays an empty package, which transformers reads as no `kernels`: either

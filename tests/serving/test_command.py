@@ -136,4 +136,3 @@ def test_a_transformers_without_the_servers_internals_is_refused_naming_the_rele
     assert cli.main(["serve", "--port", "8011"]) == 2
     refusal = r"as of transformers 5\.24\.x, .*'hf-fp8kv\[serve\]'.* lacks \['Serve\.start_server'\]"
     assert re.search(refusal, capsys.readouterr().err)
-
