@@ -18,6 +18,7 @@ arguments by its buffers' identity. Continuous batching's pages go through the b
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import warnings
 
@@ -46,6 +47,11 @@ def backend_for(requested: str | None, device: torch.device) -> "TorchBackend":
     name = check_backend(requested)
     if device.type == "cuda" and name != "torch":
         return TORCH if gpu_problem(device) else TRITON
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        raise RuntimeError(
+            f"backend='triton' needs the triton package, which is not installed here (it is installed with hf-fp8kv "
+            f"on Linux x86_64 and aarch64, where its wheels are); backend='torch' runs on {device.type}"
+        )
     if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"backend='triton' on {device.type} needs TRITON_INTERPRET=1 (the Triton interpreter)")
     return TRITON if name == "triton" else TORCH

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["pyproject.toml", "README.md", "MANIFEST.in", "hf_fp8kv", "kernels", "scripts"]
@@ -72,6 +74,60 @@ def test_wheel_from_sdist_ships_the_modules_kernels_and_data(source, tmp_path):
     assert {"hf_fp8kv/data/prompts.txt", "hf_fp8kv/data/sample_text.txt", "hf_fp8kv/kernels/ops.py"} <= shipped
     entry_points = zipfile.ZipFile(wheel).read("hf_fp8kv-0.1.0.dist-info/entry_points.txt").decode()
     assert "hf-fp8kv = hf_fp8kv.cli:main" in entry_points
+    check_triton_only_where_its_wheels_are(zipfile.ZipFile(wheel).read("hf_fp8kv-0.1.0.dist-info/METADATA").decode())
+
+
+# (pip download --only-binary=:all: --platform ... triton>=3.2, 2026-12-07: 3.9.0 for manylinux x86_64 and aarch64,
+# nothing for macOS or Windows)
+TRITON_WHEELS = {("Linux", "x86_64"): True, ("Linux", "aarch64"): True, ("Darwin", "arm64"): False,
+                 ("Darwin", "x86_64"): False, ("Windows", "AMD64"): False, ("Linux", "ppc64le"): False}
+
+
+def check_triton_only_where_its_wheels_are(metadata: str) -> None:
+    """pip installs triton with the package on the platforms that have its wheels, and nowhere else (where it
+    would fail the whole install)."""
+    (triton,) = [Requirement(line.removeprefix("Requires-Dist: ")) for line in metadata.splitlines()
+                 if line.startswith("Requires-Dist: triton")]  # fmt: skip
+    for (system, machine), has_wheels in TRITON_WHEELS.items():
+        environment = {"platform_system": system, "platform_machine": machine, "sys_platform": system.lower()}
+        assert triton.marker.evaluate(environment) == has_wheels, (system, machine, str(triton))
+
+
+NO_TRITON = """
+import sys
+sys.modules["triton"] = None  # as on a machine without it: every `import triton` fails, find_spec finds nothing
+import torch
+from hf_fp8kv import QuantizedFP8Cache
+from hf_fp8kv.compat import cache_kwargs
+from tests.models import tiny_model
+model = tiny_model()
+prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
+out = model.generate(prompt, **cache_kwargs(QuantizedFP8Cache(model, scales="dynamic")), max_new_tokens=8, do_sample=False)
+print(out[0].tolist())
+try:
+    model.generate(prompt, **cache_kwargs(QuantizedFP8Cache(model, backend="triton")), max_new_tokens=1)
+except RuntimeError as error:
+    print(error)
+"""
+
+
+def test_without_triton_the_cache_runs_the_torch_path():
+    """Where Triton is not installed (macOS, Windows: no wheels) the package imports and generates on the torch
+    path with the results the torch backend gives here; asking for the Triton backend names what is missing."""
+    from hf_fp8kv import QuantizedFP8Cache
+    from hf_fp8kv.compat import cache_kwargs
+    from tests.models import tiny_model
+
+    run = subprocess.run([sys.executable, "-c", NO_TRITON], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    tokens, error = run.stdout.strip().splitlines()[-2:]
+    model = tiny_model()
+    cache = QuantizedFP8Cache(model, scales="dynamic", backend="torch")
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([[1, 5, 9, 14, 3, 7]]), **cache_kwargs(cache), max_new_tokens=8,
+                                  do_sample=False)
+    assert ast.literal_eval(tokens) == expected[0].tolist()
+    assert error.startswith("backend='triton' needs the triton package, which is not installed here")
 
 
 def test_editable_wheel_maps_the_kernels_directory(source, tmp_path):
