@@ -102,7 +102,8 @@ from hf_fp8kv.compat import cache_kwargs
 from tests.models import tiny_model
 model = tiny_model()
 prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
-out = model.generate(prompt, **cache_kwargs(QuantizedFP8Cache(model, scales="dynamic")), max_new_tokens=8, do_sample=False)
+cache = QuantizedFP8Cache(model, scales="dynamic")
+out = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=8, do_sample=False)
 print(out[0].tolist())
 try:
     model.generate(prompt, **cache_kwargs(QuantizedFP8Cache(model, backend="triton")), max_new_tokens=1)
