@@ -255,6 +255,9 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
     def __init__(self, *args, sliding_window: int, **kwargs):
         super().__init__(*args, **{**kwargs, "sink_tokens": 0})  # the window drops the first tokens anyway
         self.sliding_window = sliding_window
+        # the oldest token whose codes the ring still holds, as of the last crop: a crop lowers recent_start, not
+        # what the ring's slots overwrote before it
+        self.ring_floor = 0
 
     @property
     def ring_slots(self) -> int:
@@ -270,9 +273,10 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
     def crop(self, tokens_to_remove: int) -> None:
         self.write_pending()
         if tokens_to_remove < 0 and self.is_initialized:
-            end = self.host_end()
+            end, recent_start = self._host_positions()
             needed = max(end + tokens_to_remove - (self.sliding_window - 1), 0)  # the oldest token seen next
-            held = max(self._host_positions()[1] - self.code_slots, 0)  # the oldest token the ring still holds
+            # recent_start only grows between crops, so it is the furthest the codes have come since the last one
+            self.ring_floor = held = max(self.ring_floor, recent_start - self.code_slots)
             if needed < held:
                 raise RuntimeError(
                     f"layer {self.layer_idx}: after crop({tokens_to_remove}) the next token sees tokens from {needed} "
@@ -282,6 +286,10 @@ class StaticFP8SlidingLayer(StaticFP8Layer):
                     f"max_cache_len <= sliding_window ({self.sliding_window})"
                 )
         super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.ring_floor = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new_tokens = key_states.shape[2]

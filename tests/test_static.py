@@ -3,6 +3,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.compat import cache_kwargs
@@ -16,6 +18,9 @@ LOOKUP_PROMPT = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6
 def gemma(sliding_window: int = 8):
     return tiny_model("gemma3_text", num_hidden_layers=2, sliding_window=sliding_window,
                       layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+
+
+GEMMA_SLIDING_6 = gemma(sliding_window=6)
 
 
 def chat(model, cache, crop: int = 0) -> torch.Tensor:
@@ -52,6 +57,25 @@ def test_crop_past_what_the_ring_holds_is_refused(window):
     with pytest.raises(RuntimeError, match=r"layer 0: after crop\(-3\).*overwritten.*dynamic cache"):
         chat(model, cache, crop=3)
     assert QuantizedFP8Cache(model, scales="dynamic", max_cache_len=8).is_croppable  # the ring never wraps
+
+
+def test_a_second_crop_refuses_what_the_ring_overwrote_before_the_first():
+    """A crop moves the codes' end back, not what the ring's slots overwrote: after 7 tokens in a ring of 6 code
+    slots (token 0's slot holds token 6), crop(-1) is served (the next token sees tokens 1..6) and a second crop(-1)
+    is refused (the next one would see token 0). Found by the property test below: the second crop was served, and
+    the next logits read token 6's codes as token 0's."""
+    cache = QuantizedFP8Cache(GEMMA_SLIDING_6, scales="dynamic", max_cache_len=36, **PURE_FP8)
+    with torch.no_grad():
+        GEMMA_SLIDING_6(input_ids=IDS[:, :7], **cache_kwargs(cache))
+    cache.crop(-1)
+    with pytest.raises(RuntimeError, match=r"layer 0: after crop\(-1\) the next token sees tokens from 0 on.*overwritten "
+                       r"tokens 0..0"):  # fmt: skip
+        cache.crop(-1)
+    assert cache.get_seq_length() == 6  # (nothing lost)
+    cache.reset()
+    with torch.no_grad():
+        GEMMA_SLIDING_6(input_ids=IDS[:, :5], **cache_kwargs(cache))
+    cache.crop(-1)  # (a reset cache's ring holds every token again)
 
 
 def test_crop_of_tokens_the_recent_buffer_still_holds_is_served():
@@ -171,3 +195,60 @@ def test_each_token_stored_once_up_to_max_cache_len(backend, dtype):
     # arithmetic (AVX512-FP16) the logits moved by up to 2.4e-4, an fp16 ulp at 0.25
     tolerance = 1e-3 if dtype == torch.float16 else 1e-4
     torch.testing.assert_close(scores["static"], scores["dynamic"], rtol=tolerance, atol=tolerance)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_any_sequence_of_updates_reorders_crops_and_resets_gets_the_dynamic_caches_logits(data):
+    """Property-based (hypothesis): random updates of 1 to 12 tokens (left-padded rows at the first), beam
+    reorders, crops and resets on a model with a sliding layer whose ring wraps, any recent and sink window and
+    format, both backends: the static cache's logits are the dynamic cache's at every update. A crop the static
+    cache refuses (its ring overwrote what the next step would see) is skipped on both."""
+    draw = data.draw
+    backend = draw(st.sampled_from(["torch", "torch", "torch", "triton"]), label="backend")
+    window = dict(recent_tokens=draw(st.integers(0, 10), label="recent"),
+                  sink_tokens=draw(st.integers(0, 3), label="sinks"),
+                  kv_cache_dtype=draw(st.sampled_from(["fp8_e4m3", "fp8_e5m2", "int8_per_token_head"]), label="format"))
+    rows, length = draw(st.integers(1, 2), label="rows"), 36
+    model = GEMMA_SLIDING_6
+    caches = [QuantizedFP8Cache(model, scales="dynamic", backend=backend, **window),
+              QuantizedFP8Cache(model, scales="dynamic", backend=backend, max_cache_len=length, max_batch_size=rows,
+                                **window)]  # fmt: skip
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16), label="seed"))
+    first, end = [0] * rows, 0
+    for cache in caches:
+        cache.activate_past_recording()  # (what assisted decoding does before the steps it may crop)
+    for step in range(draw(st.integers(2, 8), label="steps")):
+        op = "update" if not end else draw(st.sampled_from(["update", "update", "crop", "crop", "reorder", "reset"]))
+        if op == "update" and end < length:
+            ids = torch.randint(3, 120, (rows, draw(st.integers(1, min(12, length - end)), label="new")),
+                                generator=generator)  # fmt: skip
+            if not end:
+                first = draw(st.lists(st.integers(0, ids.shape[1] - 1), min_size=rows, max_size=rows), label="padding")
+            mask = (torch.arange(end + ids.shape[1])[None, :] >= torch.tensor(first)[:, None]).long()
+            with torch.no_grad():
+                dynamic, static = (model(input_ids=ids, attention_mask=mask, **cache_kwargs(c)).logits for c in caches)
+            torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)
+            end += ids.shape[1]
+        elif op == "reorder" and end:
+            picked = draw(st.lists(st.integers(0, rows - 1), min_size=rows, max_size=rows), label="rows picked")
+            for cache in caches:
+                cache.reorder_cache(torch.tensor(picked))
+            first = [first[row] for row in picked]
+        elif op == "crop" and end > max(first) + 1:
+            removed = draw(st.integers(1, end - max(first) - 1), label="removed")
+            try:
+                caches[1].crop(-removed)
+            except RuntimeError as refusal:
+                assert "overwritten" in str(refusal)
+                continue
+            caches[0].crop(-removed)
+            end -= removed
+            for cache in caches:
+                cache.activate_past_recording()
+        elif op == "reset":
+            for cache in caches:
+                cache.reset()
+                cache.activate_past_recording()
+            end = 0
+        assert [int(cache.get_seq_length()) for cache in caches] == [end, end]
