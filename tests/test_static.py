@@ -68,8 +68,8 @@ def test_a_second_crop_refuses_what_the_ring_overwrote_before_the_first():
     with torch.no_grad():
         GEMMA_SLIDING_6(input_ids=IDS[:, :7], **cache_kwargs(cache))
     cache.crop(-1)
-    with pytest.raises(RuntimeError, match=r"layer 0: after crop\(-1\) the next token sees tokens from 0 on.*overwritten "
-                       r"tokens 0..0"):  # fmt: skip
+    refusal = r"layer 0: after crop\(-1\) the next token sees tokens from 0 on.*overwritten tokens 0..0"
+    with pytest.raises(RuntimeError, match=refusal):
         cache.crop(-1)
     assert cache.get_seq_length() == 6  # (nothing lost)
     cache.reset()
