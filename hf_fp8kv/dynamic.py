@@ -265,16 +265,26 @@ class DynamicFP8SlidingLayer(DynamicFP8Layer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove `-tokens_to_remove` tokens and keep at most `sliding_window - 1` (so `crop(0)` may trim), as
-        transformers' `DynamicSlidingWindowLayer` does (its count of tokens seen drops by the tokens removed)."""
+        transformers' `DynamicSlidingWindowLayer` does (its count of tokens seen drops by the tokens removed); a crop
+        that would leave the next token without tokens an earlier crop dropped is refused (transformers' would drop
+        them silently)."""
         self.write_pending()
-        if self.end < self.sliding_window:
-            super().crop(tokens_to_remove)
-            return
-        if not self.record_past:
+        if self.end >= self.sliding_window and not self.record_past:
             raise RuntimeError(
                 f"layer {self.layer_idx}: crop() after the sliding window ({self.sliding_window}) was reached needs "
                 "activate_past_recording() before the tokens to remove were added"
             )
+        needed = max(self.end + min(tokens_to_remove, 0) - (self.sliding_window - 1), 0)  # the oldest token seen next
+        if needed < self.first:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: after crop({tokens_to_remove}) the next token sees tokens from {needed} on, "
+                f"but this sliding-window layer holds tokens from {self.first} on: an earlier crop kept the last "
+                f"sliding_window - 1 = {self.sliding_window - 1} (as transformers' DynamicSlidingWindowLayer does). "
+                "Crop by the whole count at once, after activate_past_recording()"
+            )
+        if self.end < self.sliding_window:
+            super().crop(tokens_to_remove)
+            return
         if tokens_to_remove > 0:
             raise RuntimeError(
                 f"layer {self.layer_idx}: once the sliding window is reached, crop() takes a negative number of "

@@ -1,6 +1,8 @@
 """The static cache (`max_cache_len`) where its modes cross: sliding rings x crop x the recent window, batches up to
 `max_batch_size`, and generate calls it cannot serve refused before the first step."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -202,8 +204,9 @@ def test_each_token_stored_once_up_to_max_cache_len(backend, dtype):
 def test_any_sequence_of_updates_reorders_crops_and_resets_gets_the_dynamic_caches_logits(data):
     """Property-based (hypothesis): random updates of 1 to 12 tokens (left-padded rows at the first), beam
     reorders, crops and resets on a model with a sliding layer whose ring wraps, any recent and sink window and
-    format, both backends: the static cache's logits are the dynamic cache's at every update. A crop the static
-    cache refuses (its ring overwrote what the next step would see) is skipped on both."""
+    format, both backends: the static cache's logits are the dynamic cache's at every update. A crop either cache
+    refuses (the static ring overwrote, or the dynamic layer's earlier crop dropped, what the next step would see)
+    must say so; both then start again."""
     draw = data.draw
     backend = draw(st.sampled_from(["torch", "torch", "torch", "triton"]), label="backend")
     window = dict(recent_tokens=draw(st.integers(0, 10), label="recent"),
@@ -237,14 +240,17 @@ def test_any_sequence_of_updates_reorders_crops_and_resets_gets_the_dynamic_cach
             first = [first[row] for row in picked]
         elif op == "crop" and end > max(first) + 1:
             removed = draw(st.integers(1, end - max(first) - 1), label="removed")
-            try:
-                caches[1].crop(-removed)
-            except RuntimeError as refusal:
-                assert "overwritten" in str(refusal)
-                continue
-            caches[0].crop(-removed)
-            end -= removed
+            refusals = []
             for cache in caches:
+                try:
+                    cache.crop(-removed)
+                except RuntimeError as refusal:  # (the dynamic cache: after an earlier crop that dropped them)
+                    refusals.append(str(refusal))
+            assert all(re.search(r"after crop\(-\d+\).*(overwritten|holds tokens from)", r) for r in refusals)
+            end = 0 if refusals else end - removed
+            for cache in caches:
+                if refusals:  # (the other cache may have cropped: both start again)
+                    cache.reset()
                 cache.activate_past_recording()
         elif op == "reset":
             for cache in caches:
