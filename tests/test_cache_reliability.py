@@ -9,13 +9,10 @@ import threading
 import pytest
 import torch
 from hf_fp8kv.kernels.formats import get_format
-from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.comparison import LiveTensorBytes
 from hf_fp8kv.compat import cache_kwargs
-from hf_fp8kv.dynamic import DynamicFP8SlidingLayer
-from hf_fp8kv.scales import PerTokenScales
 from tests.models import PURE_FP8, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 99, 3, 64, 11, 23, 7, 120, 1]])
@@ -110,18 +107,6 @@ def test_nan_keys_read_alike_on_both_backends_and_are_counted(fmt):
     assert nan["torch"][0, 2:].all() == get_format(fmt).is_float  # KV head 1 read a NaN key (int8: read as 0)
     finite = ~nan["torch"]
     torch.testing.assert_close(outputs["triton"][finite], outputs["torch"][finite], rtol=1e-5, atol=1e-5)
-
-
-def test_sliding_crop_beyond_the_kept_tokens_counts_like_transformers():
-    theirs = DynamicSlidingWindowLayer(sliding_window=8)
-    ours = DynamicFP8SlidingLayer(get_format("fp8"), PerTokenScales(), 4, "torch", lambda: True, 0, sliding_window=8)
-    for layer in (theirs, ours):
-        layer.activate_past_recording()
-        kv = torch.randn(2, 1, 2, 12, 16, generator=torch.Generator().manual_seed(0))
-        layer.update(kv[0], kv[1])
-        layer.crop(-2)
-        layer.crop(-11)
-    assert ours.get_seq_length() == theirs.get_seq_length()
 
 
 ARGUMENT_ERRORS = [

@@ -120,19 +120,21 @@ def test_crop_before_the_window_is_reached_and_errors_after():
         ours.crop(3)
 
 
-def test_a_second_crop_refuses_what_the_first_dropped():
+@pytest.mark.parametrize("second, sees", [(1, 2), (11, 0)])
+def test_a_second_crop_refuses_what_the_first_dropped(second, sees):
     """A crop keeps the last `sliding_window - 1` tokens, as transformers' layer does, so a second crop before the
-    next update cannot roll back further: it is refused, naming the tokens (transformers' layer drops them and
-    the next step reads fewer), and the layer keeps what it held. One crop by the whole count is served."""
+    next update cannot roll back further, by one token or past them all: it is refused, naming the tokens
+    (transformers' layer drops them, and the next step reads fewer; past them all it counts a negative length),
+    and the layer keeps what it held. One crop by the whole count is served."""
     ours, whole = fp8_layer(False), fp8_layer(False)
     for layer in (ours, whole):
         layer.activate_past_recording()
         layer.update(*exact_states(WINDOW + 3, torch.Generator().manual_seed(7)))
     ours.crop(-1)
     held = ours.dequantized()
-    refusal = r"layer 0: after crop\(-1\) the next token sees tokens from 2 on, but .* holds tokens from 3 on"
+    refusal = rf"layer 0: after crop\(-{second}\) the next token sees tokens from {sees} on, but .* holds tokens from 3"
     with pytest.raises(RuntimeError, match=refusal):
-        ours.crop(-1)
+        ours.crop(-second)
     assert ours.get_seq_length() == WINDOW + 2 and all(torch.equal(a, b) for a, b in zip(ours.dequantized(), held))
     whole.crop(-2)
     assert whole.get_seq_length() == WINDOW + 1
