@@ -36,6 +36,11 @@ def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: st
     return model.eval()
 
 
+def left_padded_mask(first: list[int], columns: int) -> torch.Tensor:
+    """An attention mask of `columns` positions: row b's padding before position `first[b]`, then ones."""
+    return (torch.arange(columns)[None, :] >= torch.tensor(first)[:, None]).long()
+
+
 @functools.lru_cache(maxsize=None)
 def smollm2(dtype: torch.dtype = torch.float32):
     """SmolLM2-135M-Instruct (shared by the tests of one session; its attention may be switched to fp8kv,

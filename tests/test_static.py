@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.compat import cache_kwargs
-from tests.models import PURE_FP8, tiny_model
+from tests.models import PURE_FP8, left_padded_mask, tiny_model
 
 WINDOWS = {"pure": PURE_FP8, "recent 4": dict(recent_tokens=4, sink_tokens=0), "default": {}}
 IDS = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -221,14 +221,14 @@ def test_any_sequence_of_updates_reorders_crops_and_resets_gets_the_dynamic_cach
     first, end = [0] * rows, 0
     for cache in caches:
         cache.activate_past_recording()  # (what assisted decoding does before the steps it may crop)
-    for step in range(draw(st.integers(2, 8), label="steps")):
+    for _ in range(draw(st.integers(2, 8), label="steps")):
         op = "update" if not end else draw(st.sampled_from(["update", "update", "crop", "crop", "reorder", "reset"]))
         if op == "update" and end < length:
             ids = torch.randint(3, 120, (rows, draw(st.integers(1, min(12, length - end)), label="new")),
                                 generator=generator)  # fmt: skip
             if not end:
                 first = draw(st.lists(st.integers(0, ids.shape[1] - 1), min_size=rows, max_size=rows), label="padding")
-            mask = (torch.arange(end + ids.shape[1])[None, :] >= torch.tensor(first)[:, None]).long()
+            mask = left_padded_mask(first, end + ids.shape[1])
             with torch.no_grad():
                 dynamic, static = (model(input_ids=ids, attention_mask=mask, **cache_kwargs(c)).logits for c in caches)
             torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from hf_fp8kv import QuantizedFP8Cache
 from hf_fp8kv.compat import cache_kwargs
 from hf_fp8kv.layer import PER_TOKEN_SCALE_DTYPE
-from tests.models import tiny_model
+from tests.models import left_padded_mask, tiny_model
 
 MODELS = {dtype: tiny_model().to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 MAX_CACHE_LEN = 40
@@ -61,11 +61,6 @@ class Tokens:
                     held[:, row, :, t] = reference.dequantize(codes, scale, fmt).to(x.dtype)
         return held
 
-    def mask(self, new: int) -> torch.Tensor:
-        """The attention mask of an update of `new` tokens: each row's padding, then ones."""
-        columns = torch.arange(self.end + new)
-        return (columns[None, :] >= torch.tensor(self.first)[:, None]).long()
-
 
 def batch_op(draw, batch: int, static: bool) -> tuple[str, list[int]]:
     """A beam search's reorder (rows picked with repeats, the same count) or, on the dynamic cache, a selection
@@ -109,7 +104,7 @@ def check_stored_tokens(draw, backend: str) -> None:
             if not tokens.end:  # a first update: each row left-padded, with a real token at least
                 tokens.first = draw(st.lists(st.integers(0, ids.shape[1] - 1), min_size=rows, max_size=rows),
                                     label="padding")  # fmt: skip
-            mask = tokens.mask(ids.shape[1])
+            mask = left_padded_mask(tokens.first, tokens.end + ids.shape[1])
             with torch.no_grad():
                 for each in (cache, native):
                     model(input_ids=ids, attention_mask=mask, **cache_kwargs(each))
@@ -122,8 +117,10 @@ def check_stored_tokens(draw, backend: str) -> None:
         elif op == "batch":
             kind, picked = batch_op(draw, rows, static)
             for each in (cache, native):
-                each.reorder_cache(torch.tensor(picked)) if kind == "reorder" else each.batch_select_indices(
-                    torch.tensor(picked))  # fmt: skip
+                if kind == "reorder":
+                    each.reorder_cache(torch.tensor(picked))
+                else:
+                    each.batch_select_indices(torch.tensor(picked))
             rows, tokens.first = len(picked), [tokens.first[row] for row in picked]
         else:
             cache.reset()
